@@ -1,0 +1,1 @@
+"""The MLX worker process: HTTP surface, engine thread, prompt-cache store."""

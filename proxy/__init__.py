@@ -1,0 +1,1 @@
+"""The front proxy: OpenAI surface and cache-aware routing."""
