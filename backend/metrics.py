@@ -1,0 +1,90 @@
+"""Prometheus metrics of one backend process.
+
+Every series carries `model` and `backend` labels so that a fleet scraped into
+one Prometheus can be sliced per model and per process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+EXIT_PATHS = ("eos", "length", "stop", "tool_calls", "disconnect", "error")
+COMMIT_PATHS = ("prefill", "disconnect_prefill", "finish")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class BackendMetrics:
+    def __init__(self, model: str, backend_id: str):
+        self.registry = CollectorRegistry()
+        labels = ["model", "backend"]
+        r = self.registry
+        self._labels = {"model": model, "backend": backend_id}
+        self.requests = Counter(
+            "kvroute_backend_requests", "Requests by endpoint and HTTP status",
+            labels + ["endpoint", "status"], registry=r,
+        )
+        self.finished = Counter(
+            "kvroute_backend_finished", "Finished generations by exit path",
+            labels + ["exit"], registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvroute_backend_prompt_tokens", "Prompt tokens of admitted requests", labels, registry=r
+        )
+        self.cached_tokens = Counter(
+            "kvroute_backend_cached_tokens", "Prompt tokens served from the prompt cache",
+            labels, registry=r,
+        )
+        self.completion_tokens = Counter(
+            "kvroute_backend_completion_tokens", "Generated tokens", labels, registry=r
+        )
+        self.prefill_seconds_saved = Counter(
+            "kvroute_backend_prefill_seconds_saved",
+            "Cached tokens divided by the measured prefill rate", labels, registry=r,
+        )
+        self.commits = Counter(
+            "kvroute_backend_commits", "Prompt-cache commits by exit path",
+            labels + ["path"], registry=r,
+        )
+        self.evictions = Counter(
+            "kvroute_backend_evictions", "Prompt-cache entries evicted for the byte budget",
+            labels, registry=r,
+        )
+        self.cache_bytes = Gauge(
+            "kvroute_backend_cache_bytes", "Bytes held by the prompt-cache store", labels, registry=r
+        )
+        self.cache_budget = Gauge(
+            "kvroute_backend_cache_budget_bytes", "Byte budget of the prompt-cache store",
+            labels, registry=r,
+        )
+        self.cache_entries = Gauge(
+            "kvroute_backend_cache_entries", "Entries in the prompt-cache store", labels, registry=r
+        )
+        self.queue_depth = Gauge(
+            "kvroute_backend_queue_depth", "Requests admitted but not finished", labels, registry=r
+        )
+        self.batch_size = Gauge(
+            "kvroute_backend_batch_size", "Sequences decoding in the current batch", labels, registry=r
+        )
+        self.prefill_tps = Gauge(
+            "kvroute_backend_prefill_tokens_per_second", "Measured prefill rate (moving average)",
+            labels, registry=r,
+        )
+        self.ttft = Histogram(
+            "kvroute_backend_ttft_seconds", "Time to first token",
+            labels + ["cached"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.latency = Histogram(
+            "kvroute_backend_request_seconds", "Total generation latency",
+            labels + ["cached"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        for path in EXIT_PATHS:
+            self.finished.labels(**self._labels, exit=path)
+        for path in COMMIT_PATHS:
+            self.commits.labels(**self._labels, path=path)
+
+    def l(self, metric, **extra):  # noqa: E743 - short on purpose: used on every update
+        return metric.labels(**self._labels, **extra)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,359 @@
+"""The backend's HTTP surface (aiohttp): OpenAI endpoints, health, metrics.
+
+Handlers parse and validate, tokenize off the event loop, hand a `Job` to the
+engine and relay its events. They never touch model state or caches; on a client
+disconnect aiohttp cancels the handler and the `finally` sets the job's cancel
+flag, which the engine honours within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from kvroute.errors import APIError, bad_request, error_middleware, not_found
+from kvroute.wire import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
+
+from .engine import Delta, Engine, Finish, Job
+from .metrics import BackendMetrics
+from .responses import ChatBuilder, CompletionBuilder
+from .store import Store
+
+log = logging.getLogger("kvroute.backend")
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+STATE_KEY = web.AppKey("state", object)
+
+
+@dataclass
+class BackendConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8100
+    backend_id: str = ""
+    model_id: str = ""  # the name clients use; defaults to the model path's last part
+    cache_bytes: int = 2 << 30
+    prefill_step: int = 512
+    max_batch: int = 32
+    max_queue: int = 64
+    max_body_bytes: int = 8 << 20
+    max_prompt_tokens: int = 0  # 0: the model's context length
+    default_max_tokens: int = 4096
+    enable_faults: bool = False
+
+
+@dataclass
+class State:
+    config: BackendConfig
+    engine: Engine
+    tokenizer: Any
+    metrics: BackendMetrics
+    store: Store
+    context_length: int
+    started: float
+
+
+def _state(request: web.Request) -> State:
+    return request.app[STATE_KEY]
+
+
+async def _read_body(request: web.Request) -> dict:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise APIError(413, f"Request body too large: {exc.reason}.", code="request_too_large")
+    return parse_json(raw)
+
+
+def _check_model(state: State, model: str) -> None:
+    if model != state.config.model_id:
+        raise not_found(
+            f"The model '{model}' does not exist on this backend; it serves "
+            f"'{state.config.model_id}'.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _render_chat(state: State, req: ChatRequest) -> list[int]:
+    try:
+        return list(
+            state.tokenizer.apply_chat_template(
+                req.messages, tools=req.tools, add_generation_prompt=True, tokenize=True
+            )
+        )
+    except Exception as exc:  # template errors are the request's fault (bad role order, ...)
+        raise bad_request(f"The messages could not be rendered by the chat template: {exc}.",
+                          param="messages")
+
+
+def _encode(state: State, prompt: str) -> list[int]:
+    return list(state.tokenizer.encode(prompt))
+
+
+def _budget(state: State, prompt: list[int], requested: int | None) -> int:
+    limit = state.config.max_prompt_tokens or state.context_length
+    limit = min(limit, state.context_length)
+    if len(prompt) > limit:
+        raise bad_request(
+            f"This model's maximum prompt length is {limit} tokens; your prompt has "
+            f"{len(prompt)} tokens.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    room = state.context_length - len(prompt)
+    if requested is not None and requested > room:
+        raise bad_request(
+            f"This model's maximum context length is {state.context_length} tokens; you "
+            f"requested {len(prompt) + requested} ({len(prompt)} in the prompt, {requested} "
+            "for the completion).",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    if room < 1:
+        raise bad_request("The prompt leaves no room for a completion.", param="messages",
+                          code="context_length_exceeded")
+    return requested if requested is not None else min(room, state.config.default_max_tokens)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = _state(request)
+    req = parse_chat(await _read_body(request))
+    _check_model(state, req.model)
+    prompt = await asyncio.to_thread(_render_chat, state, req)
+    builder = ChatBuilder(state.config.model_id, logprobs=req.params.logprobs)
+    return await _generate(request, state, req, prompt, builder, req.tools)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = _state(request)
+    req = parse_completion(await _read_body(request))
+    _check_model(state, req.model)
+    prompt = await asyncio.to_thread(_encode, state, req.prompt)
+    builder = CompletionBuilder(state.config.model_id, logprobs=req.params.logprobs)
+    return await _generate(request, state, req, prompt, builder, None)
+
+
+async def _generate(
+    request: web.Request,
+    state: State,
+    req: ChatRequest | CompletionRequest,
+    prompt: list[int],
+    builder: ChatBuilder | CompletionBuilder,
+    tools: list[dict] | None,
+) -> web.StreamResponse:
+    max_tokens = _budget(state, prompt, req.params.max_tokens)
+    job = Job(
+        prompt=prompt,
+        params=req.params,
+        max_tokens=max_tokens,
+        tools=tools,
+        loop=asyncio.get_running_loop(),
+        events=asyncio.Queue(),
+        fault=req.fault if state.config.enable_faults else None,
+    )
+    state.engine.submit(job)
+    try:
+        if req.stream:
+            return await _stream(request, job, builder, req.include_usage)
+        return await _whole(job, builder)
+    finally:
+        # Runs on normal completion, on errors, and when aiohttp cancels the
+        # handler because the client went away: the engine then frees the slot.
+        job.cancel()
+
+
+async def _whole(job: Job, builder: ChatBuilder | CompletionBuilder) -> web.Response:
+    while True:
+        event = await job.events.get()
+        if isinstance(event, Delta):
+            builder.add(event)
+        elif isinstance(event, Finish):
+            return web.Response(body=orjson.dumps(builder.whole(event)), content_type="application/json")
+        else:
+            raise event
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _stream(
+    request: web.Request, job: Job, builder: ChatBuilder | CompletionBuilder, include_usage: bool
+) -> web.StreamResponse:
+    # Wait for the first event before committing to a 200, so that an engine
+    # failure before any output is still reported with a proper status code.
+    first = await job.events.get()
+    if isinstance(first, APIError):
+        raise first
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    preamble = builder.first_chunk(include_usage)
+    if preamble is not None:
+        await resp.write(_sse(preamble))
+    event = first
+    while True:
+        if isinstance(event, Delta):
+            await resp.write(_sse(builder.delta_chunk(event, include_usage)))
+        elif isinstance(event, Finish):
+            await resp.write(_sse(builder.finish_chunk(event, include_usage)))
+            if include_usage:
+                await resp.write(_sse(builder.usage_chunk(event)))
+            break
+        else:
+            await resp.write(_sse(event.body()))
+            break
+        event = await job.events.get()
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def models(request: web.Request) -> web.Response:
+    state = _state(request)
+    body = {
+        "object": "list",
+        "data": [
+            {
+                "id": state.config.model_id,
+                "object": "model",
+                "created": int(state.started),
+                "owned_by": "kvroute",
+                "context_length": state.context_length,
+            }
+        ],
+    }
+    return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
+
+
+async def health(request: web.Request) -> web.Response:
+    state = _state(request)
+    body = {
+        "status": "ok",
+        "backend_id": state.config.backend_id,
+        "model": state.config.model_id,
+        "uptime_s": round(time.time() - state.started, 1),
+        "cache": state.store.stats(),
+        "engine": state.engine.snapshot(),
+    }
+    return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = _state(request)
+    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+async def cache_entries(request: web.Request) -> web.Response:
+    """Entries of the prompt-cache store, with a digest of each entry's KV bytes.
+    Shows hashes and counts only, never tokens or text."""
+    state = _state(request)
+    entries = await state.engine.call(lambda: _describe_entries(state.store))
+    return web.json_response({"entries": entries}, dumps=lambda o: orjson.dumps(o).decode())
+
+
+def _describe_entries(store: Store) -> list[dict]:
+    import mlx.core as mx
+    import numpy as np
+    import xxhash
+
+    out = []
+    with store.lock:
+        for e in store.entries.values():
+            digest = xxhash.xxh3_64()
+            kv_tokens = []
+            for c in e.cache:
+                for arr in c.state[:2]:
+                    if isinstance(arr, mx.array):
+                        # bfloat16 has no numpy dtype: hash the raw bytes through a view.
+                        digest.update(np.array(arr.view(mx.uint16) if arr.dtype == mx.bfloat16 else arr).tobytes())
+                kv_tokens.append(c.keys.shape[2] if getattr(c, "keys", None) is not None else c.size())
+            out.append(
+                {
+                    "id": e.id,
+                    "tokens": int(len(e.tokens)),
+                    "kv_tokens": min(kv_tokens) if kv_tokens else 0,
+                    "kv_tokens_max": max(kv_tokens) if kv_tokens else 0,
+                    "offset": e.cache[0].size() if e.cache else 0,
+                    "nbytes": e.nbytes,
+                    "exit_path": e.exit_path,
+                    "hits": e.hits,
+                    "kv_digest": digest.hexdigest(),
+                }
+            )
+    return out
+
+
+def create_app(state: State) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=state.config.max_body_bytes)
+    app[STATE_KEY] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/debug/cache", cache_entries)
+    return app
+
+
+def load_state(config: BackendConfig) -> State:
+    from mlx_lm import load
+
+    t0 = time.perf_counter()
+    model, tokenizer, model_config = load(config.model, return_config=True)
+    config.model_id = config.model_id or Path(config.model.rstrip("/")).name
+    config.backend_id = config.backend_id or f"backend-{config.port}"
+    context = int(model_config.get("max_position_embeddings") or 0) or 32768
+    metrics_ = BackendMetrics(config.model_id, config.backend_id)
+    store = Store(config.cache_bytes)
+    metrics_.l(metrics_.cache_budget).set(config.cache_bytes)
+
+    def count_evictions(event) -> None:
+        if event.kind == "evict" and event.reason == "evicted":
+            metrics_.l(metrics_.evictions).inc()
+
+    store.listeners.append(count_evictions)
+    engine = Engine(
+        model,
+        tokenizer,
+        config.model_id,
+        store,
+        metrics_,
+        prefill_step=config.prefill_step,
+        max_batch=config.max_batch,
+        max_queue=config.max_queue,
+    )
+    log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
+    return State(config, engine, tokenizer, metrics_, store, context, time.time())
+
+
+async def serve(config: BackendConfig) -> None:
+    state = await asyncio.to_thread(load_state, config)
+    state.engine.start()
+    app = create_app(state)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    log.info("backend %s serving %s on http://%s:%d", config.backend_id, config.model_id,
+             config.host, config.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await runner.cleanup()
+    await asyncio.to_thread(state.engine.stop)

@@ -1,0 +1,139 @@
+"""The `kvroute` command line.
+
+Each option can also come from a `KVROUTE_<OPTION>` environment variable (e.g.
+`KVROUTE_CACHE_BYTES`); a flag given on the command line beats the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from .sizes import parse_bytes
+
+
+def _env(name: str, default):
+    return os.environ.get(f"KVROUTE_{name.upper().replace('-', '_')}", default)
+
+
+def setup_logging(level: str = "info", json_logs: bool = False) -> None:
+    if json_logs:
+        from .logs import JSONFormatter
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(JSONFormatter())
+        logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    else:
+        logging.basicConfig(
+            level=level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            force=True,
+        )
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default=_env("log_level", "info"),
+                   choices=["debug", "info", "warning", "error"], help="logging level (default info)")
+    p.add_argument("--json-logs", action="store_true", default=_env("json_logs", "") not in ("", "0"),
+                   help="log one JSON object per line")
+
+
+def _backend_parser(sub) -> None:
+    p = sub.add_parser("backend", help="serve one MLX model (the worker process)",
+                       description="Serve one MLX model over an OpenAI-compatible HTTP API, "
+                       "committing each prompt's KV cache when its prefill ends.")
+    p.add_argument("--model", default=_env("model", None),
+                   help="local path or Hugging Face repo id; default: the built-in demo model")
+    p.add_argument("--model-id", default=_env("model_id", ""),
+                   help="the name clients send as 'model' (default: last part of --model, "
+                   "or 'kvroute-demo')")
+    p.add_argument("--host", default=_env("host", "127.0.0.1"), help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=int(_env("port", 8100)), help="port (default 8100)")
+    p.add_argument("--id", dest="backend_id", default=_env("id", ""),
+                   help="stable backend id (default backend-<port>)")
+    p.add_argument("--cache-bytes", type=parse_bytes, default=parse_bytes(_env("cache_bytes", "2GiB")),
+                   help="byte budget of the prompt-cache store, e.g. 512MiB, 8GiB (default 2GiB)")
+    p.add_argument("--prefill-step", type=int, default=int(_env("prefill_step", 512)),
+                   help="tokens per prefill chunk; decoding of other requests interleaves "
+                   "between chunks (default 512)")
+    p.add_argument("--max-batch", type=int, default=int(_env("max_batch", 32)),
+                   help="sequences decoded together (default 32)")
+    p.add_argument("--max-queue", type=int, default=int(_env("max_queue", 64)),
+                   help="requests admitted at once; more get 429 (default 64)")
+    p.add_argument("--max-body-bytes", type=parse_bytes,
+                   default=parse_bytes(_env("max_body_bytes", "8MiB")),
+                   help="largest accepted request body (default 8MiB)")
+    p.add_argument("--max-prompt-tokens", type=int, default=int(_env("max_prompt_tokens", 0)),
+                   help="longest accepted prompt (default: the model's context length)")
+    p.add_argument("--default-max-tokens", type=int, default=int(_env("default_max_tokens", 4096)),
+                   help="completion cap when a request sets none (default 4096)")
+    p.add_argument("--demo-variant", default=_env("demo_variant", "text"), choices=["text", "tool"],
+                   help="which demo model to build when --model is not given (default text)")
+    p.add_argument("--enable-faults", action="store_true",
+                   default=_env("enable_faults", "") not in ("", "0"),
+                   help="testing only: honour the 'kvroute_fault' request field")
+    _add_common(p)
+
+
+def _demo_parser(sub) -> None:
+    p = sub.add_parser("demo-model", help="build the tiny demo/test model into DIR",
+                       description="Build, offline and in seconds, a tiny mlx-lm model with a "
+                       "locally trained BPE tokenizer and a tool-calling chat template.")
+    p.add_argument("dir", help="output directory")
+    p.add_argument("--variant", default="text", choices=["text", "tool"],
+                   help="'text' replies with a fixed sentence, 'tool' with a tool call")
+
+
+def run_backend(args: argparse.Namespace) -> int:
+    from backend.server import BackendConfig, serve
+
+    from . import demo_model
+
+    model = args.model
+    model_id = args.model_id
+    if not model:
+        model = str(demo_model.ensure(args.demo_variant))
+        model_id = model_id or ("kvroute-demo" if args.demo_variant == "text" else "kvroute-demo-tool")
+    config = BackendConfig(
+        model=model,
+        host=args.host,
+        port=args.port,
+        backend_id=args.backend_id,
+        model_id=model_id,
+        cache_bytes=args.cache_bytes,
+        prefill_step=args.prefill_step,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        default_max_tokens=args.default_max_tokens,
+        enable_faults=args.enable_faults,
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+def run_demo_model(args: argparse.Namespace) -> int:
+    from . import demo_model
+
+    path = demo_model.build(args.dir, variant=args.variant)
+    print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvroute", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _backend_parser(sub)
+    _demo_parser(sub)
+    args = parser.parse_args(argv)
+    setup_logging(getattr(args, "log_level", "info"), getattr(args, "json_logs", False))
+    handlers = {"backend": run_backend, "demo-model": run_demo_model}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

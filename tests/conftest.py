@@ -1,0 +1,61 @@
+"""Shared fixtures: the demo models and real backend processes over real HTTP."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from harness import BackendProcess  # noqa: E402
+
+from kvroute import demo_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    # Tests build their own copy so they never depend on (or pollute) ~/.cache.
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def text_model(model_cache) -> Path:
+    return demo_model.ensure("text", cache_dir=model_cache)
+
+
+@pytest.fixture(scope="session")
+def tool_model(model_cache) -> Path:
+    return demo_model.ensure("tool", cache_dir=model_cache)
+
+
+@pytest.fixture(scope="session")
+def backend(text_model, tmp_path_factory):
+    """A text-variant backend with small prefill chunks and fault injection on."""
+    proc = BackendProcess(
+        text_model,
+        model_id="demo",
+        log_dir=tmp_path_factory.mktemp("backend-logs"),
+        extra=["--prefill-step", "32", "--enable-faults", "--max-prompt-tokens", "6000",
+               "--max-body-bytes", "1MiB"],
+    )
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def tool_backend(tool_model, tmp_path_factory):
+    proc = BackendProcess(
+        tool_model, model_id="demo-tool", log_dir=tmp_path_factory.mktemp("tool-backend-logs")
+    )
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def pytest_configure(config):
+    # Backend children inherit this: keep MLX to the cores the suite can spare.
+    os.environ.setdefault("KVROUTE_LOG_LEVEL", "info")

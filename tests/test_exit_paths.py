@@ -1,0 +1,233 @@
+"""The exit-path matrix: every way a request can end leaves its prompt cached.
+
+Real backend processes, the real demo model, real HTTP. For each exit path a
+first request runs to that exit; a second request sharing its prompt must report
+`cached_tokens` of at least the first prompt's length minus one, and every store
+entry must hold exactly as many tokens as its KV.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from harness import SSEStream, post_json, wait_until
+
+from kvroute.demo_model import DEMO_REPLY
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def conversation() -> list[dict]:
+    # A nonce keeps each case's prompt apart from every other case's entries.
+    return [
+        {"role": "system", "content": f"{uuid.uuid4().hex[:8]}: you are terse."},
+        {"role": "user", "content": "Say hello to the team."},
+    ]
+
+
+def chat(backend, messages, **kw) -> dict:
+    status, body = post_json(backend.url + "/v1/chat/completions",
+                             {"model": backend.model_id, "messages": messages, **kw})
+    assert status == 200, body
+    return body
+
+
+def follow_up(backend, messages, **kw) -> dict:
+    more = messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Again?"}]
+    return chat(backend, more, max_tokens=2, **kw)
+
+
+def assert_entries_consistent(backend) -> None:
+    for entry in backend.cache():
+        assert entry["tokens"] == entry["kv_tokens"] == entry["kv_tokens_max"] == entry["offset"], entry
+
+
+def idle(backend) -> bool:
+    engine = backend.health()["engine"]
+    return engine["decoding"] == 0 and engine["prefilling"] == 0 and engine["queued"] == 0
+
+
+def cached_after(backend, first_prompt_tokens: int, second: dict) -> None:
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first_prompt_tokens - 1, (cached, first_prompt_tokens)
+    assert_entries_consistent(backend)
+
+
+def test_eos(backend):
+    messages = conversation()
+    first = chat(backend, messages)
+    assert first["choices"][0]["message"]["content"] == DEMO_REPLY
+    assert first["choices"][0]["finish_reason"] == "stop"
+    # Only the chat template's opening tokens can be shared with earlier requests.
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < 8
+    cached_after(backend, first["usage"]["prompt_tokens"], follow_up(backend, messages))
+
+
+def test_max_tokens(backend):
+    messages = conversation()
+    first = chat(backend, messages, max_tokens=3)
+    assert first["choices"][0]["finish_reason"] == "length"
+    assert first["usage"]["completion_tokens"] == 3
+    assert DEMO_REPLY.startswith(first["choices"][0]["message"]["content"])
+    cached_after(backend, first["usage"]["prompt_tokens"], follow_up(backend, messages))
+
+
+def test_stop_string_across_tokens_never_leaks(backend):
+    messages = conversation()
+    stop = "demo mo"  # spans the tokens of "demo" and "model"
+    assert stop in DEMO_REPLY
+    first = chat(backend, messages, stop=["zzz", stop])
+    content = first["choices"][0]["message"]["content"]
+    assert content == DEMO_REPLY[: DEMO_REPLY.index(stop)]
+    assert first["choices"][0]["finish_reason"] == "stop"
+    cached_after(backend, first["usage"]["prompt_tokens"], follow_up(backend, messages))
+
+
+def test_stop_string_streaming(backend):
+    stop = "demo mo"
+    stream = SSEStream(backend.url + "/v1/chat/completions",
+                       {"model": backend.model_id, "messages": conversation(), "stop": stop})
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in stream.events()
+                   if isinstance(e, dict) and e["choices"])
+    assert text == DEMO_REPLY[: DEMO_REPLY.index(stop)]
+
+
+def test_tool_call_only(tool_backend):
+    messages = conversation()
+    first = chat(tool_backend, messages, tools=TOOLS)
+    choice = first["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    # The agent loop's next turn: the tool call and its result are sent back.
+    turn2 = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 21 C"},
+    ]
+    second = chat(tool_backend, turn2, tools=TOOLS, max_tokens=2)
+    cached_after(tool_backend, first["usage"]["prompt_tokens"], second)
+
+
+COUNT_PROMPT = "Count with me: 1 2 3 4 5 6 7"
+
+
+def test_disconnect_mid_decode_frees_slot_and_keeps_prompt(backend):
+    prompt = f"{uuid.uuid4().hex} {COUNT_PROMPT}"
+    before = {e["id"] for e in backend.cache()}
+    stream = SSEStream(backend.url + "/v1/completions",
+                       {"model": backend.model_id, "prompt": prompt, "max_tokens": 5000})
+    events = stream.events()
+    text = "".join(next(events)["choices"][0]["text"] for _ in range(5))
+    assert text.isdigit(), text
+    stream.close()
+    wait_until(lambda: idle(backend), timeout=10, what="the disconnected sequence to leave the batch")
+    (entry,) = [e for e in backend.cache() if e["id"] not in before]
+    assert entry["exit_path"] == "prefill"
+    status, second = post_json(backend.url + "/v1/completions",
+                               {"model": backend.model_id, "prompt": prompt + " 8", "max_tokens": 2})
+    assert status == 200
+    cached_after(backend, entry["tokens"], second)
+
+
+def test_disconnect_mid_prefill_keeps_processed_chunks(backend):
+    # ~1500 tokens in 32-token chunks, each stretched by the test-only fault.
+    prompt = f"{uuid.uuid4().hex} " + " ".join(f"word{i % 50}" for i in range(600)) + " 7"
+    stream = SSEStream(backend.url + "/v1/completions",
+                       {"model": backend.model_id, "prompt": prompt, "max_tokens": 5,
+                        "kvroute_fault": "slow_prefill:0.05"})
+
+    def mid_prefill():
+        jobs = backend.health()["engine"]["jobs"]
+        return [j for j in jobs if j["phase"] == "prefill" and j["processed"] >= 128]
+
+    (job,) = wait_until(mid_prefill, timeout=30, what="prefill to be under way")
+    stream.close()
+    wait_until(lambda: idle(backend), timeout=10, what="the prefill to be abandoned")
+    partial = [e for e in backend.cache() if e["exit_path"] == "disconnect_prefill"]
+    assert partial, backend.cache()
+    kept = max(e["tokens"] for e in partial)
+    assert job["processed"] <= kept < job["prompt"]
+    status, second = post_json(backend.url + "/v1/completions",
+                               {"model": backend.model_id, "prompt": prompt, "max_tokens": 1})
+    assert status == 200
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= kept
+    assert_entries_consistent(backend)
+
+
+def test_error_inside_decode(backend):
+    messages = conversation()
+    status, body = post_json(backend.url + "/v1/chat/completions",
+                             {"model": backend.model_id, "messages": messages,
+                              "kvroute_fault": "decode_error:2"})
+    assert status == 500
+    assert body["error"]["type"] == "server_error"
+    assert "injected decode fault" in body["error"]["message"]
+    # The process survived, and the prompt it was decoding for is cached.
+    second = follow_up(backend, messages)
+    first_prompt = chat(backend, messages, max_tokens=1)["usage"]["prompt_tokens"]
+    cached_after(backend, first_prompt, second)
+
+
+def test_error_inside_decode_streaming_ends_with_error_event(backend):
+    stream = SSEStream(backend.url + "/v1/chat/completions",
+                       {"model": backend.model_id, "messages": conversation(),
+                        "kvroute_fault": "decode_error:4"})
+    assert stream.status == 200
+    events = list(stream.events())
+    assert events[-1] == "[DONE]"
+    assert "error" in events[-2] and events[-2]["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("steps", [50])
+def test_commit_cannot_be_raced(backend, steps):
+    """The committed KV arrays are bitwise unchanged after more decode steps."""
+    prompt = f"{uuid.uuid4().hex} {COUNT_PROMPT}"
+    before = {e["id"] for e in backend.cache()}
+    stream = SSEStream(backend.url + "/v1/completions",
+                       {"model": backend.model_id, "prompt": prompt, "max_tokens": 5000,
+                        "stream_options": {"include_usage": True}})
+    events = stream.events()
+    next(events)
+    (entry,) = [e for e in backend.cache() if e["id"] not in before]
+    assert entry["exit_path"] == "prefill"
+    for _ in range(steps + 1):
+        next(events)
+    (after,) = [e for e in backend.cache() if e["id"] == entry["id"]]
+    stream.close()
+    assert after["kv_digest"] == entry["kv_digest"]
+    assert after["tokens"] == entry["tokens"] == entry["kv_tokens"]
+
+
+def test_four_streams_decode_in_one_batch_and_a_disconnect_leaves_it(backend):
+    streams = [
+        SSEStream(backend.url + "/v1/completions",
+                  {"model": backend.model_id, "prompt": f"{uuid.uuid4().hex} {COUNT_PROMPT}",
+                   "max_tokens": 7000})
+        for _ in range(4)
+    ]
+    iters = [s.events() for s in streams]
+    for it in iters:
+        next(it)
+    wait_until(lambda: backend.health()["engine"]["decoding"] == 4, timeout=10,
+               what="4 sequences decoding together")
+    streams[0].close()
+    wait_until(lambda: backend.health()["engine"]["decoding"] == 3, timeout=10,
+               what="the disconnected stream to leave the batch")
+    # The others keep streaming.
+    for it in iters[1:]:
+        assert next(it)["choices"][0]["text"] is not None
+    for s in streams[1:]:
+        s.close()
+    wait_until(lambda: idle(backend), timeout=10, what="every batch slot to be free")
