@@ -1,0 +1,278 @@
+"""Prefix chains: equal prefixes share keys, any change changes every later key."""
+
+import time
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.prefix import (
+    DEFAULT_BLOCK_BYTES,
+    chat_chain,
+    chat_chain_with_sizes,
+    chat_segments,
+    common_prefix,
+    completion_chain,
+    completion_chain_with_sizes,
+    make_salt,
+)
+
+SALT = make_salt("test-secret")
+MODEL = "mlx-community/Qwen2.5-7B-Instruct-4bit"
+
+
+def chain(body, **kw):
+    kw.setdefault("model", MODEL)
+    kw.setdefault("salt", SALT)
+    return chat_chain(body, **kw)
+
+
+def conv(*contents, system="You are a helpful assistant."):
+    msgs = [{"role": "system", "content": system}]
+    for i, c in enumerate(contents):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": c})
+    return {"messages": msgs}
+
+
+def test_equal_bodies_equal_chains():
+    a = chain(conv("hello " * 100, "hi there"))
+    b = chain(conv("hello " * 100, "hi there"))
+    assert a == b and len(a) > 3
+    assert all(isinstance(k, int) and 0 <= k < 2**64 for k in a)
+
+
+def test_ignores_fields_outside_the_prefix():
+    base = conv("question")
+    other = {**base, "temperature": 0.3, "stream": True, "max_tokens": 5}
+    assert chain(base) == chain(other)
+
+
+def test_diverges_exactly_at_first_differing_block():
+    long_text = "".join(f"line {i:05d} of a long document\n" for i in range(200))
+    a = conv(long_text)
+    changed = long_text[:3000] + "X" + long_text[3001:]
+    b = conv(changed)
+    ca, cb = chain(a), chain(b)
+    # Find the block that holds byte 3000 of the user message: walk the sizes.
+    sizes = chat_chain_with_sizes(a, model=MODEL, salt=SALT)
+    segs = chat_segments(a, model=MODEL, salt=SALT)
+    user_seg_start = sum(len(s) for s in segs[:-1])
+    # The content field starts after tag, role field, name field and its own length prefix.
+    content_off = user_seg_start + 1 + (4 + len("user")) + 4 + 4
+    changed_at = content_off + 3000
+    first_diff = next(i for i, (_, end) in enumerate(sizes) if end > changed_at)
+    assert common_prefix(ca, cb) == first_diff
+    assert len(ca) == len(cb)
+    # Every key from the differing block on is different.
+    assert all(x != y for x, y in zip(ca[first_diff:], cb[first_diff:]))
+
+
+def test_message_boundaries_are_block_boundaries():
+    turns = ["a" * 300, "b" * 10, "c" * 700, "d"]
+    prev = chain(conv())
+    for i in range(1, len(turns) + 1):
+        cur = chain(conv(*turns[:i]))
+        assert len(cur) > len(prev)
+        assert cur[: len(prev)] == prev, "old chain must be a strict prefix of the new one"
+        prev = cur
+
+
+def test_block_sizes_and_offsets():
+    body = conv("x" * 1000)
+    pairs = chat_chain_with_sizes(body, model=MODEL, salt=SALT, block_bytes=64)
+    segs = chat_segments(body, model=MODEL, salt=SALT)
+    total = sum(len(s) for s in segs)
+    ends = [e for _, e in pairs]
+    assert ends == sorted(ends) and ends[-1] == total
+    assert all(b - a <= 64 for a, b in zip([0] + ends, ends))
+    # Each segment ends on a block end.
+    seg_ends = [sum(len(s) for s in segs[: i + 1]) for i in range(len(segs))]
+    assert set(seg_ends) <= set(ends)
+    assert [k for k, _ in pairs] == chain(body, block_bytes=64)
+
+
+def test_moving_bytes_between_fields_or_messages_changes_keys():
+    a = {"messages": [{"role": "user", "content": "ab"}, {"role": "user", "content": "c"}]}
+    b = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "bc"}]}
+    c = {"messages": [{"role": "user", "content": "abc"}]}
+    d = {"messages": [{"role": "user", "name": "ab", "content": "c"}]}
+    chains = [chain(x) for x in (a, b, c, d)]
+    header = 1  # the header block is shared
+    for i in range(len(chains)):
+        for j in range(i + 1, len(chains)):
+            assert common_prefix(chains[i], chains[j]) == header
+
+
+def test_content_parts_concatenate_like_a_string():
+    s = {"messages": [{"role": "user", "content": "hello world"}]}
+    parts = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hello "},
+        {"type": "image_url", "image_url": {"url": "data:..."}},
+        {"type": "text", "text": "world"},
+    ]}]}
+    assert chain(s) == chain(parts)
+
+
+TOOLS_A = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                             "unit": {"enum": ["c", "f"]}}}}}]
+TOOLS_B = [{"function": {"parameters": {"properties": {"unit": {"enum": ["c", "f"]},
+                                                       "city": {"type": "string"}}, "type": "object"},
+                         "description": "Weather", "name": "get_weather"}, "type": "function"}]
+
+
+def _tool_call_body(arguments):
+    return {
+        "tools": TOOLS_A,
+        "messages": [
+            {"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+        ],
+    }
+
+
+def test_tool_key_order_does_not_matter():
+    assert chain({**conv("q"), "tools": TOOLS_A}) == chain({**conv("q"), "tools": TOOLS_B})
+    assert chain({**conv("q"), "tools": TOOLS_A}) != chain(conv("q"))
+
+
+def test_tool_call_argument_order_does_not_matter():
+    as_dict_1 = chain(_tool_call_body({"city": "Paris", "unit": "c"}))
+    as_dict_2 = chain(_tool_call_body({"unit": "c", "city": "Paris"}))
+    as_str_1 = chain(_tool_call_body('{"city": "Paris", "unit": "c"}'))
+    as_str_2 = chain(_tool_call_body('{"unit":"c","city":"Paris"}'))
+    assert as_dict_1 == as_dict_2 == as_str_1 == as_str_2
+    # Different arguments, or arguments that are not JSON, differ.
+    assert chain(_tool_call_body({"city": "Lyon", "unit": "c"})) != as_dict_1
+    not_json = chain(_tool_call_body("{city: Paris"))
+    assert not_json != as_dict_1
+    assert not_json == chain(_tool_call_body("{city: Paris"))
+
+
+def test_salts_and_scopes_never_collide():
+    body = conv("the same prompt " * 50, "the same answer")
+    salts = [make_salt("s1"), make_salt("s2"), make_salt("s1", "tenant-a"),
+             make_salt("s1", "tenant-b"), make_salt("s1", ""), make_salt(b"s1", "tenant-a")]
+    assert salts[2] == salts[5]  # str and bytes secrets are the same secret
+    distinct = salts[:5]
+    assert len(set(distinct)) == len(distinct)
+    chains = [set(chain(body, salt=s)) for s in distinct]
+    for i in range(len(chains)):
+        for j in range(i + 1, len(chains)):
+            assert not chains[i] & chains[j]
+    # Model ids are part of the header too.
+    assert not set(chain(body)) & set(chain(body, model="other-model"))
+
+
+def test_completion_chain():
+    prompt = "Once upon a time " * 100
+    a = completion_chain(prompt, model=MODEL, salt=SALT)
+    b = completion_chain(prompt + "there was", model=MODEL, salt=SALT)
+    assert a == completion_chain(prompt, model=MODEL, salt=SALT)
+    assert 1 <= common_prefix(a, b) < len(a)
+    # A completion and a chat request share only the header block (salt and model).
+    assert common_prefix(a, chain({"messages": [{"role": "user", "content": prompt}]})) == 1
+    pairs = completion_chain_with_sizes(prompt, model=MODEL, salt=SALT, block_bytes=100)
+    assert [k for k, _ in pairs] == completion_chain(prompt, model=MODEL, salt=SALT, block_bytes=100)
+
+
+def test_common_prefix():
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3
+    assert common_prefix([1, 2, 3], [1, 2]) == 2
+    assert common_prefix([1, 2, 3], [1, 9, 3]) == 1
+
+
+@pytest.mark.parametrize(
+    "body, msg",
+    [
+        ("not a dict", "request body"),
+        ({}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [42]}, r"messages\[0\]"),
+        ({"messages": [{"content": "no role"}]}, "role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "content"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "text"),
+        ({"messages": [{"role": "user", "content": [7]}]}, r"content\[0\]"),
+        ({"messages": [{"role": "user", "name": 1, "content": "x"}]}, "name"),
+        ({"messages": [{"role": "assistant", "tool_calls": {"a": 1}}]}, "tool_calls"),
+        ({"messages": [{"role": "assistant", "tool_calls": ["x"]}]}, "tool_calls"),
+        ({"messages": [{"role": "tool", "tool_call_id": 3, "content": "x"}]}, "tool_call_id"),
+        ({"messages": [], "tools": {"a": 1}}, "tools"),
+        ({"messages": [], "tools": [{"x": {1, 2}}]}, "tools"),
+    ],
+)
+def test_bad_input_raises_value_error(body, msg):
+    with pytest.raises(ValueError, match=msg):
+        chain(body)
+
+
+def test_bad_arguments_raise_value_error():
+    with pytest.raises(ValueError, match="model"):
+        chat_chain(conv("x"), model="", salt=SALT)
+    with pytest.raises(ValueError, match="salt"):
+        chat_chain(conv("x"), model=MODEL, salt="not bytes")
+    with pytest.raises(ValueError, match="block_bytes"):
+        chat_chain(conv("x"), model=MODEL, salt=SALT, block_bytes=0)
+    with pytest.raises(ValueError, match="prompt"):
+        completion_chain(None, model=MODEL, salt=SALT)
+    with pytest.raises(ValueError, match="scope"):
+        make_salt("s", scope=3)
+
+
+def test_lone_surrogates_do_not_crash():
+    assert chain({"messages": [{"role": "user", "content": "a\ud800b"}]})
+
+
+def test_128kb_request_chain_is_fast():
+    body = {"messages": [{"role": "system", "content": "You are terse."}]
+            + [{"role": "user" if i % 2 == 0 else "assistant",
+                "content": f"turn {i}: " + "lorem ipsum dolor sit amet " * 150} for i in range(32)]}
+    size = len(orjson.dumps(body))
+    assert 120_000 < size < 140_000
+    chain(body)  # warm up
+    n = 50
+    t0 = time.perf_counter()
+    for _ in range(n):
+        keys = chain(body)
+    ms = (time.perf_counter() - t0) / n * 1e3
+    print(f"\n128 KB chat request ({size} bytes, {len(keys)} keys of {DEFAULT_BLOCK_BYTES} B): {ms:.3f} ms/chain")
+    assert ms < 20
+
+
+# -- properties ---------------------------------------------------------------
+
+_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=600)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": _text},
+    optional={"name": st.text(max_size=10)},
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_message, max_size=8), st.integers(min_value=0, max_value=8),
+       st.sampled_from([16, 64, 256]))
+def test_prefix_of_messages_is_prefix_of_chain(messages, k, block):
+    full = chain({"messages": messages}, block_bytes=block)
+    head = chain({"messages": messages[:k]}, block_bytes=block)
+    assert full[: len(head)] == head
+    assert common_prefix(full, head) == len(head)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_message, min_size=1, max_size=6), st.data())
+def test_any_change_changes_the_chain_from_there(messages, data):
+    i = data.draw(st.integers(min_value=0, max_value=len(messages) - 1))
+    changed = [dict(m) for m in messages]
+    changed[i]["content"] = changed[i]["content"] + data.draw(st.text(min_size=1, max_size=5))
+    a = chain({"messages": messages}, block_bytes=32)
+    b = chain({"messages": changed}, block_bytes=32)
+    n = common_prefix(a, b)
+    # The shared head covers at most the messages before i (plus the header).
+    assert n <= len(chain({"messages": messages[: i + 1]}, block_bytes=32)) - 1
+    assert n >= len(chain({"messages": messages[:i]}, block_bytes=32))
+    assert not set(a[n:]) & set(b[n:])

@@ -1,0 +1,569 @@
+"""The Redis registry and publisher, against a real redis-server started per test."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from kvroute.prefix import chat_chain, make_salt
+from kvroute.redis_server import RedisServer, free_port
+from kvroute.registry import (
+    BackendRecord,
+    Publisher,
+    Registry,
+    RegistryUnavailable,
+    new_instance_id,
+)
+
+MODEL = "demo/model"
+SALT = make_salt("registry-test")
+
+
+@pytest.fixture
+def server():
+    with RedisServer() as s:
+        yield s
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def poll(fn, *, deadline: float = 5.0, interval: float = 0.02, what: str = "condition"):
+    """Await fn() until it returns something truthy, or fail after `deadline` seconds."""
+    end = time.monotonic() + deadline
+    while True:
+        value = await fn()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+def record(backend_id="b1", instance_id=None, models=(MODEL,)) -> BackendRecord:
+    return BackendRecord(
+        backend_id=backend_id,
+        instance_id=instance_id or new_instance_id(),
+        url=f"http://127.0.0.1:9/{backend_id}",
+        models=list(models),
+        cache_bytes=1 << 20,
+        cache_budget=1 << 30,
+        queue_depth=1,
+        prefill_tps=1234.5,
+        started_at=time.time(),
+    )
+
+
+def conv(n_turns: int, text: str = "some conversation text ") -> dict:
+    msgs = [{"role": "system", "content": "You are a test."}]
+    for i in range(n_turns):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"{i}: " + text * 20})
+    return {"messages": msgs}
+
+
+def chain_of(body) -> list[int]:
+    return chat_chain(body, model=MODEL, salt=SALT)
+
+
+class Store:
+    """A minimal cache store: whole chains, refcounting left out (no evictions here)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.chains: dict[str, list[list[int]]] = {}
+        self.publisher: Publisher | None = None
+
+    def insert(self, model: str, chain: list[int]) -> None:
+        with self.lock:
+            self.chains.setdefault(model, []).append(list(chain))
+        self.publisher.on_insert(model, chain)  # after the store changed: the contract
+
+    def snapshot(self) -> dict[str, list[list[int]]]:
+        with self.lock:
+            return {m: [list(c) for c in cs] for m, cs in self.chains.items()}
+
+
+# -- lookup ---------------------------------------------------------------------
+
+
+def test_advertise_then_lookup_reports_shared_prefix_depth(server):
+    async def main():
+        reg = Registry(server.url)
+        r1, r2 = record("b1"), record("b2")
+        await reg.heartbeat(r1)
+        await reg.heartbeat(r2)
+        old = chain_of(conv(3))
+        new = chain_of(conv(5))  # the same conversation, two turns later
+        assert new[: len(old)] == old
+        await reg.advertise("b1", r1.instance_id, MODEL, old)
+
+        found = await reg.lookup(MODEL, new)
+        assert set(found) == {"b1", "b2"}  # depth-0 backends are reported too
+        assert found["b1"].depth == len(old) and found["b1"].pending_depth == len(old)
+        assert found["b2"].depth == 0
+        assert found["b1"].record == BackendRecord.from_json(found["b1"].record.to_json())
+        assert found["b1"].record.prefill_tps == 1234.5 and found["b1"].record.updated_at > 0
+
+        # A chain that diverges after the system prompt matches only that far.
+        other = chain_of({"messages": conv(1)["messages"][:1] + [{"role": "user", "content": "x"}]})
+        shared = len(chain_of({"messages": conv(1)["messages"][:1]}))
+        assert (await reg.lookup(MODEL, other))["b1"].depth == shared
+        assert (await reg.lookup(MODEL, [])) ["b1"].depth == 0
+        assert await reg.lookup("unknown-model", new) == {}
+        await reg.close()
+
+    run(main())
+
+
+def test_withdraw_drops_depth_to_what_remains(server):
+    async def main():
+        reg = Registry(server.url)
+        r1 = record("b1")
+        await reg.heartbeat(r1)
+        chain = chain_of(conv(8))
+        assert len(chain) > 10
+        await reg.advertise("b1", r1.instance_id, MODEL, chain)
+        assert (await reg.lookup(MODEL, chain))["b1"].depth == len(chain)
+        await reg.withdraw("b1", r1.instance_id, MODEL, chain[6:])
+        assert (await reg.lookup(MODEL, chain))["b1"].depth == 6
+        # Depth counts contiguous keys from the start: a hole ends it.
+        await reg.withdraw("b1", r1.instance_id, MODEL, chain[2:3])
+        assert (await reg.lookup(MODEL, chain))["b1"].depth == 2
+        await reg.close()
+
+    run(main())
+
+
+def _reference_depths(chain, held, marked, backends):
+    """The definition, walked key by key: depth = leading keys held; pending also counts marks."""
+    out = {}
+    for b in backends:
+        depth = next((x for x, k in enumerate(chain) if (b, k) not in held), len(chain))
+        pend = next((x for x, k in enumerate(chain) if (b, k) not in held and (b, k) not in marked),
+                    len(chain))
+        out[b] = (depth, pend)
+    return out
+
+
+def test_lookup_matches_a_key_by_key_walk_with_holes_and_marks(server):
+    """Random holdings with holes, pending marks and a dead instance: the chunked Lua
+    walk must give exactly the key-by-key answer."""
+    async def main():
+        reg = Registry(server.url)
+        rng = random.Random(7)
+        backends = [f"b{i}" for i in range(6)]
+        recs = {b: record(b) for b in backends}
+        for rec in recs.values():
+            await reg.heartbeat(rec)
+        for trial in range(12):
+            chain = [rng.getrandbits(64) for _ in range(rng.choice([1, 7, 64, 150, 300]))]
+            held, marked = set(), set()
+            for b in backends:
+                rec = recs[b]
+                n = rng.choice([0, 1, len(chain) // 3, rng.randrange(len(chain) + 1), len(chain)])
+                await reg.advertise(b, rec.instance_id, MODEL, chain[:n])
+                held |= {(b, k) for k in chain[:n]}
+                holes = rng.sample(chain[:n], k=min(n, rng.choice([0, 0, 1, 3])))
+                await reg.withdraw(b, rec.instance_id, MODEL, holes)
+                held -= {(b, k) for k in holes}
+                if rng.random() < 0.4:  # pending marks over a range, possibly bridging holes
+                    lo = rng.randrange(len(chain))
+                    hi = rng.randrange(lo, len(chain)) + 1
+                    await reg.mark_pending(MODEL, chain[lo:hi], b, ttl_ms=60_000)
+                    marked |= {(b, k) for k in chain[lo:hi]}
+            # A dead instance of b0 holding everything must not count.
+            await reg.advertise("b0", "dead-instance", MODEL, chain)
+            found = await reg.lookup(MODEL, chain)
+            got = {b: (m.depth, m.pending_depth) for b, m in found.items()}
+            assert got == _reference_depths(chain, held, marked, backends), f"trial {trial}"
+            # Clean up this trial's state for the next one.
+            for b in backends:
+                await reg.withdraw(b, recs[b].instance_id, MODEL, chain)
+        await reg.close()
+
+    run(main())
+
+
+def test_two_backends_two_depths_and_models_are_separate(server):
+    async def main():
+        reg = Registry(server.url)
+        r1, r2 = record("b1", models=[MODEL, "other/model"]), record("b2")
+        await reg.heartbeat(r1)
+        await reg.heartbeat(r2)
+        chain = chain_of(conv(6))
+        await reg.advertise("b1", r1.instance_id, MODEL, chain[:3])
+        await reg.advertise("b2", r2.instance_id, MODEL, chain)
+        await reg.advertise("b1", r1.instance_id, "other/model", chain)
+        found = await reg.lookup(MODEL, chain)
+        assert (found["b1"].depth, found["b2"].depth) == (3, len(chain))
+        other = await reg.lookup("other/model", chain)
+        assert set(other) == {"b1"} and other["b1"].depth == len(chain)
+        # Odd model names stay in their own hash tag and do not clash.
+        await reg.heartbeat(record("b3", models=["we{ir}d model%"]))
+        assert set(await reg.lookup("we{ir}d model%", chain)) == {"b3"}
+        await reg.close()
+
+    run(main())
+
+
+def test_record_ttl_lapse_forgets_backend(server):
+    async def main():
+        reg = Registry(server.url, record_ttl=0.5)
+        r1, r2 = record("b1"), record("b2")
+        chain = chain_of(conv(2))
+        await reg.heartbeat(r1)
+        await reg.heartbeat(r2)
+        await reg.advertise("b1", r1.instance_id, MODEL, chain)
+        assert (await reg.lookup(MODEL, chain))["b1"].depth == len(chain)
+        t0 = time.monotonic()
+
+        async def b1_gone():
+            await reg.heartbeat(r2)  # b2 stays alive: only b1 (SIGKILLed, say) lapses
+            found = await reg.lookup(MODEL, chain)
+            return found is not None and "b1" not in found and "b2" in found
+
+        await poll(b1_gone, deadline=3.0, what="b1's record to lapse")
+        assert time.monotonic() - t0 < 2.0
+        assert [r.backend_id for r in await reg.live_backends()] == ["b2"]
+        await reg.close()
+
+    run(main())
+
+
+def test_new_instance_never_inherits_advertisements(server):
+    async def main():
+        reg = Registry(server.url)
+        old = record("b1", instance_id="first")
+        chain = chain_of(conv(2))
+        assert await reg.heartbeat(old) is False  # first beat: nothing there before
+        assert await reg.heartbeat(old) is True
+        await reg.advertise("b1", "first", MODEL, chain)
+        assert (await reg.lookup(MODEL, chain))["b1"].depth == len(chain)
+
+        new = record("b1", instance_id="second")  # same id, restarted process
+        assert await reg.heartbeat(new) is False  # the record changed hands: re-advertise
+        found = await reg.lookup(MODEL, chain)
+        assert found["b1"].depth == 0 and found["b1"].record.instance_id == "second"
+        # The old instance's clean shutdown must not remove the new one.
+        await reg.withdraw_all("b1", "first")
+        assert "b1" in await reg.lookup(MODEL, chain)
+        await reg.close()
+
+    run(main())
+
+
+def test_withdraw_all_forgets_at_once(server):
+    async def main():
+        reg = Registry(server.url)
+        r1 = record("b1", models=[MODEL, "other/model"])
+        await reg.heartbeat(r1)
+        chain = chain_of(conv(2))
+        await reg.advertise("b1", r1.instance_id, MODEL, chain)
+        assert [r.backend_id for r in await reg.live_backends()] == ["b1"]
+        await reg.withdraw_all("b1", r1.instance_id)
+        assert await reg.lookup(MODEL, chain) == {}
+        assert await reg.lookup("other/model", chain) == {}
+        assert await reg.live_backends() == []
+        await reg.close()
+
+    run(main())
+
+
+def test_pending_marks_count_and_expire(server):
+    async def main():
+        reg = Registry(server.url)
+        r1, r2 = record("b1"), record("b2")
+        await reg.heartbeat(r1)
+        await reg.heartbeat(r2)
+        chain = chain_of(conv(4))
+        await reg.advertise("b1", r1.instance_id, MODEL, chain[:2])
+        await reg.mark_pending(MODEL, chain, "b1", ttl_ms=400)
+        await reg.mark_pending(MODEL, chain[:3], "b2", ttl_ms=400)
+        found = await reg.lookup(MODEL, chain)
+        assert (found["b1"].depth, found["b1"].pending_depth) == (2, len(chain))
+        assert (found["b2"].depth, found["b2"].pending_depth) == (0, 3)
+        # A mark for a backend that is not live does not make it appear.
+        await reg.mark_pending(MODEL, chain, "ghost", ttl_ms=400)
+        assert "ghost" not in await reg.lookup(MODEL, chain)
+
+        async def expired():
+            f = await reg.lookup(MODEL, chain)
+            return f["b1"].pending_depth == 2 and f["b2"].pending_depth == 0
+
+        t0 = time.monotonic()
+        await poll(expired, deadline=3.0, what="pending marks to expire")
+        assert time.monotonic() - t0 < 1.5
+        await reg.close()
+
+    run(main())
+
+
+# -- failures -------------------------------------------------------------------
+
+
+def test_lookup_returns_none_within_deadline_when_redis_hangs_or_dies(server):
+    async def main():
+        reg = Registry(server.url, lookup_timeout=0.05, op_timeout=0.3, retry_after=0.2)
+        r1 = record("b1")
+        chain = chain_of(conv(2))
+        await reg.heartbeat(r1)
+        await reg.advertise("b1", r1.instance_id, MODEL, chain)
+        assert (await reg.lookup(MODEL, chain))["b1"].depth == len(chain)
+
+        server.pause()  # SIGSTOP: the socket accepts, nothing answers
+        try:
+            t0 = time.monotonic()
+            assert await reg.lookup(MODEL, chain) is None
+            hung = time.monotonic() - t0
+            t0 = time.monotonic()
+            assert await reg.lookup(MODEL, chain) is None  # within retry_after: no wait at all
+            fast = time.monotonic() - t0
+            t0 = time.monotonic()
+            with pytest.raises(RegistryUnavailable):
+                await reg.advertise("b1", r1.instance_id, MODEL, chain)
+            write = time.monotonic() - t0
+        finally:
+            server.resume()
+        print(f"\nlookup on a hung Redis: {hung * 1e3:.1f} ms, next one {fast * 1e3:.2f} ms, "
+              f"advertise failed after {write * 1e3:.0f} ms")
+        assert hung < 0.05 + 0.1
+        assert fast < 0.01
+        assert write < 0.3 + 0.5
+
+        async def answers():
+            found = await reg.lookup(MODEL, chain)
+            return found is not None and found["b1"].depth == len(chain)
+
+        await poll(answers, deadline=5.0, what="lookup after SIGCONT")
+
+        await asyncio.to_thread(server.stop)
+        await asyncio.sleep(0.25)  # let retry_after from earlier failures pass
+        t0 = time.monotonic()
+        assert await reg.lookup(MODEL, chain) is None
+        assert time.monotonic() - t0 < 0.05 + 0.1
+        with pytest.raises(RegistryUnavailable):
+            await reg.heartbeat(r1)
+        await reg.close()
+
+    run(main())
+
+
+def test_wrong_password_is_unavailable_not_a_crash():
+    async def main(s):
+        good = Registry(s.url)
+        r1 = record("b1")
+        chain = chain_of(conv(2))
+        await good.heartbeat(r1)
+        await good.advertise("b1", r1.instance_id, MODEL, chain)
+        assert (await good.lookup(MODEL, chain))["b1"].depth == len(chain)
+        assert s.url.startswith("redis://:pw-123@127.0.0.1:")
+
+        bad = Registry(f"redis://:wrong@127.0.0.1:{s.port}/0")
+        assert await bad.lookup(MODEL, chain) is None
+        with pytest.raises(RegistryUnavailable):
+            await bad.advertise("b1", r1.instance_id, MODEL, chain)
+        await good.close()
+        await bad.close()
+
+    with RedisServer(password="pw-123") as s:
+        run(main(s))
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a test certificate")
+def test_rediss_tls_url(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    tls_port = free_port()
+    tls = ["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+           "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
+
+    async def main():
+        reg = Registry(f"rediss://default:pw@127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}")
+        r1 = record("b1")
+        chain = chain_of(conv(2))
+        await reg.heartbeat(r1)
+        await reg.advertise("b1", r1.instance_id, MODEL, chain)
+        assert (await reg.lookup(MODEL, chain))["b1"].depth == len(chain)
+        await reg.close()
+
+    try:
+        s = RedisServer(password="pw", extra_args=tls).start()
+    except RuntimeError as e:  # a redis-server built without TLS
+        pytest.skip(f"redis-server without TLS support: {e}")
+    with s:
+        run(main())
+
+
+def test_redis_holds_no_prompt_text(server):
+    secret_text = "PURPLE-ELEPHANT-7f3a9"
+
+    async def main():
+        reg = Registry(server.url)
+        body = {"messages": [{"role": "user", "content": f"my prompt mentions {secret_text} twice: {secret_text}"}],
+                "tools": [{"type": "function", "function": {"name": secret_text}}]}
+        chain = chain_of(body)
+        r1 = record("b1")
+        await reg.heartbeat(r1)
+        await reg.advertise("b1", r1.instance_id, MODEL, chain)
+        await reg.mark_pending(MODEL, chain, "b1")
+        assert (await reg.lookup(MODEL, chain))["b1"].depth == len(chain)
+
+        raw = aioredis.from_url(server.url)
+        needles = [secret_text.encode(), b"mentions", SALT]
+        n_keys = 0
+        async for key in raw.scan_iter(count=1000):
+            n_keys += 1
+            kind = (await raw.type(key)).decode()
+            if kind == "string":
+                values = [await raw.get(key)]
+            elif kind == "set":
+                values = list(await raw.smembers(key))
+            elif kind == "zset":
+                values = [m for m, _ in await raw.zrange(key, 0, -1, withscores=True)]
+            elif kind == "hash":
+                values = [x for kv in (await raw.hgetall(key)).items() for x in kv]
+            else:
+                raise AssertionError(f"unexpected key type {kind} for {key!r}")
+            for blob in [key, *values]:
+                for needle in needles:
+                    assert needle not in blob, f"{needle!r} found in {key!r}"
+        assert n_keys >= len(chain)
+        await raw.aclose()
+        await reg.close()
+
+    run(main())
+
+
+# -- publisher ------------------------------------------------------------------
+
+
+def _publisher(reg: Registry, rec: BackendRecord, store: Store, **kw) -> Publisher:
+    kw.setdefault("period", 0.1)
+    kw.setdefault("backoff_cap", 0.4)
+    pub = Publisher(reg, lambda: rec, store.snapshot, **kw)
+    store.publisher = pub
+    return pub
+
+
+async def _depth(reg: Registry, chain: list[int], backend_id: str = "b1") -> int | None:
+    found = await reg.lookup(MODEL, chain)
+    if found is None or backend_id not in found:
+        return None
+    return found[backend_id].depth
+
+
+def test_publisher_publishes_inserts_and_evictions_in_order(server):
+    async def main():
+        reg = Registry(server.url, record_ttl=1.0)
+        rec = record("b1")
+        store = Store()
+        first = chain_of(conv(2))
+        store.chains[MODEL] = [first]  # already in the store at start: published by the first sync
+        pub = _publisher(reg, rec, store)
+        await pub.start()
+        await poll(lambda: _eq(_depth(reg, first), len(first)), what="snapshot published")
+
+        # Inserts from the engine thread; then an eviction of the tail, in that order.
+        second = chain_of(conv(6))
+        t = threading.Thread(target=store.insert, args=(MODEL, second))
+        t.start()
+        t.join()
+        await poll(lambda: _eq(_depth(reg, second), len(second)), what="insert published")
+        pub.on_evict(MODEL, second[len(first):])
+        await poll(lambda: _eq(_depth(reg, second), len(first)), what="eviction published")
+
+        await pub.stop(withdraw=True)
+        assert await reg.lookup(MODEL, second) == {}
+        await reg.close()
+
+    run(main())
+
+
+async def _eq(aw, expected) -> bool:
+    return (await aw) == expected
+
+
+def test_publisher_readvertises_after_redis_restarts_empty(server):
+    async def main():
+        reg = Registry(server.url, record_ttl=1.0, retry_after=0.05)
+        rec = record("b1")
+        store = Store()
+        pub = _publisher(reg, rec, store)
+        await pub.start()
+        chain = chain_of(conv(4))
+        store.insert(MODEL, chain)
+        await poll(lambda: _eq(_depth(reg, chain), len(chain)), what="first publish")
+        resyncs = pub.resyncs
+
+        await asyncio.to_thread(server.restart)  # same port, empty
+        # No new insert: the publisher notices and re-advertises its snapshot by itself.
+        await poll(lambda: _eq(_depth(reg, chain), len(chain)), what="re-advertise after restart")
+        assert pub.resyncs > resyncs
+        await pub.stop()
+        await reg.close()
+
+    run(main())
+
+
+def test_publisher_keeps_running_while_redis_is_down_and_recovers(server):
+    async def main():
+        reg = Registry(server.url, record_ttl=1.0, op_timeout=0.3, retry_after=0.05)
+        rec = record("b1")
+        store = Store()
+        pub = _publisher(reg, rec, store)
+        await pub.start()
+        before = chain_of(conv(2))
+        store.insert(MODEL, before)
+        await poll(lambda: _eq(_depth(reg, before), len(before)), what="first publish")
+
+        await asyncio.to_thread(server.stop)
+
+        async def retried():
+            return not pub.connected and pub.failures >= 3
+
+        await poll(retried, deadline=5.0, what="publisher to retry while Redis is down")
+        during = chain_of({"messages": [{"role": "user", "content": "inserted while Redis was down"}]})
+        store.insert(MODEL, during)
+        assert not pub._task.done()
+
+        await asyncio.to_thread(server.start)  # same port, empty
+        await poll(lambda: _eq(_depth(reg, before), len(before)), what="old entries re-advertised")
+        await poll(lambda: _eq(_depth(reg, during), len(during)), what="outage insert published")
+        assert pub.connected
+        await pub.stop()
+        await reg.close()
+
+    run(main())
+
+
+def test_publisher_stop_when_redis_is_down_does_not_hang(server):
+    async def main():
+        reg = Registry(server.url, op_timeout=0.3)
+        store = Store()
+        pub = _publisher(reg, record("b1"), store)
+        await pub.start()
+        await poll(lambda: _true(pub.connected), what="connected")
+        await asyncio.to_thread(server.stop)
+        t0 = time.monotonic()
+        await pub.stop(withdraw=True)
+        assert time.monotonic() - t0 < 2.0
+        await reg.close()
+
+    run(main())
+
+
+async def _true(value) -> bool:
+    return bool(value)
