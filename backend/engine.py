@@ -65,7 +65,10 @@ class Job:
     tools: list[dict] | None
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
-    chain: list[int] = field(default_factory=list)
+    chain: list[int] = field(default_factory=list)  # prefix keys of the request, for the registry
+    # The chain of the next turn once the reply is known (prompt + assistant message).
+    extend_chain: Callable[[str, list[dict]], list[int]] | None = None
+    scope: str | None = None
     fault: str | None = None
     cancelled: bool = False
     # Engine-side state.
@@ -79,6 +82,8 @@ class Job:
     parser: OutputParser | None = None
     detokenizer: Any = None
     pending_logprobs: list[dict] = field(default_factory=list)
+    reply_text: list[str] = field(default_factory=list)
+    reply_tool_calls: list[dict] = field(default_factory=list)
 
     def emit(self, event: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -254,7 +259,7 @@ class Engine:
         if job.cancelled:
             job.emit(APIError(499, "Client closed the request.", "server_error"))
             return
-        match = self.store.lookup(self.model_id, job.prompt)
+        match = self.store.lookup(self.model_id, job.prompt, job.scope)
         job.cached_tokens = match.tokens
         job.processed = match.tokens
         caches = [match.cache] if match.cache is not None else None
@@ -355,7 +360,7 @@ class Engine:
     def _on_prefill_end(self, job: Job) -> None:
         job.phase = "decode"
         job.processed = len(job.prompt)
-        if self.store.covers(self.model_id, job.prompt):
+        if self.store.covers(self.model_id, job.prompt, job.scope):
             return  # the whole prompt is cached already: nothing new to copy
         cache, tokens = self._gen.extract_cache([job.uid])[job.uid]
         self._commit(job, cache, tokens, "prefill")
@@ -366,9 +371,21 @@ class Engine:
         if cache_tokens(cache) != len(tokens):
             log.error("not committing: KV holds %d tokens, list has %d", cache_tokens(cache), len(tokens))
             return
-        chain = job.chain if path != "disconnect_prefill" else []
-        self.store.insert(self.model_id, tokens, cache, path, chain=chain)
+        self.store.insert(self.model_id, tokens, cache, path, chain=self._chain_for(job, path),
+                          scope=job.scope)
         self.metrics.l(self.metrics.commits, path=path).inc()
+
+    def _chain_for(self, job: Job, path: str) -> list[int]:
+        if path == "prefill":
+            return job.chain
+        if path == "finish" and job.extend_chain is not None:
+            try:
+                return job.extend_chain("".join(job.reply_text), job.reply_tool_calls)
+            except ValueError:
+                log.warning("could not compute the extended prefix chain", exc_info=True)
+            return job.chain
+        # A partial prefill covers an unknown part of the text: advertise nothing.
+        return []
 
     def _on_token(self, job: Job, r: Any) -> None:
         job.generated += 1
@@ -422,6 +439,8 @@ class Engine:
             return
         logprobs = [self._named_logprobs(e) for e in job.pending_logprobs]
         job.pending_logprobs = []
+        job.reply_text.append(chunk.text)
+        job.reply_tool_calls += chunk.tool_calls
         job.emit(Delta(chunk.text, chunk.tool_calls, logprobs))
 
     def _named_logprobs(self, entry: dict) -> dict:

@@ -9,8 +9,8 @@ flag, which the engine honours within one step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
-import os
 import signal
 import time
 import uuid
@@ -21,7 +21,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from kvroute import prefix
 from kvroute.errors import APIError, bad_request, error_middleware, not_found
+from kvroute.prefix import DEFAULT_BLOCK_BYTES
+from kvroute.registry import BackendRecord, Publisher, Registry, new_instance_id
 from kvroute.wire import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
 
 from .engine import Delta, Engine, Finish, Job
@@ -50,6 +53,11 @@ class BackendConfig:
     max_prompt_tokens: int = 0  # 0: the model's context length
     default_max_tokens: int = 4096
     enable_faults: bool = False
+    redis_url: str = ""  # empty: no registry, the backend serves on its own
+    secret: str = ""  # salts the prefix keys; must be the same on every proxy and backend
+    advertise_url: str = ""  # the URL proxies should use (default http://host:port)
+    internal_token: str = ""  # when set, /v1 and /debug require it in x-kvroute-token
+    block_bytes: int = DEFAULT_BLOCK_BYTES
 
 
 @dataclass
@@ -61,6 +69,8 @@ class State:
     store: Store
     context_length: int
     started: float
+    instance_id: str = ""
+    publisher: Publisher | None = None
 
 
 def _state(request: web.Request) -> State:
@@ -126,22 +136,57 @@ def _budget(state: State, prompt: list[int], requested: int | None) -> int:
     return requested if requested is not None else min(room, state.config.default_max_tokens)
 
 
+def _scope(request: web.Request) -> str | None:
+    # Set by the proxy from the client's API key; it only narrows what can hit.
+    return request.headers.get("x-kvroute-scope") or None
+
+
+def _chat_chains(state: State, body: dict, req: ChatRequest, scope: str | None):
+    salt = prefix.make_salt(state.config.secret, scope)
+    kw = {"model": req.model, "salt": salt, "block_bytes": state.config.block_bytes}
+    chain = prefix.chat_chain(body, **kw)
+
+    def extend(text: str, tool_calls: list[dict]) -> list[int]:
+        # The assistant turn exactly as an OpenAI client will send it back next time.
+        reply: dict = {"role": "assistant", "content": text or None}
+        if tool_calls:
+            reply["tool_calls"] = tool_calls
+        return prefix.chat_chain({**body, "messages": body["messages"] + [reply]}, **kw)
+
+    return chain, extend
+
+
+def _completion_chains(state: State, req: CompletionRequest, scope: str | None):
+    salt = prefix.make_salt(state.config.secret, scope)
+    kw = {"model": req.model, "salt": salt, "block_bytes": state.config.block_bytes}
+
+    def extend(text: str, tool_calls: list[dict]) -> list[int]:
+        return prefix.completion_chain(req.prompt + text, **kw)
+
+    return prefix.completion_chain(req.prompt, **kw), extend
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
-    req = parse_chat(await _read_body(request))
+    body = await _read_body(request)
+    req = parse_chat(body)
     _check_model(state, req.model)
+    scope = _scope(request)
     prompt = await asyncio.to_thread(_render_chat, state, req)
+    chain, extend = _chat_chains(state, body, req, scope)
     builder = ChatBuilder(state.config.model_id, logprobs=req.params.logprobs)
-    return await _generate(request, state, req, prompt, builder, req.tools)
+    return await _generate(request, state, req, prompt, builder, req.tools, chain, extend, scope)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
     req = parse_completion(await _read_body(request))
     _check_model(state, req.model)
+    scope = _scope(request)
     prompt = await asyncio.to_thread(_encode, state, req.prompt)
+    chain, extend = _completion_chains(state, req, scope)
     builder = CompletionBuilder(state.config.model_id, logprobs=req.params.logprobs)
-    return await _generate(request, state, req, prompt, builder, None)
+    return await _generate(request, state, req, prompt, builder, None, chain, extend, scope)
 
 
 async def _generate(
@@ -151,6 +196,9 @@ async def _generate(
     prompt: list[int],
     builder: ChatBuilder | CompletionBuilder,
     tools: list[dict] | None,
+    chain: list[int],
+    extend_chain,
+    scope: str | None,
 ) -> web.StreamResponse:
     max_tokens = _budget(state, prompt, req.params.max_tokens)
     job = Job(
@@ -160,6 +208,9 @@ async def _generate(
         tools=tools,
         loop=asyncio.get_running_loop(),
         events=asyncio.Queue(),
+        chain=chain,
+        extend_chain=extend_chain,
+        scope=scope,
         fault=req.fault if state.config.enable_faults else None,
     )
     state.engine.submit(job)
@@ -179,9 +230,19 @@ async def _whole(job: Job, builder: ChatBuilder | CompletionBuilder) -> web.Resp
         if isinstance(event, Delta):
             builder.add(event)
         elif isinstance(event, Finish):
-            return web.Response(body=orjson.dumps(builder.whole(event)), content_type="application/json")
+            return web.Response(body=orjson.dumps(builder.whole(event)), content_type="application/json",
+                                headers=_cache_headers(job))
         else:
             raise event
+
+
+def _cache_headers(job: Job) -> dict:
+    # Known once the engine admitted the job (before its first event): lets the
+    # proxy measure routing precision without parsing streamed bodies.
+    return {
+        "x-kvroute-prompt-tokens": str(len(job.prompt)),
+        "x-kvroute-cached-tokens": str(job.cached_tokens),
+    }
 
 
 def _sse(obj: dict) -> bytes:
@@ -197,7 +258,7 @@ async def _stream(
     if isinstance(first, APIError):
         raise first
     resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_cache_headers(job)}
     )
     await resp.prepare(request)
     preamble = builder.first_chunk(include_usage)
@@ -296,8 +357,24 @@ def _describe_entries(store: Store) -> list[dict]:
     return out
 
 
+def _token_middleware(token: str):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith(("/v1/", "/debug/")):
+            given = request.headers.get("x-kvroute-token", "")
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                raise APIError(401, "This backend only answers its kvroute proxies.",
+                               "authentication_error", None, "invalid_internal_token")
+        return await handler(request)
+
+    return check
+
+
 def create_app(state: State) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=state.config.max_body_bytes)
+    middlewares = [error_middleware]
+    if state.config.internal_token:
+        middlewares.append(_token_middleware(state.config.internal_token))
+    app = web.Application(middlewares=middlewares, client_max_size=state.config.max_body_bytes)
     app[STATE_KEY] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -336,14 +413,50 @@ def load_state(config: BackendConfig) -> State:
         max_queue=config.max_queue,
     )
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
-    return State(config, engine, tokenizer, metrics_, store, context, time.time())
+    return State(config, engine, tokenizer, metrics_, store, context, time.time(), new_instance_id())
+
+
+def _record(state: State) -> BackendRecord:
+    c = state.config
+    stats = state.store.stats()
+    return BackendRecord(
+        backend_id=c.backend_id,
+        instance_id=state.instance_id,
+        url=c.advertise_url or f"http://{c.host}:{c.port}",
+        models=[c.model_id],
+        cache_bytes=stats["bytes"],
+        cache_budget=stats["budget_bytes"],
+        queue_depth=state.engine.queue_depth,
+        prefill_tps=state.engine.prefill_tps,
+        started_at=state.started,
+        updated_at=time.time(),
+    )
+
+
+def start_publisher(state: State) -> Publisher:
+    registry = Registry(state.config.redis_url)
+    publisher = Publisher(registry, lambda: _record(state), state.store.snapshot)
+
+    def publish(event) -> None:  # on the engine thread: the publisher only enqueues
+        if event.kind == "insert":
+            publisher.on_insert(event.model, event.keys)
+        else:
+            publisher.on_evict(event.model, event.keys)
+
+    state.store.listeners.append(publish)
+    return publisher
 
 
 async def serve(config: BackendConfig) -> None:
     state = await asyncio.to_thread(load_state, config)
+    if not config.secret and config.redis_url:
+        log.warning("no --secret set: prefix keys in Redis are salted with a public default")
+    if config.redis_url:
+        state.publisher = start_publisher(state)
+        await state.publisher.start()
     state.engine.start()
     app = create_app(state)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
@@ -355,5 +468,9 @@ async def serve(config: BackendConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down")
-    await runner.cleanup()
+    if state.publisher is not None:
+        # Withdraw this instance's advertisements first: no proxy should route here now.
+        await state.publisher.stop(withdraw=True)
+        await state.publisher.registry.close()
+    await runner.cleanup()  # lets in-flight requests finish, up to shutdown_timeout
     await asyncio.to_thread(state.engine.stop)

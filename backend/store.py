@@ -36,6 +36,7 @@ class Entry:
     nbytes: int
     exit_path: str  # why it was committed: prefill, disconnect, length, ...
     chain: list[int] = field(default_factory=list)  # prefix keys advertised for it
+    scope: str | None = None  # cache scope (tenant): entries never serve another scope
     created: float = field(default_factory=time.time)
     hits: int = 0
 
@@ -105,14 +106,14 @@ class Store:
         return len(self.entries)
 
     @_synchronized
-    def lookup(self, model: str, tokens: list[int] | np.ndarray) -> Match:
+    def lookup(self, model: str, tokens: list[int] | np.ndarray, scope: str | None = None) -> Match:
         """The longest cached prefix of `tokens` that leaves at least one token to
         process (a prompt's last token must run through the model to give logits)."""
         prompt = np.asarray(tokens, dtype=np.int32)
         limit = len(prompt) - 1
         best: tuple[int, Entry] | None = None
         for entry in self.entries.values():
-            if entry.model != model:
+            if entry.model != model or entry.scope != scope:
                 continue
             n = min(common_prefix(entry.tokens, prompt), limit)
             if n < len(entry.tokens) and not entry.trimmable:
@@ -143,6 +144,7 @@ class Store:
         cache: list[Any],
         exit_path: str,
         chain: list[int] | None = None,
+        scope: str | None = None,
     ) -> Entry | None:
         """Commit `cache`, which must hold exactly `tokens`. Returns the new entry,
         or None when an existing entry already covers it (that one is refreshed)."""
@@ -152,7 +154,7 @@ class Store:
             raise ValueError(f"cache holds {held} tokens but {len(tokens)} were given")
         if len(tokens) == 0:
             return None
-        covering = self._covering(model, tokens)
+        covering = self._covering(model, tokens, scope)
         if covering is not None:
             self.entries.move_to_end(covering.id)
             self._merge_chain(covering, chain or [])
@@ -160,26 +162,27 @@ class Store:
         nbytes = cache_nbytes(cache)
         if nbytes > self.budget_bytes:
             return None
-        entry = Entry(next(self._ids), model, tokens, cache, nbytes, exit_path, list(chain or []))
+        entry = Entry(next(self._ids), model, tokens, cache, nbytes, exit_path, list(chain or []), scope)
         self.entries[entry.id] = entry
         self.nbytes += nbytes
         self._emit("insert", entry, self._hold(model, entry.chain))
         # Entries this one extends are now redundant: a trimmed view serves them.
         if entry.trimmable:
             for old in list(self.entries.values()):
-                if old is not entry and old.model == model and self._is_prefix(old.tokens, tokens):
+                if (old is not entry and old.model == model and old.scope == scope
+                        and self._is_prefix(old.tokens, tokens)):
                     self._remove(old, "superseded")
         self._enforce_budget(keep=entry.id)
         return entry
 
     @_synchronized
-    def covers(self, model: str, tokens: list[int] | np.ndarray) -> bool:
+    def covers(self, model: str, tokens: list[int] | np.ndarray, scope: str | None = None) -> bool:
         """Whether some entry already holds all of `tokens` (so a commit would add nothing)."""
-        return self._covering(model, np.asarray(tokens, dtype=np.int32)) is not None
+        return self._covering(model, np.asarray(tokens, dtype=np.int32), scope) is not None
 
-    def _covering(self, model: str, tokens: np.ndarray) -> Entry | None:
+    def _covering(self, model: str, tokens: np.ndarray, scope: str | None) -> Entry | None:
         for entry in self.entries.values():
-            if entry.model != model or len(entry.tokens) < len(tokens):
+            if entry.model != model or entry.scope != scope or len(entry.tokens) < len(tokens):
                 continue
             if len(entry.tokens) > len(tokens) and not entry.trimmable:
                 continue

@@ -70,6 +70,17 @@ def _backend_parser(sub) -> None:
                    help="longest accepted prompt (default: the model's context length)")
     p.add_argument("--default-max-tokens", type=int, default=int(_env("default_max_tokens", 4096)),
                    help="completion cap when a request sets none (default 4096)")
+    p.add_argument("--redis-url", default=_env("redis_url", ""),
+                   help="registry to advertise the cache in (redis:// or rediss://); "
+                   "default: none, serve alone")
+    p.add_argument("--secret", default=_env("secret", ""),
+                   help="salt of the prefix keys; the same on every proxy and backend")
+    p.add_argument("--advertise-url", default=_env("advertise_url", ""),
+                   help="URL proxies use to reach this backend (default http://HOST:PORT)")
+    p.add_argument("--internal-token", default=_env("internal_token", ""),
+                   help="require this token (header x-kvroute-token) on /v1 and /debug")
+    p.add_argument("--block-bytes", type=int, default=int(_env("block_bytes", 256)),
+                   help="prefix-key block size in bytes; the same everywhere (default 256)")
     p.add_argument("--demo-variant", default=_env("demo_variant", "text"), choices=["text", "tool"],
                    help="which demo model to build when --model is not given (default text)")
     p.add_argument("--enable-faults", action="store_true",
@@ -111,6 +122,11 @@ def run_backend(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         default_max_tokens=args.default_max_tokens,
         enable_faults=args.enable_faults,
+        redis_url=args.redis_url,
+        secret=args.secret,
+        advertise_url=args.advertise_url,
+        internal_token=args.internal_token,
+        block_bytes=args.block_bytes,
     )
     asyncio.run(serve(config))
     return 0
