@@ -89,6 +89,70 @@ def _backend_parser(sub) -> None:
     _add_common(p)
 
 
+def parse_api_keys(values: list[str]) -> dict[str, str | None]:
+    """`KEY` or `KEY:SCOPE`; a scope keeps that key's cache apart from other scopes."""
+    keys: dict[str, str | None] = {}
+    for value in values:
+        key, _, scope = value.partition(":")
+        if key:
+            keys[key] = scope or None
+    return keys
+
+
+def _proxy_parser(sub) -> None:
+    p = sub.add_parser("proxy", help="serve the OpenAI endpoint that routes to backends",
+                       description="Route each OpenAI request to the backend holding the KV cache "
+                       "of its prompt prefix, as advertised in Redis.")
+    p.add_argument("--redis-url", default=_env("redis_url", ""), required=not _env("redis_url", ""),
+                   help="the registry backends advertise in (redis:// or rediss://)")
+    p.add_argument("--host", default=_env("host", "127.0.0.1"), help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=int(_env("port", 8000)), help="port (default 8000)")
+    p.add_argument("--secret", default=_env("secret", ""),
+                   help="salt of the prefix keys; the same on every proxy and backend")
+    p.add_argument("--policy", default=_env("policy", "cache-aware"),
+                   choices=["cache-aware", "round-robin", "least-loaded", "random"],
+                   help="routing policy (default cache-aware)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY[:SCOPE]",
+                   help="accept this API key (repeatable; KVROUTE_API_KEYS takes a comma list); "
+                   "a SCOPE isolates the key's prompt cache from other scopes")
+    p.add_argument("--internal-token", default=_env("internal_token", ""),
+                   help="token sent to backends in x-kvroute-token")
+    p.add_argument("--max-body-bytes", type=parse_bytes,
+                   default=parse_bytes(_env("max_body_bytes", "8MiB")),
+                   help="largest accepted request body (default 8MiB)")
+    p.add_argument("--request-timeout", type=float, default=float(_env("request_timeout", 600)),
+                   help="seconds a backend may stay silent before the request fails (default 600)")
+    p.add_argument("--block-bytes", type=int, default=int(_env("block_bytes", 256)),
+                   help="prefix-key block size in bytes; the same everywhere (default 256)")
+    p.add_argument("--lookup-timeout-ms", type=float, default=float(_env("lookup_timeout_ms", 50)),
+                   help="registry lookup deadline; past it, route by load (default 50)")
+    p.add_argument("--locality-slack", type=float, default=float(_env("locality_slack", 1.0)),
+                   help="seconds of extra estimated TTFT accepted to keep a prefix hit (default 1.0)")
+    _add_common(p)
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    from proxy.server import ProxyConfig, serve
+
+    keys = args.api_key if args.api_key is not None else _env("api_keys", "").split(",")
+    config = ProxyConfig(
+        redis_url=args.redis_url,
+        host=args.host,
+        port=args.port,
+        secret=args.secret,
+        policy=args.policy,
+        api_keys=parse_api_keys(keys),
+        internal_token=args.internal_token,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout,
+        block_bytes=args.block_bytes,
+        lookup_timeout=args.lookup_timeout_ms / 1000,
+        locality_slack=args.locality_slack,
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
 def _demo_parser(sub) -> None:
     p = sub.add_parser("demo-model", help="build the tiny demo/test model into DIR",
                        description="Build, offline and in seconds, a tiny mlx-lm model with a "
@@ -144,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvroute", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
     _backend_parser(sub)
+    _proxy_parser(sub)
     _demo_parser(sub)
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "log_level", "info"), getattr(args, "json_logs", False))
-    handlers = {"backend": run_backend, "demo-model": run_demo_model}
+    handlers = {"backend": run_backend, "proxy": run_proxy, "demo-model": run_demo_model}
     return handlers[args.command](args)
 
 

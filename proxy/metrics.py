@@ -1,0 +1,55 @@
+"""Prometheus metrics of one proxy process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvroute_proxy_requests", "Requests by model, backend and HTTP status",
+            ["model", "backend", "status"], registry=r,
+        )
+        self.decisions = Counter(
+            "kvroute_proxy_route_decisions", "Routing decisions by reason",
+            ["model", "backend", "reason"], registry=r,
+        )
+        self.predicted_tokens = Counter(
+            "kvroute_proxy_predicted_cached_tokens",
+            "Prompt tokens the registry predicted cached (estimated from matched bytes)",
+            ["model", "backend"], registry=r,
+        )
+        self.actual_tokens = Counter(
+            "kvroute_proxy_cached_tokens", "Prompt tokens the backend reported cached",
+            ["model", "backend"], registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvroute_proxy_prompt_tokens", "Prompt tokens the backend reported",
+            ["model", "backend"], registry=r,
+        )
+        self.overhead = Histogram(
+            "kvroute_proxy_overhead_seconds",
+            "Time from receiving a request to sending it upstream (parse, keys, lookup, choice)",
+            buckets=_FAST_BUCKETS, registry=r,
+        )
+        self.lookup = Histogram(
+            "kvroute_proxy_lookup_seconds", "Registry lookup latency", buckets=_FAST_BUCKETS, registry=r
+        )
+        self.registry_unknown = Counter(
+            "kvroute_proxy_registry_unknown", "Lookups answered 'unknown' (Redis down or slow)",
+            registry=r,
+        )
+        self.failovers = Counter(
+            "kvroute_proxy_failovers", "Requests retried on another backend after a failure",
+            ["backend"], registry=r,
+        )
+        self.inflight = Gauge(
+            "kvroute_proxy_inflight", "Requests open to each backend", ["backend"], registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

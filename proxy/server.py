@@ -1,0 +1,440 @@
+"""The front proxy: one OpenAI endpoint that routes each turn to where its prefix is cached.
+
+Per request: read the body once, compute its prefix chain (no tokenizer), ask the
+registry in one round trip how deep each live backend matches, let the policy
+choose, mark the choice pending in Redis (so a burst sharing a new prefix lands
+together), then pass the body through unchanged and relay the answer's bytes as
+they arrive. A client disconnect cancels the handler, which closes the upstream
+connection, which makes the backend stop decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kvroute import prefix
+from kvroute.errors import APIError, bad_request, error_middleware, not_found, overloaded
+from kvroute.registry import BackendRecord, Registry, RegistryUnavailable
+from kvroute.wire import parse_json
+
+from .metrics import ProxyMetrics
+from .policy import Candidate, Decision, Policy, PolicyConfig
+
+log = logging.getLogger("kvroute.proxy")
+
+STATE_KEY = web.AppKey("state", object)
+RETRYABLE_STATUS = {502, 503, 504}
+# Chains of bodies larger than this are computed off the event loop.
+_INLINE_CHAIN_BYTES = 256 << 10
+
+
+@dataclass
+class ProxyConfig:
+    redis_url: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    secret: str = ""
+    policy: str = "cache-aware"
+    api_keys: dict[str, str | None] = field(default_factory=dict)  # key -> cache scope
+    internal_token: str = ""
+    max_body_bytes: int = 8 << 20
+    request_timeout: float = 600.0
+    connect_timeout: float = 2.0
+    block_bytes: int = prefix.DEFAULT_BLOCK_BYTES
+    lookup_timeout: float = 0.05
+    pending_ttl_ms: int = 3000
+    suspect_seconds: float = 5.0
+    refresh_period: float = 1.0
+    locality_slack: float = 1.0
+
+
+@dataclass
+class Backends:
+    """What this proxy knows of the fleet between registry answers."""
+
+    records: dict[str, BackendRecord] = field(default_factory=dict)  # last known live backends
+    refreshed: float = 0.0
+    inflight: dict[str, int] = field(default_factory=dict)
+    pending_tokens: dict[str, float] = field(default_factory=dict)
+    suspect_until: dict[str, float] = field(default_factory=dict)
+
+    def serving(self, model: str) -> list[BackendRecord]:
+        return [r for r in self.records.values() if model in r.models]
+
+    def models(self) -> list[str]:
+        return sorted({m for r in self.records.values() for m in r.models})
+
+    def is_suspect(self, backend_id: str) -> bool:
+        return self.suspect_until.get(backend_id, 0.0) > time.monotonic()
+
+
+@dataclass
+class State:
+    config: ProxyConfig
+    registry: Registry
+    policy: Policy
+    metrics: ProxyMetrics
+    backends: Backends
+    session: aiohttp.ClientSession | None = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+def _state(request: web.Request) -> State:
+    return request.app[STATE_KEY]
+
+
+# -- authentication -------------------------------------------------------------
+
+
+def check_api_key(keys: dict[str, str | None], header: str) -> tuple[bool, str | None]:
+    """Constant-time: every configured key is compared, whatever matches first."""
+    given = header[7:].strip() if header[:7].lower() == "bearer " else ""
+    ok, scope = False, None
+    for key, key_scope in keys.items():
+        if hmac.compare_digest(given.encode(), key.encode()):
+            ok, scope = True, key_scope
+    return ok, scope
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    keys = _state(request).config.api_keys
+    if keys and request.path.startswith("/v1/"):
+        ok, scope = check_api_key(keys, request.headers.get("Authorization", ""))
+        if not ok:
+            raise APIError(401, "Missing or invalid API key (send 'Authorization: Bearer <key>').",
+                           "authentication_error", None, "invalid_api_key")
+        request["scope"] = scope
+    return await handler(request)
+
+
+# -- routing ----------------------------------------------------------------------
+
+
+def _chain(config: ProxyConfig, path: str, body: dict, model: str, scope: str | None):
+    salt = prefix.make_salt(config.secret, scope)
+    kw = {"model": model, "salt": salt, "block_bytes": config.block_bytes}
+    try:
+        if path.endswith("/chat/completions"):
+            return prefix.chat_chain_with_sizes(body, **kw)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return prefix.completion_chain_with_sizes(prompt, **kw)
+    except ValueError as exc:
+        # The backend would refuse it too; answer without a round trip.
+        raise bad_request(f"Invalid request: {exc}.")
+
+
+async def _candidates(state: State, model: str, keys: list[int],
+                      sizes: list[int]) -> tuple[list[Candidate], bool]:
+    t0 = time.perf_counter()
+    matches = await state.registry.lookup(model, keys)
+    state.metrics.lookup.observe(time.perf_counter() - t0)
+    b = state.backends
+    if matches is None:
+        state.metrics.registry_unknown.inc()
+        records = [(r, 0) for r in b.serving(model)]
+    else:
+        records = [(m.record, max(m.depth, m.pending_depth)) for m in matches.values()
+                   if model in m.record.models]
+    cands = [
+        Candidate(
+            backend_id=r.backend_id,
+            url=r.url,
+            depth=depth,
+            matched_bytes=sizes[depth - 1] if depth else 0,
+            prefill_tps=r.prefill_tps,
+            reported_queue=r.queue_depth,
+            inflight=b.inflight.get(r.backend_id, 0),
+            pending_tokens=b.pending_tokens.get(r.backend_id, 0.0),
+            suspect=b.is_suspect(r.backend_id),
+        )
+        for r, depth in records
+    ]
+    return cands, matches is not None
+
+
+def _no_backend(state: State, model: str) -> APIError:
+    if model in state.backends.models():
+        return APIError(503, f"No backend serving '{model}' is reachable right now.",
+                        "server_error", None, "no_backend")
+    return not_found(f"The model '{model}' does not exist or no live backend serves it.",
+                     param="model", code="model_not_found")
+
+
+async def route_request(request: web.Request) -> web.StreamResponse:
+    state = _state(request)
+    t_start = time.perf_counter()
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise APIError(413, f"Request body too large: {exc.reason}.", code="request_too_large")
+    body = parse_json(raw)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string.", param="model",
+                          code="missing_required_parameter")
+    scope = request.get("scope")
+    if len(raw) > _INLINE_CHAIN_BYTES:
+        pairs = await asyncio.to_thread(_chain, state.config, request.path, body, model, scope)
+    else:
+        pairs = _chain(state.config, request.path, body, model, scope)
+    keys = [k for k, _ in pairs]
+    sizes = [end for _, end in pairs]
+    candidates, known = await _candidates(state, model, keys, sizes)
+    if not candidates:
+        raise _no_backend(state, model)
+    return await _dispatch(request, state, raw, model, scope, keys, candidates, known, t_start,
+                           request_bytes=sizes[-1] if sizes else len(raw))
+
+
+async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | None,
+                    keys: list[int], candidates: list[Candidate], known: bool, t_start: float,
+                    request_bytes: int) -> web.StreamResponse:
+    tried: set[str] = set()
+    failovers = 0
+    last_error: APIError | None = None
+    while True:
+        pool = [c for c in candidates if c.backend_id not in tried]
+        if not pool:
+            raise last_error or _no_backend(state, model)
+        decision = state.policy.choose(pool, request_bytes, known)
+        c = decision.candidate
+        tried.add(c.backend_id)
+        if known and state.policy.config.name == "cache-aware":
+            asyncio.ensure_future(state.registry.mark_pending(model, keys, c.backend_id,
+                                                              state.config.pending_ttl_ms))
+        state.metrics.overhead.observe(time.perf_counter() - t_start)
+        try:
+            return await _forward(request, state, raw, model, scope, decision, request_bytes)
+        except _Retry as retry:
+            last_error = retry.error
+            if retry.failover:
+                # A backend that failed before its first byte: try the next best once.
+                failovers += 1
+                state.backends.suspect_until[c.backend_id] = (
+                    time.monotonic() + state.config.suspect_seconds)
+                state.metrics.failovers.labels(c.backend_id).inc()
+                log.warning("backend %s failed before answering (%s); retrying elsewhere",
+                            c.backend_id, retry.error.message)
+                if failovers > 1:
+                    raise retry.error
+
+
+class _Retry(Exception):
+    def __init__(self, error: APIError, failover: bool):
+        self.error, self.failover = error, failover
+
+
+def _upstream_headers(state: State, scope: str | None) -> dict:
+    headers = {"Content-Type": "application/json"}
+    if state.config.internal_token:
+        headers["x-kvroute-token"] = state.config.internal_token
+    if scope:
+        headers["x-kvroute-scope"] = scope
+    return headers
+
+
+def _route_headers(decision: Decision) -> dict:
+    return {
+        "x-kvroute-backend": decision.candidate.backend_id,
+        "x-kvroute-prefix-blocks": str(decision.candidate.depth),
+        "x-kvroute-route-reason": decision.reason,
+    }
+
+
+async def _forward(request: web.Request, state: State, raw: bytes, model: str, scope: str | None,
+                   decision: Decision, request_bytes: int) -> web.StreamResponse:
+    c = decision.candidate
+    b = state.backends
+    bid = c.backend_id
+    pending = state.policy.tokens(max(0, request_bytes - c.matched_bytes))
+    b.inflight[bid] = b.inflight.get(bid, 0) + 1
+    b.pending_tokens[bid] = b.pending_tokens.get(bid, 0.0) + pending
+    state.metrics.inflight.labels(bid).set(b.inflight[bid])
+    answered = False
+    upstream = None
+    try:
+        try:
+            upstream = await state.session.post(
+                c.url + request.path, data=raw, headers=_upstream_headers(state, scope))
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise _Retry(APIError(502, f"Backend {bid} is unreachable: {exc or type(exc).__name__}.",
+                                  "server_error", None, "backend_unreachable"), failover=True)
+        b.pending_tokens[bid] = max(0.0, b.pending_tokens.get(bid, 0.0) - pending)
+        answered = True
+        if upstream.status in RETRYABLE_STATUS:
+            raise _Retry(APIError(upstream.status, f"Backend {bid} answered {upstream.status}.",
+                                  "server_error", None, "backend_unavailable"), failover=True)
+        if upstream.status == 429:
+            retry_after = float(upstream.headers.get("Retry-After", "1") or 1)
+            raise _Retry(overloaded("Every backend serving this model is at capacity.",
+                                    retry_after), failover=False)
+        _record_decision(state, model, decision, upstream)
+        headers = _route_headers(decision)
+        for name in ("x-kvroute-cached-tokens", "x-kvroute-prompt-tokens", "Retry-After"):
+            if name in upstream.headers:
+                headers[name] = upstream.headers[name]
+        ctype = upstream.headers.get("Content-Type", "application/json")
+        state.metrics.requests.labels(model, bid, str(upstream.status)).inc()
+        if ctype.startswith("text/event-stream"):
+            return await _relay_stream(request, upstream, headers, bid)
+        data = await upstream.read()
+        return web.Response(body=data, status=upstream.status, headers=headers,
+                            content_type=ctype.split(";")[0])
+    finally:
+        if not answered:
+            b.pending_tokens[bid] = max(0.0, b.pending_tokens.get(bid, 0.0) - pending)
+        b.inflight[bid] = max(0, b.inflight.get(bid, 0) - 1)
+        state.metrics.inflight.labels(bid).set(b.inflight[bid])
+        if upstream is not None:
+            # close(), not release(): on a client disconnect the backend must see
+            # its connection drop so that it stops decoding.
+            upstream.close()
+
+
+def _record_decision(state: State, model: str, decision: Decision, upstream) -> None:
+    m = state.metrics
+    bid = decision.candidate.backend_id
+    m.decisions.labels(model, bid, decision.reason).inc()
+    m.predicted_tokens.labels(model, bid).inc(decision.predicted_tokens)
+    cached = upstream.headers.get("x-kvroute-cached-tokens")
+    prompt = upstream.headers.get("x-kvroute-prompt-tokens")
+    if cached and cached.isdigit():
+        m.actual_tokens.labels(model, bid).inc(int(cached))
+    if prompt and prompt.isdigit():
+        m.prompt_tokens.labels(model, bid).inc(int(prompt))
+
+
+async def _relay_stream(request: web.Request, upstream, headers: dict, bid: str) -> web.StreamResponse:
+    resp = web.StreamResponse(status=upstream.status, headers={
+        **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    try:
+        async for chunk in upstream.content.iter_any():
+            await resp.write(chunk)
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        # After the first byte there is no retry: end the stream with an error event.
+        log.warning("backend %s failed mid-stream: %s", bid, exc)
+        err = APIError(502, f"Backend {bid} failed mid-stream.", "server_error", None,
+                       "backend_failed")
+        await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\ndata: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+# -- fleet view -------------------------------------------------------------------
+
+
+async def refresh_backends(state: State) -> None:
+    """Keep the last known live backends: the fallback when Redis does not answer."""
+    while True:
+        try:
+            records = await state.registry.live_backends()
+            state.backends.records = {r.backend_id: r for r in records}
+            state.backends.refreshed = time.time()
+        except RegistryUnavailable as exc:
+            log.debug("live backends unavailable: %s", exc)
+        except Exception:
+            log.exception("refreshing live backends failed")
+        await asyncio.sleep(state.config.refresh_period)
+
+
+# -- other endpoints --------------------------------------------------------------
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+async def models(request: web.Request) -> web.Response:
+    state = _state(request)
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvroute"}
+            for m in state.backends.models()]
+    return _json({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    state = _state(request)
+    b = state.backends
+    return _json({
+        "status": "ok",
+        "policy": state.policy.config.name,
+        "backends": [
+            {"id": r.backend_id, "url": r.url, "models": r.models, "queue": r.queue_depth,
+             "inflight": b.inflight.get(r.backend_id, 0), "suspect": b.is_suspect(r.backend_id),
+             "prefill_tps": r.prefill_tps, "cache_bytes": r.cache_bytes}
+            for r in b.records.values()
+        ],
+        "registry_age_s": round(time.time() - b.refreshed, 2) if b.refreshed else None,
+    })
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=_state(request).metrics.render(), content_type="text/plain",
+                        charset="utf-8")
+
+
+def create_app(config: ProxyConfig) -> web.Application:
+    registry = Registry(config.redis_url, lookup_timeout=config.lookup_timeout)
+    policy = Policy(PolicyConfig(name=config.policy, locality_slack=config.locality_slack))
+    state = State(config, registry, policy, ProxyMetrics(), Backends())
+    app = web.Application(middlewares=[error_middleware, auth_middleware],
+                          client_max_size=config.max_body_bytes)
+    app[STATE_KEY] = state
+    app.router.add_post("/v1/chat/completions", route_request)
+    app.router.add_post("/v1/completions", route_request)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.on_startup.append(_startup)
+    app.on_cleanup.append(_cleanup)
+    return app
+
+
+async def _startup(app: web.Application) -> None:
+    state = app[STATE_KEY]
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=state.config.connect_timeout,
+                                    sock_read=state.config.request_timeout)
+    # No connection cap: backends apply their own queue limits (and answer 429).
+    state.session = aiohttp.ClientSession(timeout=timeout,
+                                          connector=aiohttp.TCPConnector(limit=0),
+                                          auto_decompress=False)
+    state.tasks.append(asyncio.create_task(refresh_backends(state)))
+
+
+async def _cleanup(app: web.Application) -> None:
+    state = app[STATE_KEY]
+    for task in state.tasks:
+        task.cancel()
+    await asyncio.gather(*state.tasks, return_exceptions=True)
+    if state.session is not None:
+        await state.session.close()
+    await state.registry.close()
+
+
+async def serve(config: ProxyConfig) -> None:
+    app = create_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    log.info("proxy on http://%s:%d (policy %s, registry %s)", config.host, config.port,
+             config.policy, config.redis_url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
