@@ -30,7 +30,8 @@ class Candidate:
     backend_id: str
     url: str
     depth: int = 0  # matched prefix blocks (advertised or pending)
-    matched_bytes: int = 0  # request bytes those blocks cover
+    pending_only: bool = False  # the deepest match is a routing-time mark, not yet a commit
+    matched_bytes: int = 0  # request bytes those blocks cover, beyond the shared header
     prefill_tps: float = 0.0  # backend-measured; 0 = unknown
     reported_queue: int = 0  # the backend's own queue depth (all proxies), from its heartbeat
     inflight: int = 0  # requests this proxy has open there
@@ -102,8 +103,8 @@ class Policy:
             deep_ttft = self.ttft(deepest, request_bytes)
             if deep_ttft <= best_ttft + self.config.locality_slack:
                 chosen, est = deepest, deep_ttft
-        if chosen.depth == 0:
+        if not chosen.matched_bytes:
             reason = "load"
         else:
-            reason = "cache-hit"
+            reason = "pending-hit" if chosen.pending_only else "cache-hit"
         return Decision(chosen, reason, est, int(self.tokens(chosen.matched_bytes)))

@@ -11,6 +11,7 @@ connection, which makes the backend stop decoding.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import logging
 import signal
@@ -55,6 +56,7 @@ class ProxyConfig:
     pending_ttl_ms: int = 3000
     suspect_seconds: float = 5.0
     refresh_period: float = 1.0
+    forget_after: float = 10.0  # seconds a backend absent from the registry stays a fallback
     locality_slack: float = 1.0
 
 
@@ -63,10 +65,40 @@ class Backends:
     """What this proxy knows of the fleet between registry answers."""
 
     records: dict[str, BackendRecord] = field(default_factory=dict)  # last known live backends
+    seen: dict[str, float] = field(default_factory=dict)  # when each was last listed live
     refreshed: float = 0.0
     inflight: dict[str, int] = field(default_factory=dict)
     pending_tokens: dict[str, float] = field(default_factory=dict)
     suspect_until: dict[str, float] = field(default_factory=dict)
+    # This proxy's own recent choices: (model, chain, backend, expiry). Redis pending
+    # marks cover other proxies; these cover requests this proxy routes concurrently,
+    # whose marks may not have reached Redis before the next lookup.
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))
+
+    def remember(self, model: str, keys: list[int], backend_id: str, ttl: float) -> None:
+        self.recent.append((model, keys, backend_id, time.monotonic() + ttl))
+
+    def recent_depth(self, model: str, keys: list[int]) -> dict[str, int]:
+        now = time.monotonic()
+        while self.recent and self.recent[0][3] < now:
+            self.recent.popleft()
+        depths: dict[str, int] = {}
+        for m, chain, bid, _ in self.recent:
+            if m == model:
+                depths[bid] = max(depths.get(bid, 0), prefix.common_prefix(chain, keys))
+        return depths
+
+    def update(self, records: list[BackendRecord], keep_for: float) -> None:
+        # A backend missing from one answer (Redis restarted empty, heartbeat not yet
+        # back) stays known for keep_for seconds; failover covers one that really died.
+        now = time.monotonic()
+        for r in records:
+            self.records[r.backend_id] = r
+            self.seen[r.backend_id] = now
+        for bid in [b for b, t in self.seen.items() if now - t > keep_for]:
+            del self.seen[bid]
+            self.records.pop(bid, None)
+        self.refreshed = time.time()
 
     def serving(self, model: str) -> list[BackendRecord]:
         return [r for r in self.records.values() if model in r.models]
@@ -87,6 +119,7 @@ class State:
     backends: Backends
     session: aiohttp.ClientSession | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
+    background: set = field(default_factory=set)
 
 
 def _state(request: web.Request) -> State:
@@ -142,27 +175,36 @@ async def _candidates(state: State, model: str, keys: list[int],
     matches = await state.registry.lookup(model, keys)
     state.metrics.lookup.observe(time.perf_counter() - t0)
     b = state.backends
+    records = []
     if matches is None:
         state.metrics.registry_unknown.inc()
-        records = [(r, 0) for r in b.serving(model)]
     else:
-        records = [(m.record, max(m.depth, m.pending_depth)) for m in matches.values()
+        records = [(m.record, m.depth, m.pending_depth) for m in matches.values()
                    if model in m.record.models]
-    cands = [
-        Candidate(
+    known = bool(records)
+    if not records:
+        # Redis down, or up but empty (just restarted): route by load among the
+        # backends seen recently rather than refuse the request.
+        records = [(r, 0, 0) for r in b.serving(model)]
+    local = b.recent_depth(model, keys)
+    cands = []
+    for r, depth, pending_depth in records:
+        depth_any = max(pending_depth, local.get(r.backend_id, 0))
+        cands.append(Candidate(
             backend_id=r.backend_id,
             url=r.url,
-            depth=depth,
-            matched_bytes=sizes[depth - 1] if depth else 0,
+            depth=max(depth, depth_any),
+            pending_only=depth_any > depth,
+            # Block 0 is the header (salt and model), shared by every request for the
+            # model: matching it alone is no hit.
+            matched_bytes=sizes[max(depth, depth_any) - 1] - sizes[0] if max(depth, depth_any) > 1 else 0,
             prefill_tps=r.prefill_tps,
             reported_queue=r.queue_depth,
             inflight=b.inflight.get(r.backend_id, 0),
             pending_tokens=b.pending_tokens.get(r.backend_id, 0.0),
             suspect=b.is_suspect(r.backend_id),
-        )
-        for r, depth in records
-    ]
-    return cands, matches is not None
+        ))
+    return cands, known
 
 
 def _no_backend(state: State, model: str) -> APIError:
@@ -212,9 +254,11 @@ async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | 
         decision = state.policy.choose(pool, request_bytes, known)
         c = decision.candidate
         tried.add(c.backend_id)
-        if known and state.policy.config.name == "cache-aware":
-            asyncio.ensure_future(state.registry.mark_pending(model, keys, c.backend_id,
-                                                              state.config.pending_ttl_ms))
+        if state.policy.config.name == "cache-aware":
+            state.backends.remember(model, keys, c.backend_id, state.config.pending_ttl_ms / 1000)
+            if known:
+                _spawn(state, state.registry.mark_pending(model, keys, c.backend_id,
+                                                          state.config.pending_ttl_ms))
         state.metrics.overhead.observe(time.perf_counter() - t_start)
         try:
             return await _forward(request, state, raw, model, scope, decision, request_bytes)
@@ -230,6 +274,13 @@ async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | 
                             c.backend_id, retry.error.message)
                 if failovers > 1:
                     raise retry.error
+
+
+def _spawn(state: State, coro) -> None:
+    # Keep a reference: the loop holds tasks weakly, and a collected task never runs.
+    task = asyncio.ensure_future(coro)
+    state.background.add(task)
+    task.add_done_callback(state.background.discard)
 
 
 class _Retry(Exception):
@@ -342,8 +393,7 @@ async def refresh_backends(state: State) -> None:
     while True:
         try:
             records = await state.registry.live_backends()
-            state.backends.records = {r.backend_id: r for r in records}
-            state.backends.refreshed = time.time()
+            state.backends.update(records, keep_for=state.config.forget_after)
         except RegistryUnavailable as exc:
             log.debug("live backends unavailable: %s", exc)
         except Exception:

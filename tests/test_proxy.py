@@ -1,0 +1,278 @@
+"""End to end through the proxy: real Redis, 2 proxies, 3 backend processes
+(2 serving model A, 1 serving model B), and the official `openai` client.
+
+The tests run in file order: the fault tests (Redis stopped, a backend killed)
+come last and restore what they break.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import openai
+import pytest
+from harness import BackendProcess, SSEStream, free_port, request, wait_until
+
+from kvroute.demo_model import DEMO_REPLY
+from kvroute.redis_server import RedisServer
+
+SECRET = "test-secret"
+TOKEN = "internal-test-token"
+KEY = "sk-test-key"
+MODEL_A, MODEL_B = "model-a", "model-b"
+
+
+class ProxyProcess:
+    def __init__(self, redis_url: str, log_dir: Path, extra: list[str] | None = None):
+        self.port = free_port()
+        self.redis_url = redis_url
+        self.log_path = log_dir / f"proxy-{self.port}.log"
+        self.extra = extra or []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, expect_backends: int) -> None:
+        cmd = [sys.executable, "-m", "kvroute.cli", "proxy", "--redis-url", self.redis_url,
+               "--port", str(self.port), "--secret", SECRET, "--internal-token", TOKEN,
+               "--api-key", KEY, *self.extra]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
+        wait_until(lambda: len(self.health()["backends"]) == expect_backends, 30,
+                   what="the proxy to see every backend")
+
+    def health(self) -> dict:
+        return json.loads(request(self.url + "/health", timeout=2)[2])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def fleet(text_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("fleet")
+    redis = RedisServer()
+    redis.start()
+    common = ["--redis-url", redis.url, "--secret", SECRET, "--internal-token", TOKEN]
+    a1 = BackendProcess(text_model, MODEL_A, logs, backend_id="a1", extra=common)
+    a2 = BackendProcess(text_model, MODEL_A, logs, backend_id="a2", extra=common)
+    b1 = BackendProcess(text_model, MODEL_B, logs, backend_id="b1",
+                        extra=common + ["--max-queue", "1"])
+    backends = {"a1": a1, "a2": a2, "b1": b1}
+    for b in backends.values():
+        b.start()
+    proxies = [ProxyProcess(redis.url, logs), ProxyProcess(redis.url, logs)]
+    for p in proxies:
+        p.start(expect_backends=3)
+    yield {"redis": redis, "backends": backends, "proxies": proxies}
+    for p in proxies:
+        p.stop()
+    for b in backends.values():
+        b.stop()
+    redis.stop()
+
+
+def client(proxy: ProxyProcess, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0)
+
+
+def chat(proxy, messages, model=MODEL_A, **kw):
+    raw = client(proxy).chat.completions.with_raw_response.create(model=model, messages=messages, **kw)
+    return raw.parse(), raw.headers
+
+
+def new_conversation(system: str | None = None) -> list[dict]:
+    system = system or f"{uuid.uuid4().hex}: you help a team of engineers. " * 4
+    return [{"role": "system", "content": system}, {"role": "user", "content": "Hello there."}]
+
+
+def run_turns(proxy, messages, turns, start=0):
+    """Runs turns, appending replies; returns [(backend, prompt_tokens, cached_tokens)]."""
+    out = []
+    for i in range(turns):
+        r, headers = chat(proxy, messages)
+        out.append((headers["x-kvroute-backend"], r.usage.prompt_tokens,
+                    r.usage.prompt_tokens_details.cached_tokens))
+        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": f"Tell me more ({start + i})."}]
+    return out
+
+
+def test_six_turns_land_on_one_backend_and_hit(fleet):
+    proxy = fleet["proxies"][0]
+    turns = run_turns(proxy, new_conversation(), 6)
+    assert len({b for b, _, _ in turns}) == 1, turns
+    for (_, prev_prompt, _), (_, _, cached) in zip(turns, turns[1:]):
+        assert cached >= prev_prompt - 3, turns
+
+
+def test_other_proxy_keeps_hitting_the_same_backend(fleet):
+    p1, p2 = fleet["proxies"]
+    messages = new_conversation()
+    first = run_turns(p1, messages, 2)
+    more = run_turns(p2, messages, 2, start=2)
+    assert {b for b, _, _ in first + more} == {first[0][0]}
+    turns = first + more
+    for (_, prev_prompt, _), (_, _, cached) in zip(turns, turns[1:]):
+        assert cached >= prev_prompt - 3, turns
+
+
+def _concurrently(fn, n):
+    results, errors = [None] * n, []
+
+    def run(i):
+        try:
+            results[i] = fn(i)
+        except Exception as exc:  # surfaced below, with the thread's own error
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return results
+
+
+def test_new_conversations_spread_over_both_backends(fleet):
+    proxy = fleet["proxies"][0]
+    # Longer prompts give each request prefill work, which is what spreads a burst.
+    backends = _concurrently(
+        lambda i: chat(proxy, new_conversation(f"{uuid.uuid4().hex} " * 60))[1]["x-kvroute-backend"], 8)
+    counts = {b: backends.count(b) for b in set(backends)}
+    assert set(counts) == {"a1", "a2"}, counts
+
+
+def test_burst_sharing_a_new_system_prompt_lands_together(fleet):
+    proxy = fleet["proxies"][0]
+    system = f"{uuid.uuid4().hex}: shared instructions for the whole team. " * 6
+    backends = _concurrently(
+        lambda i: chat(proxy, [{"role": "system", "content": system},
+                               {"role": "user", "content": f"Question {i}"}])[1]["x-kvroute-backend"], 4)
+    assert len(set(backends)) == 1, backends
+
+
+def test_model_b_never_reaches_model_a_backends(fleet):
+    proxy = fleet["proxies"][1]
+    for _ in range(4):
+        r, headers = chat(proxy, new_conversation(), model=MODEL_B)
+        assert headers["x-kvroute-backend"] == "b1"
+        assert r.choices[0].message.content == DEMO_REPLY
+
+
+def test_models_lists_the_union(fleet):
+    ids = {m.id for m in client(fleet["proxies"][0]).models.list()}
+    assert ids == {MODEL_A, MODEL_B}
+
+
+def test_errors_unknown_model_bad_json_wrong_key(fleet):
+    proxy = fleet["proxies"][0]
+    with pytest.raises(openai.NotFoundError):
+        chat(proxy, new_conversation(), model="no-such-model")
+    status, _, data = request(proxy.url + "/v1/chat/completions", "POST", raw=b"{bad json",
+                              headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and json.loads(data)["error"]["code"] == "invalid_json"
+    with pytest.raises(openai.AuthenticationError):
+        client(proxy, key="wrong").chat.completions.create(model=MODEL_A, messages=new_conversation())
+    status, _, data = request(proxy.url + "/v1/models")
+    assert status == 401 and json.loads(data)["error"]["type"] == "authentication_error"
+
+
+def test_backends_answer_only_with_the_internal_token(fleet):
+    backend = fleet["backends"]["a1"]
+    body = {"model": MODEL_A, "messages": new_conversation()}
+    status, _, data = request(backend.url + "/v1/chat/completions", "POST", body)
+    assert status == 401 and json.loads(data)["error"]["code"] == "invalid_internal_token"
+    status, _, _ = request(backend.url + "/v1/chat/completions", "POST", body,
+                           headers={"x-kvroute-token": TOKEN})
+    assert status == 200
+
+
+def test_streaming_relays_and_a_disconnect_stops_the_backend(fleet):
+    proxy = fleet["proxies"][0]
+    stream = SSEStream(proxy.url + "/v1/completions",
+                       {"model": MODEL_A, "prompt": f"{uuid.uuid4().hex} count 1 2 3", "max_tokens": 6000},
+                       headers={"Authorization": f"Bearer {KEY}"})
+    events = stream.events()
+    texts = [next(events)["choices"][0]["text"] for _ in range(10)]
+    assert "".join(texts).isdigit()
+    backend = fleet["backends"][stream.headers["x-kvroute-backend"]]
+    assert backend.health()["engine"]["decoding"] >= 1
+    stream.close()
+    wait_until(lambda: backend.health()["engine"]["decoding"] == 0, 10,
+               what="the backend to stop decoding after the client left")
+
+
+def test_429_when_every_candidate_is_full(fleet):
+    proxy = fleet["proxies"][0]
+    hold = SSEStream(proxy.url + "/v1/completions",
+                     {"model": MODEL_B, "prompt": "count 1 2 3", "max_tokens": 6000},
+                     headers={"Authorization": f"Bearer {KEY}"})
+    next(hold.events())
+    status, headers, data = request(
+        proxy.url + "/v1/completions", "POST", {"model": MODEL_B, "prompt": "hi", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {KEY}"})
+    hold.close()
+    assert status == 429, data
+    assert json.loads(data)["error"]["type"] == "rate_limit_error"
+    assert int(headers["Retry-After"]) >= 1
+
+
+def test_redis_stopped_requests_still_succeed(fleet):
+    proxy = fleet["proxies"][0]
+    redis = fleet["redis"]
+    redis.stop()
+    try:
+        for _ in range(3):
+            r, headers = chat(proxy, new_conversation())
+            assert r.choices[0].message.content == DEMO_REPLY
+            assert headers["x-kvroute-route-reason"] == "no-registry"
+    finally:
+        redis.restart()
+    # Back to cache-aware routing once Redis answers and backends re-advertise.
+    messages = new_conversation()
+    run_turns(proxy, messages, 1)
+    wait_until(lambda: chat(proxy, messages[:2])[1]["x-kvroute-route-reason"] == "cache-hit", 15,
+               interval=0.2, what="cache-aware routing to resume")
+
+
+def test_sigkill_of_the_holding_backend_fails_over_without_client_error(fleet):
+    proxy = fleet["proxies"][1]
+    messages = new_conversation()
+    turns = run_turns(proxy, messages, 2)
+    holder = turns[-1][0]
+    other = "a2" if holder == "a1" else "a1"
+    # A stream in flight on the holder ends with an error event, not a hang.
+    stream = SSEStream(proxy.url + "/v1/completions",
+                       {"model": MODEL_A, "prompt": f"{uuid.uuid4().hex} count 1 2 3",
+                        "max_tokens": 6000},
+                       headers={"Authorization": f"Bearer {KEY}"})
+    events = stream.events()
+    next(events)
+    victim_of_stream = stream.headers["x-kvroute-backend"]
+    fleet["backends"][holder].proc.kill()
+    fleet["backends"][holder].proc.wait(5)
+    if victim_of_stream == holder:
+        rest = list(events)
+        assert rest[-1] == "[DONE]" and "error" in rest[-2], rest[-3:]
+    else:
+        stream.close()
+    t0 = time.monotonic()
+    r, headers = chat(proxy, messages)  # no client-visible error
+    assert headers["x-kvroute-backend"] == other
+    assert r.choices[0].message.content == DEMO_REPLY
+    assert time.monotonic() - t0 < 10
+    # Restore the fleet for anything that runs after.
+    restarted = BackendProcess(fleet["backends"][holder].model, MODEL_A,
+                               fleet["backends"][holder].log_path.parent, backend_id=holder,
+                               extra=fleet["backends"][holder].extra)
+    restarted.start()
+    fleet["backends"][holder] = restarted
