@@ -82,7 +82,8 @@ def main() -> None:
                 for _ in range(args.repeat):
                     prompt = prompt_of(backend, size)
                     t_cold, n_prompt, c0 = ttft(backend, prompt)
-                    assert c0 == 0, "a cold prompt must not hit the cache"
+                    # Only the nonce's first characters can match an earlier prompt.
+                    assert c0 < 8, f"a cold prompt hit the cache ({c0} tokens)"
                     t_hot, _, cached = ttft(backend, prompt)
                     colds.append(t_cold)
                     hots.append(t_hot)

@@ -19,6 +19,16 @@ def _env(name: str, default):
     return os.environ.get(f"KVROUTE_{name.upper().replace('-', '_')}", default)
 
 
+def run_async(main) -> None:
+    """asyncio.run, on uvloop where it is installed (it roughly halves the proxy's overhead)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
 def setup_logging(level: str = "info", json_logs: bool = False) -> None:
     if json_logs:
         from .logs import JSONFormatter
@@ -149,7 +159,7 @@ def run_proxy(args: argparse.Namespace) -> int:
         lookup_timeout=args.lookup_timeout_ms / 1000,
         locality_slack=args.locality_slack,
     )
-    asyncio.run(serve(config))
+    run_async(serve(config))
     return 0
 
 
@@ -192,7 +202,7 @@ def run_backend(args: argparse.Namespace) -> int:
         internal_token=args.internal_token,
         block_bytes=args.block_bytes,
     )
-    asyncio.run(serve(config))
+    run_async(serve(config))
     return 0
 
 

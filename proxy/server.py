@@ -254,7 +254,8 @@ async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | 
         decision = state.policy.choose(pool, request_bytes, known)
         c = decision.candidate
         tried.add(c.backend_id)
-        if state.policy.config.name == "cache-aware":
+        if state.policy.config.name == "cache-aware" and (c.pending_only or c.depth < len(keys)):
+            # Only a prefix the chosen backend does not hold yet needs a pending mark.
             state.backends.remember(model, keys, c.backend_id, state.config.pending_ttl_ms / 1000)
             if known:
                 _spawn(state, state.registry.mark_pending(model, keys, c.backend_id,
