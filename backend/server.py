@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import signal
 import time
 import uuid
@@ -22,6 +23,7 @@ import orjson
 from aiohttp import web
 
 from kvroute import prefix
+from kvroute.process import watch_parent
 from kvroute.errors import APIError, bad_request, error_middleware, not_found
 from kvroute.prefix import DEFAULT_BLOCK_BYTES
 from kvroute.registry import BackendRecord, Publisher, Registry, new_instance_id
@@ -304,6 +306,8 @@ async def health(request: web.Request) -> web.Response:
     body = {
         "status": "ok",
         "backend_id": state.config.backend_id,
+        "instance_id": state.instance_id,
+        "pid": os.getpid(),
         "model": state.config.model_id,
         "uptime_s": round(time.time() - state.started, 1),
         "cache": state.store.stats(),
@@ -466,7 +470,9 @@ async def serve(config: BackendConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(watch_parent(stop))
     await stop.wait()
+    await watcher
     log.info("shutting down")
     if state.publisher is not None:
         # Withdraw this instance's advertisements first: no proxy should route here now.

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 
+from .config import parse_api_keys
 from .sizes import parse_bytes
 
 
@@ -19,14 +20,13 @@ def _env(name: str, default):
     return os.environ.get(f"KVROUTE_{name.upper().replace('-', '_')}", default)
 
 
-def run_async(main) -> None:
-    """asyncio.run, on uvloop where it is installed (it roughly halves the proxy's overhead)."""
+def run_async(main):
+    """asyncio.run, on uvloop where it is installed (it doubles the proxy's peak rate)."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def setup_logging(level: str = "info", json_logs: bool = False) -> None:
@@ -99,16 +99,6 @@ def _backend_parser(sub) -> None:
     _add_common(p)
 
 
-def parse_api_keys(values: list[str]) -> dict[str, str | None]:
-    """`KEY` or `KEY:SCOPE`; a scope keeps that key's cache apart from other scopes."""
-    keys: dict[str, str | None] = {}
-    for value in values:
-        key, _, scope = value.partition(":")
-        if key:
-            keys[key] = scope or None
-    return keys
-
-
 def _proxy_parser(sub) -> None:
     p = sub.add_parser("proxy", help="serve the OpenAI endpoint that routes to backends",
                        description="Route each OpenAI request to the backend holding the KV cache "
@@ -161,6 +151,70 @@ def run_proxy(args: argparse.Namespace) -> int:
     )
     run_async(serve(config))
     return 0
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="run Redis, backends and the proxy from one command",
+        description="Start the whole system: an embedded redis-server (unless --redis-url), "
+        "the backend replicas of each model and the proxy, supervised. With no model "
+        "given, serves the built-in demo model with 2 replicas.")
+    # Defaults are None so that a flag given beats KVROUTE_* beats the --config file.
+    p.add_argument("--config", default=_env("config", None), help="TOML file (see README)")
+    p.add_argument("--model", action="append", default=None, metavar="PATH_OR_REPO",
+                   help="serve this model (repeatable); replaces the file's [[models]]")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="backend processes per model (default 2 for the demo model, else 1)")
+    p.add_argument("--cache-bytes", type=parse_bytes, default=None,
+                   help="prompt-cache budget of each backend (default 2GiB)")
+    p.add_argument("--host", default=None, help="proxy bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="proxy port (default 8000)")
+    p.add_argument("--backend-port-base", type=int, default=None,
+                   help="first port tried for backends (default 8100)")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    p.add_argument("--secret", default=None, help="prefix-key salt (default: random per launch)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY[:SCOPE]",
+                   help="require API keys on the proxy (repeatable)")
+    p.add_argument("--policy", default=None,
+                   choices=["cache-aware", "round-robin", "least-loaded", "random"])
+    p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--json-logs", action="store_true", default=None,
+                   help="one JSON object per log line, with the process name")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from . import launcher
+    from .config import ConfigError, ModelSpec, build
+
+    flags = {
+        "host": args.host, "port": args.port, "redis_url": args.redis_url, "secret": args.secret,
+        "policy": args.policy, "backend_port_base": args.backend_port_base,
+        "log_level": args.log_level, "json_logs": args.json_logs,
+        "api_keys": parse_api_keys(args.api_key) if args.api_key else None,
+    }
+    console = Console(stderr=True)
+    try:
+        config = build(args.config, flags)
+        if args.model:
+            config.models = [ModelSpec(path=m) for m in args.model]
+        for spec in config.models:
+            if args.replicas is not None:
+                spec.replicas = args.replicas
+            elif not args.config and not args.model and spec.path == "demo":
+                spec.replicas = 2  # the zero-argument demo shows routing between two
+            if args.cache_bytes is not None:
+                spec.cache_bytes = args.cache_bytes
+            if spec.replicas < 1:
+                raise ConfigError("--replicas must be at least 1")
+        return run_async(launcher.run(config, console))
+    except ConfigError as exc:
+        console.print(f"[red]kvroute serve: {exc}[/]")
+        return 2
+    except RuntimeError as exc:  # e.g. redis-server missing, a child that never got healthy
+        console.print(f"[red]kvroute serve: {exc}[/]")
+        return 1
 
 
 def _demo_parser(sub) -> None:
@@ -219,10 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _backend_parser(sub)
     _proxy_parser(sub)
+    _serve_parser(sub)
     _demo_parser(sub)
     args = parser.parse_args(argv)
-    setup_logging(getattr(args, "log_level", "info"), getattr(args, "json_logs", False))
-    handlers = {"backend": run_backend, "proxy": run_proxy, "demo-model": run_demo_model}
+    setup_logging(getattr(args, "log_level", None) or "info", bool(getattr(args, "json_logs", False)))
+    handlers = {"backend": run_backend, "proxy": run_proxy, "serve": run_serve,
+                "demo-model": run_demo_model}
     return handlers[args.command](args)
 
 

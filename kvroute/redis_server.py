@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import weakref
@@ -65,6 +66,16 @@ def ping(port: int, password: str | None = None, timeout: float = 0.5) -> bool:
             return b"+PONG" in data
     except OSError:
         return False
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends SIGTERM to redis-server when its owner dies, even by
+    SIGKILL. (Elsewhere the owner's clean shutdown is what stops it.)"""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class RedisServer:
@@ -139,8 +150,11 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         args += self.extra_args
+        # A session of its own: a terminal's Ctrl-C must reach the owner, which stops
+        # Redis last (after backends withdrew), not Redis directly.
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + self.startup_timeout
         delay = 0.002

@@ -242,13 +242,40 @@ return out
 
 # KEYS[1] model slot   ARGV: prefix, chain hex, member, key ttl (s)
 _ADVERTISE = """
-local prefix, chain, member, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local prefix, chain, member, ttl, idx = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 for i = 0, #chain / 16 - 1 do
-  local k = prefix .. 'k:' .. string.sub(chain, i * 16 + 1, i * 16 + 16)
+  local hex = string.sub(chain, i * 16 + 1, i * 16 + 16)
+  local k = prefix .. 'k:' .. hex
   redis.call('SADD', k, member)
   redis.call('EXPIRE', k, ttl)
+  redis.call('SADD', prefix .. idx, hex)
 end
+redis.call('EXPIRE', prefix .. idx, ttl)
 return 1
+"""
+
+# Remove a backend id's advertisements by instances other than `keep` (all of
+# them when keep is empty), through the index of keys that backend id advertised.
+#   KEYS[1] model slot   ARGV: prefix, index key suffix, member prefix "bid|", keep member
+_PURGE = """
+local prefix, idx, mine, keep = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local removed = 0
+for _, hex in ipairs(redis.call('SMEMBERS', prefix .. idx)) do
+  local k = prefix .. 'k:' .. hex
+  local still = false
+  for _, m in ipairs(redis.call('SMEMBERS', k)) do
+    if string.sub(m, 1, #mine) == mine then
+      if m ~= keep then
+        redis.call('SREM', k, m)
+        removed = removed + 1
+      else
+        still = true
+      end
+    end
+  end
+  if not still then redis.call('SREM', prefix .. idx, hex) end
+end
+return removed
 """
 
 # KEYS[1] model slot   ARGV: prefix, chain hex, member
@@ -336,6 +363,7 @@ class Registry:
         self._withdraw = self._redis.register_script(_WITHDRAW)
         self._mark = self._redis.register_script(_MARK_PENDING)
         self._delete_record = self._redis.register_script(_DELETE_RECORD)
+        self._purge = self._redis.register_script(_PURGE)
         self._down_until = 0.0
         self._down = False
         self._models_of: dict[str, list[str]] = {}  # backend id -> models last heartbeat
@@ -405,7 +433,21 @@ class Registry:
         """Record that this instance holds these prefix keys (refreshes their expiry)."""
         _check_id("backend_id", backend_id)
         _check_id("instance_id", instance_id)
-        await self._per_chunk("advertise", self._advertise, model, keys, _member(backend_id, instance_id), self.key_ttl)
+        await self._per_chunk("advertise", self._advertise, model, keys,
+                              _member(backend_id, instance_id), self.key_ttl, "idx:" + backend_id)
+
+    async def purge(self, backend_id: str, models: list[str], keep_instance: str = "") -> int:
+        """Remove advertisements of `backend_id` by every instance but `keep_instance`
+        (all, when empty): a restarted backend clears what its killed predecessor left,
+        and a clean shutdown leaves nothing behind. Returns the entries removed."""
+        _check_id("backend_id", backend_id)
+        keep = _member(backend_id, keep_instance) if keep_instance else ""
+        removed = 0
+        for model in models:
+            tag = _model_tag(model)
+            removed += await self._op("purge", self._purge(
+                keys=[tag + "backends"], args=[tag, "idx:" + backend_id, backend_id + "|", keep]))
+        return removed
 
     async def withdraw(self, backend_id: str, instance_id: str, model: str, keys: list[int]) -> None:
         """Record that this instance no longer holds these keys."""
@@ -603,7 +645,7 @@ class Publisher:
         self._task = asyncio.create_task(self._run(), name="kvroute-publisher")
 
     async def stop(self, withdraw: bool = True) -> None:
-        """Stop publishing; with withdraw, delete this instance's records from Redis."""
+        """Stop publishing; with withdraw, delete this instance's keys and records."""
         task = self._task
         if task is None:
             return
@@ -616,6 +658,9 @@ class Publisher:
         rec = self.record_fn()
         try:
             if withdraw:
+                # Withdraw every advertised key too, so a deployment that shuts down
+                # cleanly leaves nothing of itself in Redis (not even until key_ttl).
+                await self.registry.purge(rec.backend_id, rec.models)
                 await self.registry.withdraw_all(rec.backend_id, rec.instance_id)
             elif self.connected:
                 await self._drain(rec)
@@ -680,6 +725,9 @@ class Publisher:
         """
         rec = self.record_fn()
         await self.registry.heartbeat(rec)
+        if not self.resyncs:
+            # A predecessor with our backend id may have died without withdrawing.
+            await self.registry.purge(rec.backend_id, rec.models, keep_instance=rec.instance_id)
         covered = len(self._events)
         # In a thread: the store's lock and a big snapshot must not stall the loop.
         snapshot = await asyncio.to_thread(self._snapshot_keys)

@@ -14,6 +14,7 @@ import asyncio
 import collections
 import hmac
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import orjson
 from aiohttp import web
 
 from kvroute import prefix
+from kvroute.process import watch_parent
 from kvroute.errors import APIError, bad_request, error_middleware, not_found, overloaded
 from kvroute.registry import BackendRecord, Registry, RegistryUnavailable
 from kvroute.wire import parse_json
@@ -421,6 +423,7 @@ async def health(request: web.Request) -> web.Response:
     b = state.backends
     return _json({
         "status": "ok",
+        "pid": os.getpid(),
         "policy": state.policy.config.name,
         "backends": [
             {"id": r.backend_id, "url": r.url, "models": r.models, "queue": r.queue_depth,
@@ -487,5 +490,7 @@ async def serve(config: ProxyConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(watch_parent(stop))
     await stop.wait()
+    await watcher
     await runner.cleanup()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs kvroute, then serves: scripts/serve.sh [kvroute backend args]
+# Installs kvroute, then serves everything: scripts/serve.sh [kvroute serve args]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/install.sh
-exec .venv/bin/kvroute backend "$@"
+exec .venv/bin/kvroute serve "$@"

@@ -1,0 +1,350 @@
+"""`kvroute serve`: Redis, backends and the proxy from one command, supervised.
+
+The launcher resolves the models (building the demo model once when none is
+given), checks that weights plus cache budgets fit in memory, starts an embedded
+`redis-server` when no Redis URL is given, then the backend replicas and the
+proxy as child processes. It prefixes each child's log lines with its name,
+restarts a crashed child with backoff (a restarted backend is a new instance, so
+it never inherits the old one's advertisements), and on Ctrl-C / SIGTERM stops
+everything — proxy first, then backends (which withdraw their advertisements),
+then Redis — within 10 seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from . import demo_model
+from .config import DEMO, ConfigError, ModelSpec, ServeConfig
+from .redis_server import RedisServer
+from .sizes import format_bytes
+
+PROCESS_OVERHEAD = 512 << 20  # Python, MLX and the allocator of one backend process
+STOP_GRACE = 7.0  # seconds children get to exit before SIGKILL (the whole stop stays < 10 s)
+COLORS = ["cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan"]
+
+
+# -- models and memory ------------------------------------------------------------
+
+
+def resolve_path(spec: ModelSpec, console: Console) -> str:
+    if spec.path != DEMO:
+        return spec.path
+    with console.status(f"building the demo model ({spec.demo_variant}) ..."):
+        return str(demo_model.ensure(spec.demo_variant))
+
+
+def weights_bytes(path: str) -> int | None:
+    """Size of a model's weight files, or None when it is not on this disk yet."""
+    local = Path(path).expanduser()
+    if not local.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            local = Path(snapshot_download(path, local_files_only=True))
+        except Exception:
+            return None
+    files = list(local.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files) if files else None
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(config: ServeConfig, paths: dict[str, str], total: int | None = None) -> list[str]:
+    """Refuse, with the arithmetic, a deployment whose weights and caches cannot fit.
+    Returns notes about models whose size is unknown (not downloaded yet)."""
+    total = physical_memory() if total is None else total
+    allowed = int(total * config.memory_fraction)
+    lines, notes, need = [], [], 0
+    for spec in config.models:
+        weights = weights_bytes(paths[spec.alias])
+        if weights is None:
+            notes.append(f"{spec.alias}: weights not on disk yet, not counted in the memory check")
+            weights = 0
+        each = weights + spec.cache_bytes + PROCESS_OVERHEAD
+        need += spec.replicas * each
+        lines.append(
+            f"  {spec.alias}: {spec.replicas} x ({format_bytes(weights)} weights + "
+            f"{format_bytes(spec.cache_bytes)} cache + {format_bytes(PROCESS_OVERHEAD)} process) "
+            f"= {format_bytes(spec.replicas * each)}"
+        )
+    if need > allowed:
+        raise ConfigError(
+            "these models do not fit in memory:\n" + "\n".join(lines)
+            + f"\n  total {format_bytes(need)} > {format_bytes(allowed)} "
+            f"({config.memory_fraction:.0%} of {format_bytes(total)} physical memory)\n"
+            "Lower replicas or cache_bytes, or use smaller models."
+        )
+    return notes
+
+
+# -- child processes ----------------------------------------------------------------
+
+
+def free_port(start: int, taken: set[int]) -> int:
+    port = start
+    while True:
+        if port not in taken:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                    return port
+                except OSError:
+                    pass
+        port += 1
+
+
+@dataclass
+class Child:
+    name: str
+    args: list[str]
+    url: str  # health is at url + /health
+    color: str
+    proc: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    started: float = 0.0
+    pumps: list[asyncio.Task] = field(default_factory=list)
+
+
+class Launcher:
+    def __init__(self, config: ServeConfig, console: Console | None = None):
+        self.config = config
+        self.console = console or Console(stderr=True)
+        self.children: list[Child] = []
+        self.redis: RedisServer | None = None
+        self.redis_url = config.redis_url
+        self.secret = config.secret or secrets.token_hex(16)
+        self.token = secrets.token_hex(16)  # only this deployment's proxies reach its backends
+        self.stopping = asyncio.Event()
+        self.paths: dict[str, str] = {}
+
+    # -- start ------------------------------------------------------------------
+
+    def prepare(self) -> list[str]:
+        for spec in self.config.models:
+            self.paths[spec.alias] = resolve_path(spec, self.console)
+        aliases = [s.alias for s in self.config.models]
+        if len(set(aliases)) != len(aliases):
+            raise ConfigError(f"model aliases must be unique, got {aliases}")
+        return check_memory(self.config, self.paths)
+
+    def _common(self) -> list[str]:
+        c = self.config
+        out = ["--log-level", c.log_level]
+        return out + (["--json-logs"] if c.json_logs else [])
+
+    def _plan(self) -> None:
+        c = self.config
+        taken: set[int] = {c.port}
+        i = 0
+        for spec in c.models:
+            for r in range(spec.replicas):
+                port = free_port(c.backend_port_base, taken)
+                taken.add(port)
+                name = f"{spec.alias}-{r + 1}"
+                args = [
+                    "backend", "--model", self.paths[spec.alias], "--model-id", spec.alias,
+                    "--host", c.backend_host, "--port", str(port), "--id", name,
+                    "--redis-url", self.redis_url,
+                    "--advertise-url", f"http://{c.backend_host}:{port}",
+                    "--cache-bytes", str(spec.cache_bytes),
+                    "--prefill-step", str(spec.prefill_step), "--max-batch", str(spec.max_batch),
+                    "--max-queue", str(spec.max_queue),
+                    "--max-prompt-tokens", str(spec.max_prompt_tokens),
+                    "--default-max-tokens", str(spec.default_max_tokens), *self._common(),
+                ]
+                self.children.append(Child(name, args, f"http://{c.backend_host}:{port}",
+                                           COLORS[i % len(COLORS)]))
+                i += 1
+        args = ["proxy", "--redis-url", self.redis_url, "--host", c.host, "--port", str(c.port),
+                "--policy", c.policy, *self._common()]
+        for key, scope in c.api_keys.items():
+            args += ["--api-key", f"{key}:{scope}" if scope else key]
+        host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
+        self.children.append(Child("proxy", args, f"http://{host}:{c.port}", "bold white"))
+
+    async def _spawn(self, child: Child) -> None:
+        # Secrets travel in the environment, not argv, which `ps` shows to every user.
+        env = {**os.environ, "KVROUTE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
+               "KVROUTE_SECRET": self.secret, "KVROUTE_INTERNAL_TOKEN": self.token}
+        # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which
+        # then stops children in order; children watch the launcher's pid instead.
+        child.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvroute.cli", *child.args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )
+        child.started = time.monotonic()
+        child.pumps = [asyncio.create_task(self._pump(child, child.proc))]
+
+    async def _pump(self, child: Child, proc: asyncio.subprocess.Process) -> None:
+        while line := await proc.stdout.readline():
+            self.log(child, line.decode(errors="replace").rstrip())
+
+    def log(self, child: Child, line: str) -> None:
+        if self.config.json_logs:
+            try:
+                record = orjson.loads(line)
+                record["proc"] = child.name
+                sys.stdout.write(orjson.dumps(record).decode() + "\n")
+            except orjson.JSONDecodeError:
+                sys.stdout.write(orjson.dumps({"proc": child.name, "msg": line}).decode() + "\n")
+            sys.stdout.flush()
+            return
+        self.console.print(f"[{child.color}]{child.name:>14}[/] │ {line}", markup=True,
+                           highlight=False, soft_wrap=True)
+
+    async def _wait_healthy(self, children: list[Child]) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout
+        pending = list(children)
+        while pending:
+            for child in list(pending):
+                if child.proc.returncode is not None:
+                    raise RuntimeError(f"{child.name} exited with {child.proc.returncode} while starting")
+                if await asyncio.to_thread(_healthy, child.url):
+                    pending.remove(child)
+            if pending:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"not healthy after {self.config.ready_timeout:.0f}s: "
+                                       + ", ".join(c.name for c in pending))
+                await asyncio.sleep(0.1)
+
+    async def start(self) -> None:
+        if not self.redis_url:
+            self.redis = RedisServer()
+            await asyncio.to_thread(self.redis.start)
+            self.redis_url = self.redis.url
+        self._plan()
+        backends = [c for c in self.children if c.name != "proxy"]
+        with self.console.status(f"starting {len(backends)} backend(s) and the proxy ..."):
+            for child in self.children:
+                await self._spawn(child)
+            await self._wait_healthy(self.children)
+        self.print_ready()
+
+    def print_ready(self) -> None:
+        c = self.config
+        proxy = self.children[-1]
+        table = Table(title="kvroute is serving")
+        for col in ("process", "model", "url", "pid"):
+            table.add_column(col)
+        for child in self.children:
+            model = child.args[child.args.index("--model-id") + 1] if "--model-id" in child.args else "*"
+            table.add_row(child.name, model, child.url, str(child.proc.pid))
+        table.add_row("redis", "", self.redis_url if self.redis else "(external)", "")
+        self.console.print(table)
+        model = c.models[0].alias
+        key = next(iter(c.api_keys), "unused")
+        self.console.print(
+            f"\nOpenAI endpoint: [bold]{proxy.url}/v1[/]   models: {', '.join(m.alias for m in c.models)}\n"
+            f"Try it:\n"
+            f"  curl -s {proxy.url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-H 'Authorization: Bearer {key}' \\\n"
+            f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'\n"
+            f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{proxy.url}/v1', "
+            f"api_key='{key}'); print(c.chat.completions.create(model='{model}', "
+            f"messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message.content)\"\n",
+            highlight=False, soft_wrap=True,
+        )
+
+    # -- supervise ------------------------------------------------------------------
+
+    async def supervise(self) -> None:
+        await asyncio.gather(*(self._watch(child) for child in self.children))
+
+    async def _watch(self, child: Child) -> None:
+        backoff = 1.0
+        while not self.stopping.is_set():
+            code = await child.proc.wait()
+            await asyncio.gather(*child.pumps, return_exceptions=True)
+            if self.stopping.is_set():
+                return
+            if time.monotonic() - child.started > 60:
+                backoff = 1.0  # it had been healthy a while: this is a fresh failure
+            self.console.print(f"[red]{child.name} exited with {code}; restarting in {backoff:.0f}s[/]")
+            try:
+                await asyncio.wait_for(self.stopping.wait(), backoff)
+                return
+            except asyncio.TimeoutError:
+                pass
+            backoff = min(backoff * 2, 30.0)
+            child.restarts += 1
+            await self._spawn(child)
+
+    # -- stop -------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        proxy = [c for c in self.children if c.name == "proxy"]
+        backends = [c for c in self.children if c.name != "proxy"]
+        deadline = time.monotonic() + STOP_GRACE
+        for group in (proxy, backends):  # no new requests first, then drain backends
+            for child in group:
+                _signal(child, signal.SIGTERM)
+            for child in group:
+                await _wait_or_kill(child, max(0.5, deadline - time.monotonic()))
+        if self.redis is not None:
+            await asyncio.to_thread(self.redis.stop)
+
+
+def _signal(child: Child, sig: int) -> None:
+    if child.proc is not None and child.proc.returncode is None:
+        try:
+            child.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+async def _wait_or_kill(child: Child, timeout: float) -> None:
+    if child.proc is None:
+        return
+    try:
+        await asyncio.wait_for(child.proc.wait(), timeout)
+    except asyncio.TimeoutError:
+        _signal(child, signal.SIGKILL)
+        await child.proc.wait()
+    await asyncio.gather(*child.pumps, return_exceptions=True)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+async def run(config: ServeConfig, console: Console | None = None) -> int:
+    launcher = Launcher(config, console)
+    notes = await asyncio.to_thread(launcher.prepare)
+    for note in notes:
+        launcher.console.print(f"[yellow]note:[/] {note}")
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, launcher.stopping.set)
+    supervisor = None
+    try:
+        await launcher.start()
+        supervisor = asyncio.create_task(launcher.supervise())
+        await launcher.stopping.wait()
+        launcher.console.print("stopping ...")
+    finally:
+        await launcher.stop()
+    if supervisor is not None:
+        await asyncio.gather(supervisor, return_exceptions=True)
+    return 0

@@ -1,0 +1,195 @@
+"""`kvroute serve`: the README's command, supervision, shutdown, multi-model configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from harness import free_port, get_json, request, wait_until
+
+from kvroute.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_serve_command() -> str:
+    """The serve line of the README's quick start, exactly as written."""
+    text = (ROOT / "README.md").read_text()
+    quick = text[text.index("## Quick start"):]
+    block = quick[quick.index("```bash") + 7: quick.index("```", quick.index("```bash") + 7)]
+    (line,) = [l for l in block.splitlines() if l.startswith("scripts/serve")]
+    return line.split("#")[0].strip()
+
+
+def start_serve(cmd: list[str] | str, env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, shell=isinstance(cmd, str),
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_proxy(port: int, backends: int, proc: subprocess.Popen, log: Path) -> dict:
+    def ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        health = get_json(f"http://127.0.0.1:{port}/health")
+        return health if len(health["backends"]) == backends else None
+
+    return wait_until(ready, 120, interval=0.2, what="kvroute serve to be ready")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 15) -> float:
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout)
+    return time.monotonic() - t0
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie awaiting its reaper is gone for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_readme_serve_command_serves_and_caches(tmp_path, model_cache):
+    cmd = readme_serve_command()
+    assert cmd.startswith("scripts/serve.sh")
+    port = free_port()
+    log = tmp_path / "serve.log"
+    proc = start_serve(cmd, {"KVROUTE_PORT": str(port), "KVROUTE_CACHE_DIR": str(model_cache)}, log)
+    try:
+        wait_proxy(port, 2, proc, log)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "Hello, kvroute."}]
+        r1 = c.chat.completions.create(model="kvroute-demo", messages=messages)
+        messages += [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "Once more."}]
+        r2 = c.chat.completions.create(model="kvroute-demo", messages=messages)
+        assert r2.usage.prompt_tokens_details.cached_tokens > 0
+        assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+    finally:
+        stop(proc, 30)
+
+
+CONFIG = """
+secret = "test-secret"
+
+[redis]
+url = "{redis}"
+
+[proxy]
+port = {port}
+
+[backends]
+port_base = {base}
+
+[[models]]
+path = "demo"
+alias = "small"
+replicas = {replicas}
+cache_bytes = "64MiB"
+
+[[models]]
+path = "demo"
+alias = "large"
+replicas = 1
+cache_bytes = "{large}"
+"""
+
+
+def write_config(tmp_path, redis_url, port, replicas=1, large="128MiB") -> Path:
+    path = tmp_path / "kvroute.toml"
+    path.write_text(CONFIG.format(redis=redis_url, port=port, base=free_port(), replicas=replicas,
+                                  large=large))
+    return path
+
+
+def serve_cmd(config: Path) -> list[str]:
+    return [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config)]
+
+
+def test_two_models_supervision_and_clean_shutdown(tmp_path, model_cache):
+    redis = RedisServer()
+    redis.start()
+    port = free_port()
+    log = tmp_path / "serve.log"
+    proc = start_serve(serve_cmd(write_config(tmp_path, redis.url, port)),
+                       {"KVROUTE_CACHE_DIR": str(model_cache)}, log)
+    try:
+        health = wait_proxy(port, 2, proc, log)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert {m.id for m in c.models.list()} == {"small", "large"}
+        for model in ("small", "large"):
+            raw = c.chat.completions.with_raw_response.create(
+                model=model, messages=[{"role": "user", "content": "hi"}])
+            assert raw.parse().choices[0].finish_reason == "stop"
+            assert raw.headers["x-kvroute-backend"] == f"{model}-1"
+        budgets = {b["id"]: get_json(b["url"] + "/health")["cache"]["budget_bytes"]
+                   for b in health["backends"]}
+        assert budgets == {"small-1": 64 << 20, "large-1": 128 << 20}
+
+        # SIGKILL of a backend: the launcher restarts it (a new instance) and it serves again.
+        small = next(b for b in health["backends"] if b["id"] == "small-1")
+        before = get_json(small["url"] + "/health")
+        os.kill(before["pid"], signal.SIGKILL)
+        after = wait_until(
+            lambda: (h := get_json(small["url"] + "/health"))["instance_id"] != before["instance_id"] and h,
+            30, interval=0.2, what="the killed backend to be restarted")
+        assert after["pid"] != before["pid"]
+        r = c.chat.completions.create(model="small", messages=[{"role": "user", "content": "again"}])
+        assert r.choices[0].finish_reason == "stop"
+
+        pids = [get_json(b["url"] + "/health")["pid"] for b in health["backends"]]
+        pids.append(get_json(f"http://127.0.0.1:{port}/health")["pid"])
+    finally:
+        elapsed = stop(proc)
+    assert elapsed < 10, elapsed
+    assert proc.returncode == 0, log.read_text()[-2000:]
+    assert all(gone(pid) for pid in pids), pids
+    # Nothing of this deployment stays advertised (pending routing marks expire in seconds).
+    import redis as redis_py
+
+    r = redis_py.Redis.from_url(redis.url)
+    try:
+        wait_until(lambda: not list(r.scan_iter("kvr:*")), 10, interval=0.2,
+                   what="Redis to hold no key of the stopped deployment")
+    except TimeoutError:
+        raise AssertionError(f"left in Redis: {list(r.scan_iter('kvr:*'))}\n{log.read_text()[-3000:]}")
+    r.close()
+    redis.stop()
+
+
+def test_config_over_memory_is_refused_with_the_numbers(tmp_path, model_cache):
+    port = free_port()
+    config = write_config(tmp_path, "redis://127.0.0.1:1/0", port, replicas=3, large="100TiB")
+    out = subprocess.run(serve_cmd(config), cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "KVROUTE_CACHE_DIR": str(model_cache), "COLUMNS": "200"})
+    assert out.returncode == 2
+    message = out.stderr
+    assert "do not fit in memory" in message
+    assert re.search(r"small: 3 x \(.*weights \+ 64\.0 MiB cache", message), message
+    assert "total" in message and "physical memory" in message
+    # Refused before anything started: nothing listens on the proxy port.
+    with pytest.raises(OSError):
+        request(f"http://127.0.0.1:{port}/health", timeout=1)
+
+
+def test_bad_config_is_refused_clearly(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[[models]]\npath = 'demo'\nrelicas = 2\n")
+    out = subprocess.run(serve_cmd(path), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unknown keys ['relicas']" in out.stderr
