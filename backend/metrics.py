@@ -70,6 +70,14 @@ class BackendMetrics:
             "kvroute_backend_prefill_tokens_per_second", "Measured prefill rate (moving average)",
             labels, registry=r,
         )
+        self.registry_failures = Gauge(
+            "kvroute_backend_registry_failures", "Redis errors the publisher met (monotonic)",
+            labels, registry=r,
+        )
+        self.registry_connected = Gauge(
+            "kvroute_backend_registry_connected", "1 while the publisher is in sync with Redis",
+            labels, registry=r,
+        )
         self.ttft = Histogram(
             "kvroute_backend_ttft_seconds", "Time to first token",
             labels + ["cached"], buckets=_LATENCY_BUCKETS, registry=r,

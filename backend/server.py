@@ -241,10 +241,13 @@ async def _whole(job: Job, builder: ChatBuilder | CompletionBuilder) -> web.Resp
 def _cache_headers(job: Job) -> dict:
     # Known once the engine admitted the job (before its first event): lets the
     # proxy measure routing precision without parsing streamed bodies.
-    return {
+    headers = {
         "x-kvroute-prompt-tokens": str(len(job.prompt)),
         "x-kvroute-cached-tokens": str(job.cached_tokens),
     }
+    if job.first_token_at is not None:
+        headers["x-kvroute-ttft-ms"] = f"{(job.first_token_at - job.submitted) * 1000:.1f}"
+    return headers
 
 
 def _sse(obj: dict) -> bytes:
@@ -374,8 +377,27 @@ def _token_middleware(token: str):
     return check
 
 
+def _count_middleware(metrics_: BackendMetrics):
+    @web.middleware
+    async def count(request: web.Request, handler):
+        # Outermost: sees the final status, after errors became envelopes.
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        finally:
+            if request.path.startswith("/v1/"):
+                metrics_.l(metrics_.requests, endpoint=request.path, status=str(status)).inc()
+
+    return count
+
+
 def create_app(state: State) -> web.Application:
-    middlewares = [error_middleware]
+    middlewares = [_count_middleware(state.metrics), error_middleware]
     if state.config.internal_token:
         middlewares.append(_token_middleware(state.config.internal_token))
     app = web.Application(middlewares=middlewares, client_max_size=state.config.max_body_bytes)
@@ -448,6 +470,9 @@ def start_publisher(state: State) -> Publisher:
             publisher.on_evict(event.model, event.keys)
 
     state.store.listeners.append(publish)
+    m = state.metrics
+    m.l(m.registry_failures).set_function(lambda: publisher.failures)
+    m.l(m.registry_connected).set_function(lambda: float(publisher.connected))
     return publisher
 
 

@@ -217,6 +217,20 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def _stats_parser(sub) -> None:
+    p = sub.add_parser("stats", help="show a proxy's cache and routing figures in the terminal",
+                       description="The dashboard's figures as tables, read from a proxy's /stats.")
+    p.add_argument("--url", default=_env("url", "http://127.0.0.1:8000"),
+                   help="the proxy (default http://127.0.0.1:8000)")
+    p.add_argument("--watch", action="store_true", help="refresh every 2 s until Ctrl-C")
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from .stats_cli import run
+
+    return run(args.url, args.watch)
+
+
 def _demo_parser(sub) -> None:
     p = sub.add_parser("demo-model", help="build the tiny demo/test model into DIR",
                        description="Build, offline and in seconds, a tiny mlx-lm model with a "
@@ -274,11 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     _backend_parser(sub)
     _proxy_parser(sub)
     _serve_parser(sub)
+    _stats_parser(sub)
     _demo_parser(sub)
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "log_level", None) or "info", bool(getattr(args, "json_logs", False)))
     handlers = {"backend": run_backend, "proxy": run_proxy, "serve": run_serve,
-                "demo-model": run_demo_model}
+                "stats": run_stats, "demo-model": run_demo_model}
     return handlers[args.command](args)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
@@ -45,6 +46,23 @@ class ProxyMetrics:
         )
         self.failovers = Counter(
             "kvroute_proxy_failovers", "Requests retried on another backend after a failure",
+            ["backend"], registry=r,
+        )
+        self.seconds_saved = Counter(
+            "kvroute_proxy_prefill_seconds_saved",
+            "Cached tokens over the serving backend's measured prefill rate",
+            ["model", "backend"], registry=r,
+        )
+        self.ttft = Histogram(
+            "kvroute_proxy_ttft_seconds", "Backend-measured time to first token of routed requests",
+            ["model", "cached"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.backend_cache_bytes = Gauge(
+            "kvroute_proxy_backend_cache_bytes", "Prompt-cache bytes each backend reports",
+            ["backend"], registry=r,
+        )
+        self.backend_queue_depth = Gauge(
+            "kvroute_proxy_backend_queue_depth", "Queue depth each backend reports",
             ["backend"], registry=r,
         )
         self.inflight = Gauge(

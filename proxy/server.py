@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -32,6 +33,7 @@ from kvroute.wire import parse_json
 
 from .metrics import ProxyMetrics
 from .policy import Candidate, Decision, Policy, PolicyConfig
+from .stats import SERIES_PERIOD, Stats
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -119,6 +121,7 @@ class State:
     policy: Policy
     metrics: ProxyMetrics
     backends: Backends
+    stats: Stats = field(default_factory=Stats)
     session: aiohttp.ClientSession | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
     background: set = field(default_factory=set)
@@ -336,6 +339,7 @@ async def _forward(request: web.Request, state: State, raw: bytes, model: str, s
             raise _Retry(overloaded("Every backend serving this model is at capacity.",
                                     retry_after), failover=False)
         _record_decision(state, model, decision, upstream)
+        _record_stats(state, model, decision, upstream)
         headers = _route_headers(decision)
         for name in ("x-kvroute-cached-tokens", "x-kvroute-prompt-tokens", "Retry-After"):
             if name in upstream.headers:
@@ -369,6 +373,33 @@ def _record_decision(state: State, model: str, decision: Decision, upstream) -> 
         m.actual_tokens.labels(model, bid).inc(int(cached))
     if prompt and prompt.isdigit():
         m.prompt_tokens.labels(model, bid).inc(int(prompt))
+
+
+def _header_int(upstream, name: str) -> int | None:
+    value = upstream.headers.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
+def _record_stats(state: State, model: str, decision: Decision, upstream) -> None:
+    c = decision.candidate
+    cached = _header_int(upstream, "x-kvroute-cached-tokens")
+    try:
+        ttft_ms = float(upstream.headers["x-kvroute-ttft-ms"])
+    except (KeyError, ValueError):
+        ttft_ms = None
+    record = state.backends.records.get(c.backend_id)
+    tps = (record.prefill_tps if record else 0.0) or c.prefill_tps
+    state.stats.record(
+        model=model, backend=c.backend_id, reason=decision.reason, prefix_blocks=c.depth,
+        predicted_tokens=decision.predicted_tokens, status=upstream.status,
+        prompt_tokens=_header_int(upstream, "x-kvroute-prompt-tokens"), cached_tokens=cached,
+        ttft_ms=ttft_ms, prefill_tps=tps,
+    )
+    m = state.metrics
+    if cached and tps > 0:
+        m.seconds_saved.labels(model, c.backend_id).inc(cached / tps)
+    if ttft_ms is not None and upstream.status < 400:
+        m.ttft.labels(model, "true" if cached else "false").observe(ttft_ms / 1000)
 
 
 async def _relay_stream(request: web.Request, upstream, headers: dict, bid: str) -> web.StreamResponse:
@@ -418,6 +449,16 @@ async def models(request: web.Request) -> web.Response:
     return _json({"object": "list", "data": data})
 
 
+def fleet(state: State) -> list[dict]:
+    b = state.backends
+    return [
+        {"id": r.backend_id, "url": r.url, "models": r.models, "queue_depth": r.queue_depth,
+         "inflight": b.inflight.get(r.backend_id, 0), "suspect": b.is_suspect(r.backend_id),
+         "prefill_tps": r.prefill_tps, "cache_bytes": r.cache_bytes, "cache_budget": r.cache_budget}
+        for r in sorted(b.records.values(), key=lambda r: r.backend_id)
+    ]
+
+
 async def health(request: web.Request) -> web.Response:
     state = _state(request)
     b = state.backends
@@ -425,14 +466,33 @@ async def health(request: web.Request) -> web.Response:
         "status": "ok",
         "pid": os.getpid(),
         "policy": state.policy.config.name,
-        "backends": [
-            {"id": r.backend_id, "url": r.url, "models": r.models, "queue": r.queue_depth,
-             "inflight": b.inflight.get(r.backend_id, 0), "suspect": b.is_suspect(r.backend_id),
-             "prefill_tps": r.prefill_tps, "cache_bytes": r.cache_bytes}
-            for r in b.records.values()
-        ],
+        "backends": fleet(state),
         "registry_age_s": round(time.time() - b.refreshed, 2) if b.refreshed else None,
     })
+
+
+async def stats(request: web.Request) -> web.Response:
+    state = _state(request)
+    return _json(state.stats.snapshot(fleet(state)))
+
+
+_DASHBOARD = Path(__file__).with_name("dashboard.html")
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    # Read per request: one small file, and edits show without a restart.
+    return web.Response(body=_DASHBOARD.read_bytes(), content_type="text/html", charset="utf-8")
+
+
+async def sample_stats(state: State) -> None:
+    m = state.metrics
+    while True:
+        backends = fleet(state)
+        state.stats.sample(backends)
+        for b in backends:
+            m.backend_cache_bytes.labels(b["id"]).set(b["cache_bytes"])
+            m.backend_queue_depth.labels(b["id"]).set(b["queue_depth"])
+        await asyncio.sleep(SERIES_PERIOD)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -452,6 +512,8 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/dashboard", dashboard)
     app.on_startup.append(_startup)
     app.on_cleanup.append(_cleanup)
     return app
@@ -466,6 +528,7 @@ async def _startup(app: web.Application) -> None:
                                           connector=aiohttp.TCPConnector(limit=0),
                                           auto_decompress=False)
     state.tasks.append(asyncio.create_task(refresh_backends(state)))
+    state.tasks.append(asyncio.create_task(sample_stats(state)))
 
 
 async def _cleanup(app: web.Application) -> None:

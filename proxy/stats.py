@@ -1,0 +1,129 @@
+"""What this proxy has routed, for `/stats`, the dashboard and `kvroute stats`.
+
+Every figure here is counted from the proxied requests themselves (the backend's
+`x-kvroute-prompt-tokens`, `-cached-tokens` and `-ttft-ms` headers), the same
+sources as this proxy's Prometheus counters, so the dashboard and `/metrics`
+agree. Memory is bounded: fixed-size rings of samples, points and decisions.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+SERIES_POINTS = 300  # one point every SERIES_PERIOD seconds: 10 minutes
+SERIES_PERIOD = 2.0
+TTFT_SAMPLES = 1000
+DECISIONS = 50
+
+
+@dataclass
+class Counts:
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    seconds_saved: float = 0.0
+
+    def add(self, prompt: int, cached: int, saved: float, error: bool) -> None:
+        self.requests += 1
+        self.errors += error
+        self.prompt_tokens += prompt
+        self.cached_tokens += cached
+        self.seconds_saved += saved
+
+    def as_dict(self) -> dict:
+        return {
+            "requests": self.requests,
+            "errors": self.errors,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hit_ratio": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None,
+            "seconds_saved": round(self.seconds_saved, 3),
+        }
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))], 2)
+
+
+@dataclass
+class ModelStats:
+    counts: Counts = field(default_factory=Counts)
+    ttft: dict[str, collections.deque] = field(default_factory=lambda: {
+        "cached": collections.deque(maxlen=TTFT_SAMPLES),
+        "cold": collections.deque(maxlen=TTFT_SAMPLES),
+    })
+
+    def ttft_summary(self) -> dict:
+        return {
+            kind: {"p50": _percentile(list(s), 0.5), "p95": _percentile(list(s), 0.95),
+                   "count": len(s)}
+            for kind, s in self.ttft.items()
+        }
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.totals = Counts()
+        self.models: dict[str, ModelStats] = {}
+        self.backends: dict[str, Counts] = {}
+        self.series: collections.deque = collections.deque(maxlen=SERIES_POINTS)
+        self.decisions: collections.deque = collections.deque(maxlen=DECISIONS)
+
+    def record(self, *, model: str, backend: str, reason: str, prefix_blocks: int,
+               predicted_tokens: int, status: int, prompt_tokens: int | None,
+               cached_tokens: int | None, ttft_ms: float | None, prefill_tps: float) -> None:
+        prompt, cached = prompt_tokens or 0, cached_tokens or 0
+        saved = cached / prefill_tps if prefill_tps > 0 else 0.0
+        error = status >= 400
+        self.totals.add(prompt, cached, saved, error)
+        m = self.models.setdefault(model, ModelStats())
+        m.counts.add(prompt, cached, saved, error)
+        self.backends.setdefault(backend, Counts()).add(prompt, cached, saved, error)
+        if ttft_ms is not None and not error:
+            m.ttft["cached" if cached else "cold"].append(ttft_ms)
+        self.decisions.appendleft({
+            "t": time.time(), "model": model, "backend": backend, "reason": reason,
+            "prefix_blocks": prefix_blocks, "predicted_tokens": predicted_tokens,
+            "cached_tokens": cached_tokens, "prompt_tokens": prompt_tokens,
+            "ttft_ms": ttft_ms, "status": status,
+        })
+
+    def sample(self, backends: list[dict]) -> None:
+        """One point of the time series (cumulative counters), every SERIES_PERIOD s."""
+        self.series.append({
+            "t": time.time(),
+            "models": {
+                name: {k: v for k, v in m.counts.as_dict().items()
+                       if k in ("prompt_tokens", "cached_tokens", "seconds_saved", "requests")}
+                for name, m in self.models.items()
+            },
+            "backends": {b["id"]: {"cache_bytes": b["cache_bytes"], "queue_depth": b["queue_depth"]}
+                         for b in backends},
+        })
+
+    def snapshot(self, backends: list[dict]) -> dict:
+        out_backends = []
+        for b in backends:
+            counts = self.backends.get(b["id"], Counts()).as_dict()
+            out_backends.append({**b, "requests": counts["requests"],
+                                 "prompt_tokens": counts["prompt_tokens"],
+                                 "cached_tokens": counts["cached_tokens"],
+                                 "hit_ratio": counts["hit_ratio"]})
+        return {
+            "now": time.time(),
+            "uptime_s": round(time.time() - self.started, 1),
+            "totals": self.totals.as_dict(),
+            "models": {name: {**{k: v for k, v in m.counts.as_dict().items() if k != "errors"},
+                              "ttft_ms": m.ttft_summary()}
+                       for name, m in self.models.items()},
+            "backends": out_backends,
+            "series": list(self.series),
+            "decisions": list(self.decisions),
+        }

@@ -1,0 +1,116 @@
+"""Metrics add up: a known workload's usage fields equal the Prometheus counters,
+per model and backend, on the backends and on the proxy; `kvroute stats` agrees."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections import defaultdict
+
+import openai
+import pytest
+from harness import BackendProcess, free_port, request, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.redis_server import RedisServer
+
+
+def samples(url: str) -> dict:
+    """{(sample name, frozenset(labels)): value} of a /metrics page."""
+    status, _, data = request(url + "/metrics")
+    assert status == 200
+    out = {}
+    for family in text_string_to_metric_families(data.decode()):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(metrics: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in metrics.items()
+               if n == name and all((k, val) in ls for k, val in labels.items()))
+
+
+@pytest.fixture(scope="module")
+def system(text_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("metrics")
+    redis = RedisServer()
+    redis.start()
+    common = ["--redis-url", redis.url, "--secret", "m"]
+    backends = [BackendProcess(text_model, "alpha", logs, backend_id="alpha-1", extra=common),
+                BackendProcess(text_model, "beta", logs, backend_id="beta-1", extra=common)]
+    for b in backends:
+        b.start()
+    port = free_port()
+    proxy = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "proxy", "--redis-url", redis.url,
+                              "--secret", "m", "--port", str(port)],
+                             stdout=open(logs / "proxy.log", "wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: len(json.loads(request(url + "/health")[2])["backends"]) == 2, 30)
+    yield {"proxy": url, "backends": {b.backend_id: b for b in backends}}
+    proxy.terminate()
+    proxy.wait(10)
+    for b in backends:
+        b.stop()
+    redis.stop()
+
+
+@pytest.fixture(scope="module")
+def workload(system):
+    """3 conversations x 4 turns per model; returns the usage sums per (model, backend)."""
+    client = openai.OpenAI(base_url=system["proxy"] + "/v1", api_key="x", max_retries=0)
+    expected = defaultdict(lambda: defaultdict(int))  # (model, backend) -> field -> sum
+    for model in ("alpha", "beta"):
+        for c in range(3):
+            messages = [{"role": "system", "content": f"{uuid.uuid4().hex} conversation {c}"},
+                        {"role": "user", "content": "Hello."}]
+            for turn in range(4):
+                raw = client.chat.completions.with_raw_response.create(model=model, messages=messages)
+                r = raw.parse()
+                key = (model, raw.headers["x-kvroute-backend"])
+                expected[key]["prompt"] += r.usage.prompt_tokens
+                expected[key]["cached"] += r.usage.prompt_tokens_details.cached_tokens
+                expected[key]["completion"] += r.usage.completion_tokens
+                expected[key]["requests"] += 1
+                messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                             {"role": "user", "content": f"Turn {turn}."}]
+    return expected
+
+
+def test_token_counters_equal_the_usage_sums(system, workload):
+    expected = workload
+    proxy = samples(system["proxy"])
+    assert set(expected) == {("alpha", "alpha-1"), ("beta", "beta-1")}
+    for (model, backend), sums in expected.items():
+        assert sums["cached"] > 0  # turns 2-4 hit
+        b = samples(system["backends"][backend].url)
+        labels = {"model": model, "backend": backend}
+        assert value(b, "kvroute_backend_prompt_tokens_total", **labels) == sums["prompt"]
+        assert value(b, "kvroute_backend_cached_tokens_total", **labels) == sums["cached"]
+        assert value(b, "kvroute_backend_completion_tokens_total", **labels) == sums["completion"]
+        assert value(b, "kvroute_backend_finished_total", exit="eos", **labels) == sums["requests"]
+        assert value(b, "kvroute_backend_requests_total", status="200", **labels) == sums["requests"]
+        assert value(b, "kvroute_backend_ttft_seconds_count", **labels) == sums["requests"]
+        assert value(proxy, "kvroute_proxy_prompt_tokens_total", **labels) == sums["prompt"]
+        assert value(proxy, "kvroute_proxy_cached_tokens_total", **labels) == sums["cached"]
+        assert value(proxy, "kvroute_proxy_requests_total", status="200", **labels) == sums["requests"]
+        assert value(proxy, "kvroute_proxy_ttft_seconds_count", model=model) == sums["requests"]
+    stats = json.loads(request(system["proxy"] + "/stats")[2])
+    total_prompt = sum(s["prompt"] for s in expected.values())
+    total_cached = sum(s["cached"] for s in expected.values())
+    assert stats["totals"]["prompt_tokens"] == total_prompt
+    assert stats["totals"]["cached_tokens"] == total_cached
+    assert {m: s["prompt_tokens"] for m, s in stats["models"].items()} == {
+        model: sums["prompt"] for (model, _), sums in expected.items()}
+
+
+def test_stats_command_prints_the_metrics_hit_ratio(system, workload):
+    proxy = samples(system["proxy"])
+    ratio = (value(proxy, "kvroute_proxy_cached_tokens_total")
+             / value(proxy, "kvroute_proxy_prompt_tokens_total"))
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "stats", "--url", system["proxy"]],
+                         capture_output=True, text=True, timeout=30, env={"COLUMNS": "160", "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert f"{ratio * 100:.1f}%" in out.stdout, out.stdout
