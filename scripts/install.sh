@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Installs kvroute into ./.venv (and redis-server when missing). Sourced by serve.sh and test.sh.
+# Installs kvroute into ./.venv, and redis-server when missing. With --test, also
+# the test extras and a headless Chromium for the dashboard test.
 # Usage: scripts/install.sh [--test]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+test_mode=""
+[ "${1:-}" = "--test" ] && test_mode=1
 
 py=${PYTHON:-python3}
 if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
@@ -14,17 +15,30 @@ if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; th
 fi
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras}"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${test_mode:+[test]}"
+
+apt_updated=""
+apt_install() {
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  if [ -z "$apt_updated" ]; then $sudo apt-get update -qq; apt_updated=1; fi
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
+}
 
 if ! command -v redis-server >/dev/null 2>&1; then
   echo "installing redis-server ..." >&2
   if command -v apt-get >/dev/null 2>&1; then
-    sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
-    $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null
+    apt_install redis-server
   elif command -v brew >/dev/null 2>&1; then
     brew install redis
   else
     echo "redis-server not found: install Redis (apt-get install redis-server / brew install redis)" >&2
     exit 1
   fi
+fi
+
+if [ -n "$test_mode" ] && command -v apt-get >/dev/null 2>&1 \
+   && ! command -v chromium >/dev/null 2>&1 && ! command -v google-chrome >/dev/null 2>&1; then
+  echo "installing chromium (dashboard test) ..." >&2
+  apt_install chromium fonts-dejavu-core
 fi
