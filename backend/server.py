@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvroute import prefix
+from kvroute import openapi, prefix
 from kvroute.process import watch_parent
 from kvroute.errors import APIError, bad_request, error_middleware, not_found
 from kvroute.prefix import DEFAULT_BLOCK_BYTES
@@ -359,6 +359,8 @@ def _describe_entries(store: Store) -> list[dict]:
                     "exit_path": e.exit_path,
                     "hits": e.hits,
                     "kv_digest": digest.hexdigest(),
+                    # The prefix keys advertised for it, as stored in Redis (hashes only).
+                    "chain": [f"{k:016x}" for k in e.chain],
                 }
             )
     return out
@@ -396,6 +398,13 @@ def _count_middleware(metrics_: BackendMetrics):
     return count
 
 
+_OPENAPI = orjson.dumps(openapi.spec("backend"))
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    return web.Response(body=_OPENAPI, content_type="application/json")
+
+
 def create_app(state: State) -> web.Application:
     middlewares = [_count_middleware(state.metrics), error_middleware]
     if state.config.internal_token:
@@ -407,6 +416,7 @@ def create_app(state: State) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_json)
     app.router.add_get("/debug/cache", cache_entries)
     return app
 

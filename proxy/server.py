@@ -25,7 +25,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvroute import prefix
+from kvroute import openapi, prefix
 from kvroute.process import watch_parent
 from kvroute.errors import APIError, bad_request, error_middleware, not_found, overloaded
 from kvroute.registry import BackendRecord, Registry, RegistryUnavailable
@@ -500,6 +500,13 @@ async def metrics(request: web.Request) -> web.Response:
                         charset="utf-8")
 
 
+_OPENAPI = orjson.dumps(openapi.spec("proxy"))
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    return web.Response(body=_OPENAPI, content_type="application/json")
+
+
 def create_app(config: ProxyConfig) -> web.Application:
     registry = Registry(config.redis_url, lookup_timeout=config.lookup_timeout)
     policy = Policy(PolicyConfig(name=config.policy, locality_slack=config.locality_slack))
@@ -512,6 +519,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_json)
     app.router.add_get("/stats", stats)
     app.router.add_get("/dashboard", dashboard)
     app.on_startup.append(_startup)

@@ -1,0 +1,211 @@
+"""The OpenAPI 3.1 description of kvroute's HTTP surface, served at /openapi.json.
+
+One description for both processes: the proxy and the backend accept the same
+request bodies (the proxy passes them through unchanged); each serves the
+operations it has. Schemas here mirror `kvroute/wire.py`, which is what really
+validates: keep the two in step (tests fuzz the servers from this description).
+"""
+
+from __future__ import annotations
+
+from . import __version__
+from .wire import MAX_COMPLETION_LOGPROBS, MAX_STOP, MAX_TOP_LOGPROBS, ROLES
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+_TEXT_PART = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+}
+
+_TOOL_CALL = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string", "minLength": 1}, "arguments": {"type": "string"}},
+        },
+    },
+}
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"enum": list(ROLES)},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART},
+                              {"type": "null"}]},
+        "name": {"type": "string"},
+        "tool_calls": {"type": "array", "items": _TOOL_CALL},
+        "tool_call_id": {"type": "string"},
+    },
+}
+
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "description": {"type": "string"},
+                "parameters": {"type": "object"},
+            },
+        },
+    },
+}
+
+_SAMPLING = {
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "seed": {"type": "integer"},
+    "stop": {"anyOf": [{"type": "string"},
+                       {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP}]},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
+                                                              "maximum": 100}},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "n": {"const": 1},
+    "user": {"type": "string"},
+}
+
+CHAT_REQUEST = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "tools": {"type": "array", "items": _TOOL},
+        "tool_choice": {"enum": ["auto", "none"]},
+        "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+        "response_format": {"type": "object", "properties": {"type": {"const": "text"}}},
+        **_SAMPLING,
+    },
+}
+
+COMPLETION_REQUEST = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                              "maxItems": 1}]},
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS},
+        **_SAMPLING,
+    },
+}
+
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
+    "properties": {
+        "prompt_tokens": {"type": "integer"},
+        "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"],
+                                  "properties": {"cached_tokens": {"type": "integer"}}},
+    },
+}
+
+_COMPLETION_RESPONSE = {
+    "type": "object",
+    "required": ["id", "object", "created", "model", "choices"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"enum": ["chat.completion", "text_completion"]},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "choices": {"type": "array"},
+        "usage": _USAGE,
+    },
+}
+
+
+def _errors(*codes: int) -> dict:
+    reasons = {400: "Invalid request", 401: "Missing or wrong key or token", 404: "Unknown model",
+               413: "Body too large", 429: "Every queue is full (see Retry-After)",
+               500: "Generation failed", 502: "Backend failed", 503: "No backend reachable"}
+    return {str(c): {"description": reasons[c], "content": {"application/json": {"schema": _ERROR}}}
+            for c in codes}
+
+
+def _generate(summary: str, schema: dict, proxy: bool) -> dict:
+    codes = (400, 401, 404, 413, 429, 500) + ((502, 503) if proxy else ())
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": {
+                "200": {
+                    "description": "A completion, or with stream=true an SSE stream of chunks "
+                                   "ending in `data: [DONE]`",
+                    "content": {"application/json": {"schema": _COMPLETION_RESPONSE},
+                                "text/event-stream": {"schema": {"type": "string"}}},
+                },
+                **_errors(*codes),
+            },
+        }
+    }
+
+
+def _get(summary: str, ctype: str = "application/json") -> dict:
+    return {"get": {"summary": summary,
+                    "responses": {"200": {"description": summary, "content": {ctype: {"schema": {}}}}}}}
+
+
+def spec(role: str) -> dict:
+    """role: "proxy" or "backend"."""
+    proxy = role == "proxy"
+    paths = {
+        "/v1/chat/completions": _generate("Chat completion", CHAT_REQUEST, proxy),
+        "/v1/completions": _generate("Text completion", COMPLETION_REQUEST, proxy),
+        "/v1/models": _get("Models served"),
+        "/health": _get("Liveness and state"),
+        "/metrics": _get("Prometheus metrics", "text/plain"),
+        "/openapi.json": _get("This description"),
+    }
+    if proxy:
+        paths["/stats"] = _get("Cache and routing figures (the dashboard's data)")
+        paths["/dashboard"] = _get("Live dashboard", "text/html")
+    else:
+        paths["/debug/cache"] = _get("Prompt-cache entries (counts and digests, never text)")
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": f"kvroute {role}", "version": __version__,
+                 "description": "OpenAI-compatible endpoints with KV-cache-aware routing."},
+        "paths": paths,
+        "components": {
+            "schemas": {"Error": _ERROR, "ChatRequest": CHAT_REQUEST,
+                        "CompletionRequest": COMPLETION_REQUEST},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
