@@ -63,7 +63,7 @@ def _backend_parser(sub) -> None:
     p.add_argument("--host", default=_env("host", "127.0.0.1"), help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=int(_env("port", 8100)), help="port (default 8100)")
     p.add_argument("--id", dest="backend_id", default=_env("id", ""),
-                   help="stable backend id (default backend-<port>)")
+                   help="stable backend id, unique in the deployment (default <hostname>-<port>)")
     p.add_argument("--cache-bytes", type=parse_bytes, default=parse_bytes(_env("cache_bytes", "2GiB")),
                    help="byte budget of the prompt-cache store, e.g. 512MiB, 8GiB (default 2GiB)")
     p.add_argument("--prefill-step", type=int, default=int(_env("prefill_step", 512)),
