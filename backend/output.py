@@ -136,7 +136,8 @@ class OutputParser:
         try:
             parsed = self.tool_parser(body, self.tools)
         except Exception as exc:  # a model may emit malformed calls
-            log.info("unparseable tool call (%s); returned as text", exc)
+            # Debug only: the exception quotes model output, which stays out of default logs.
+            log.debug("unparseable tool call (%s); returned as text", exc)
             return []
         if isinstance(parsed, dict):
             parsed = [parsed]

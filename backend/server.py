@@ -13,6 +13,7 @@ import hmac
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -427,7 +428,8 @@ def load_state(config: BackendConfig) -> State:
     t0 = time.perf_counter()
     model, tokenizer, model_config = load(config.model, return_config=True)
     config.model_id = config.model_id or Path(config.model.rstrip("/")).name
-    config.backend_id = config.backend_id or f"backend-{config.port}"
+    # Hostname and port: unique across the Macs or containers of one deployment.
+    config.backend_id = config.backend_id or f"{socket.gethostname().split('.')[0]}-{config.port}"
     context = int(model_config.get("max_position_embeddings") or 0) or 32768
     metrics_ = BackendMetrics(config.model_id, config.backend_id)
     store = Store(config.cache_bytes)
@@ -488,6 +490,9 @@ def start_publisher(state: State) -> Publisher:
 
 async def serve(config: BackendConfig) -> None:
     state = await asyncio.to_thread(load_state, config)
+    if config.redis_url and not config.advertise_url and config.host in ("0.0.0.0", "::"):
+        log.warning("listening on %s without --advertise-url: proxies will be told "
+                    "http://%s:%d, which they cannot reach", config.host, config.host, config.port)
     if not config.secret and config.redis_url:
         log.warning("no --secret set: prefix keys in Redis are salted with a public default")
     if config.redis_url:
