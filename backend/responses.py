@@ -56,34 +56,49 @@ def completion_logprobs(entries: list[dict], offset: int) -> dict:
 
 
 @dataclass
-class ChatBuilder:
-    """Builds one chat completion, streamed or whole, with a single id."""
+class _Builder:
+    """What chat and text completions share: one id per response, the envelope."""
 
     model: str
     logprobs: bool = False
-    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
-    tool_calls: list[dict] = field(default_factory=list)
     logprob_entries: list[dict] = field(default_factory=list)
 
-    def _chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> dict:
-        out = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
-        if with_usage:
-            out["usage"] = usage
-        return out
+    CHUNK_OBJECT = WHOLE_OBJECT = ID_PREFIX = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{self.ID_PREFIX}{uuid.uuid4().hex}"
+
+    def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices, **extra}
+
+    def _chunk(self, choice: dict | None, with_usage: bool) -> dict:
+        # With include_usage, every chunk carries "usage": null but the last.
+        extra = {"usage": None} if with_usage else {}
+        return self._envelope(self.CHUNK_OBJECT, [choice] if choice else [], **extra)
+
+    def usage_chunk(self, f: Finish) -> dict:
+        return self._envelope(self.CHUNK_OBJECT, [], usage=_usage(f))
+
+    def _whole(self, choice: dict, f: Finish) -> dict:
+        return self._envelope(self.WHOLE_OBJECT, [choice], usage=_usage(f))
+
+
+@dataclass
+class ChatBuilder(_Builder):
+    """Builds one chat completion, streamed or whole."""
+
+    tool_calls: list[dict] = field(default_factory=list)
+
+    CHUNK_OBJECT, WHOLE_OBJECT, ID_PREFIX = "chat.completion.chunk", "chat.completion", "chatcmpl-"
 
     def first_chunk(self, with_usage: bool) -> dict:
         delta = {"role": "assistant", "content": ""}
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
-                           with_usage=with_usage)
+        return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None},
+                           with_usage)
 
     def delta_chunk(self, d: Delta, with_usage: bool) -> dict:
         delta: dict = {}
@@ -95,19 +110,12 @@ class ChatBuilder:
             ]
             self.tool_calls += d.tool_calls
         logprobs = chat_logprobs(d.logprobs) if self.logprobs and d.logprobs else None
-        return self._chunk(
-            [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}],
-            with_usage=with_usage,
-        )
+        return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None},
+                           with_usage)
 
     def finish_chunk(self, f: Finish, with_usage: bool) -> dict:
-        return self._chunk(
-            [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": f.reason}],
-            with_usage=with_usage,
-        )
-
-    def usage_chunk(self, f: Finish) -> dict:
-        return self._chunk([], _usage(f), with_usage=True)
+        return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": f.reason},
+                           with_usage)
 
     def add(self, d: Delta) -> None:
         self.text.append(d.text)
@@ -120,86 +128,38 @@ class ChatBuilder:
         if self.tool_calls:
             message["tool_calls"] = self.tool_calls
         message["refusal"] = None
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": chat_logprobs(self.logprob_entries) if self.logprobs else None,
-                    "finish_reason": f.reason,
-                }
-            ],
-            "usage": _usage(f),
-        }
+        logprobs = chat_logprobs(self.logprob_entries) if self.logprobs else None
+        return self._whole({"index": 0, "message": message, "logprobs": logprobs,
+                            "finish_reason": f.reason}, f)
 
 
 @dataclass
-class CompletionBuilder:
-    model: str
-    logprobs: bool = False
-    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
-    created: int = field(default_factory=lambda: int(time.time()))
-    text: list[str] = field(default_factory=list)
-    logprob_entries: list[dict] = field(default_factory=list)
-    offset: int = 0
+class CompletionBuilder(_Builder):
+    """Builds one text completion, streamed or whole."""
 
-    def _chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> dict:
-        out = {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
-        if with_usage:
-            out["usage"] = usage
-        return out
+    offset: int = 0  # characters streamed so far, for logprobs' text_offset
 
-    def first_chunk(self, with_usage: bool) -> dict | None:
+    CHUNK_OBJECT = WHOLE_OBJECT = "text_completion"
+    ID_PREFIX = "cmpl-"
+
+    def first_chunk(self, with_usage: bool) -> None:
         return None  # completions streams have no role preamble
 
     def delta_chunk(self, d: Delta, with_usage: bool) -> dict:
-        text = d.text
         logprobs = completion_logprobs(d.logprobs, self.offset) if self.logprobs else None
-        self.offset += len(text)
-        return self._chunk(
-            [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}],
-            with_usage=with_usage,
-        )
+        self.offset += len(d.text)
+        return self._chunk({"index": 0, "text": d.text, "logprobs": logprobs, "finish_reason": None},
+                           with_usage)
 
     def finish_chunk(self, f: Finish, with_usage: bool) -> dict:
-        return self._chunk(
-            [{"index": 0, "text": "", "logprobs": None, "finish_reason": f.reason}],
-            with_usage=with_usage,
-        )
-
-    def usage_chunk(self, f: Finish) -> dict:
-        return self._chunk([], _usage(f), with_usage=True)
+        return self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": f.reason},
+                           with_usage)
 
     def add(self, d: Delta) -> None:
         self.text.append(d.text)
         self.logprob_entries += d.logprobs
 
     def whole(self, f: Finish) -> dict:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "".join(self.text),
-                    "logprobs": completion_logprobs(self.logprob_entries, 0) if self.logprobs else None,
-                    "finish_reason": f.reason,
-                }
-            ],
-            "usage": _usage(f),
-        }
+        logprobs = completion_logprobs(self.logprob_entries, 0) if self.logprobs else None
+        return self._whole({"index": 0, "text": "".join(self.text), "logprobs": logprobs,
+                            "finish_reason": f.reason}, f)

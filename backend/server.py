@@ -12,7 +12,6 @@ import asyncio
 import hmac
 import logging
 import os
-import signal
 import socket
 import time
 import uuid
@@ -24,7 +23,7 @@ import orjson
 from aiohttp import web
 
 from kvroute import openapi, prefix
-from kvroute.process import watch_parent
+from kvroute.process import start_site, wait_for_stop
 from kvroute.errors import APIError, bad_request, error_middleware, not_found
 from kvroute.prefix import DEFAULT_BLOCK_BYTES
 from kvroute.registry import BackendRecord, Publisher, Registry, new_instance_id
@@ -499,20 +498,10 @@ async def serve(config: BackendConfig) -> None:
         state.publisher = start_publisher(state)
         await state.publisher.start()
     state.engine.start()
-    app = create_app(state)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    runner = await start_site(create_app(state), config.host, config.port)
     log.info("backend %s serving %s on http://%s:%d", config.backend_id, config.model_id,
              config.host, config.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    watcher = asyncio.create_task(watch_parent(stop))
-    await stop.wait()
-    await watcher
+    await wait_for_stop()
     log.info("shutting down")
     if state.publisher is not None:
         # Withdraw this instance's advertisements first: no proxy should route here now.

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
+
+from aiohttp import web
 
 log = logging.getLogger("kvroute.process")
 
@@ -28,3 +31,23 @@ async def watch_parent(stop: asyncio.Event, period: float = 1.0) -> None:
             await asyncio.wait_for(stop.wait(), period)
         except asyncio.TimeoutError:
             pass
+
+
+async def start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
+    # handler_cancellation: a client that disconnects cancels its handler, which is
+    # how a disconnect reaches the engine (backend) or the upstream request (proxy).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+async def wait_for_stop() -> None:
+    """Until SIGINT or SIGTERM, or until the launcher that started us is gone."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(watch_parent(stop))
+    await stop.wait()
+    await watcher

@@ -15,7 +15,6 @@ import collections
 import hmac
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ import orjson
 from aiohttp import web
 
 from kvroute import openapi, prefix
-from kvroute.process import watch_parent
+from kvroute.process import start_site, wait_for_stop
 from kvroute.errors import APIError, bad_request, error_middleware, not_found, overloaded
 from kvroute.registry import BackendRecord, Registry, RegistryUnavailable
 from kvroute.wire import parse_json
@@ -550,18 +549,8 @@ async def _cleanup(app: web.Application) -> None:
 
 
 async def serve(config: ProxyConfig) -> None:
-    app = create_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    runner = await start_site(create_app(config), config.host, config.port)
     log.info("proxy on http://%s:%d (policy %s, registry %s)", config.host, config.port,
              config.policy, config.redis_url)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    watcher = asyncio.create_task(watch_parent(stop))
-    await stop.wait()
-    await watcher
+    await wait_for_stop()
     await runner.cleanup()
