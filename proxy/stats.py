@@ -12,6 +12,8 @@ import collections
 import time
 from dataclasses import dataclass, field
 
+from kvroute.hits import is_cache_hit
+
 SERIES_POINTS = 300  # one point every SERIES_PERIOD seconds: 10 minutes
 SERIES_PERIOD = 2.0
 TTFT_SAMPLES = 1000
@@ -87,7 +89,7 @@ class Stats:
         m.counts.add(prompt, cached, saved, error)
         self.backends.setdefault(backend, Counts()).add(prompt, cached, saved, error)
         if ttft_ms is not None and not error:
-            m.ttft["cached" if cached else "cold"].append(ttft_ms)
+            m.ttft["cached" if is_cache_hit(cached, prompt) else "cold"].append(ttft_ms)
         self.decisions.appendleft({
             "t": time.time(), "model": model, "backend": backend, "reason": reason,
             "prefix_blocks": prefix_blocks, "predicted_tokens": predicted_tokens,
