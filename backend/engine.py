@@ -30,6 +30,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_top_p, make_logits_processors
 
 from kvroute.errors import APIError, overloaded, server_error
+from kvroute.hits import is_cache_hit
 from kvroute.wire import SamplingParams
 
 from .metrics import BackendMetrics
@@ -246,7 +247,19 @@ class Engine:
                 return
             if item[0] == "job":
                 self._waiting -= 1
-                self._admit(item[1])
+                job = item[1]
+                try:
+                    self._admit(job)
+                except Exception as exc:
+                    # A request that cannot be admitted fails alone, with an answer
+                    # (never a hang), and the batch already decoding is untouched.
+                    log.exception("admitting a request failed")
+                    if job.uid is not None:
+                        try:
+                            self._gen.remove([job.uid])
+                        except Exception:
+                            pass
+                    self._fail(job, f"Generation failed: {exc}")
             else:
                 _, fn, loop, fut = item
                 try:
@@ -391,7 +404,7 @@ class Engine:
         job.generated += 1
         if job.first_token_at is None:
             job.first_token_at = time.perf_counter()
-            cached = "true" if job.cached_tokens else "false"
+            cached = "true" if is_cache_hit(job.cached_tokens, len(job.prompt)) else "false"
             self.metrics.l(self.metrics.ttft, cached=cached).observe(job.first_token_at - job.submitted)
         is_eos = r.token in self.tokenizer.eos_token_ids
         if job.params.logprobs and not is_eos:
@@ -402,8 +415,13 @@ class Engine:
             chunk = job.parser.feed(job.detokenizer.last_segment)
         if chunk.stopped:
             self._emit_chunk(job, chunk)
-            caches = self._gen.remove([job.uid], return_prompt_caches=True)
-            cache, tokens = caches[job.uid]
+            if r.finish_reason is None:
+                caches = self._gen.remove([job.uid], return_prompt_caches=True)
+                cache, tokens = caches[job.uid]
+            else:
+                # The stop string came with the last token max_tokens allowed: the
+                # generator has already let the sequence go and hands its cache here.
+                cache, tokens = r.prompt_cache, r.all_tokens
             self._commit(job, cache, tokens, "finish")
             self._finish(job, "stop")
             return
@@ -458,7 +476,7 @@ class Engine:
         job.phase = "done"
         self.metrics.l(self.metrics.finished, exit=exit_path).inc()
         self.metrics.l(self.metrics.completion_tokens).inc(job.generated)
-        cached = "true" if job.cached_tokens else "false"
+        cached = "true" if is_cache_hit(job.cached_tokens, len(job.prompt)) else "false"
         self.metrics.l(self.metrics.latency, cached=cached).observe(time.perf_counter() - job.submitted)
         if exit_path == "disconnect":
             job.emit(APIError(499, "Client closed the request.", "server_error"))

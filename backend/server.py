@@ -73,6 +73,7 @@ class State:
     started: float
     instance_id: str = ""
     publisher: Publisher | None = None
+    vocab_size: int = 0  # rows of the logits: logit_bias token ids must index inside them
 
 
 def _state(request: web.Request) -> State:
@@ -146,7 +147,10 @@ def _scope(request: web.Request) -> str | None:
 def _chat_chains(state: State, body: dict, req: ChatRequest, scope: str | None):
     salt = prefix.make_salt(state.config.secret, scope)
     kw = {"model": req.model, "salt": salt, "block_bytes": state.config.block_bytes}
-    chain = prefix.chat_chain(body, **kw)
+    try:
+        chain = prefix.chat_chain(body, **kw)
+    except ValueError as exc:  # what the template ignores but the key scheme refuses
+        raise bad_request(f"Invalid request: {exc}.")
 
     def extend(text: str, tool_calls: list[dict]) -> list[int]:
         # The assistant turn exactly as an OpenAI client will send it back next time.
@@ -203,6 +207,12 @@ async def _generate(
     scope: str | None,
 ) -> web.StreamResponse:
     max_tokens = _budget(state, prompt, req.params.max_tokens)
+    bias = req.params.logit_bias
+    if bias and max(bias) >= state.vocab_size:
+        # An id past the logits would index out of bounds inside MLX (a crash, not an error).
+        raise bad_request(f"logit_bias token id {max(bias)} is outside the vocabulary "
+                          f"(0 to {state.vocab_size - 1}).", param="logit_bias",
+                          code="invalid_value")
     job = Job(
         prompt=prompt,
         params=req.params,
@@ -265,25 +275,30 @@ async def _stream(
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_cache_headers(job)}
     )
-    await resp.prepare(request)
-    preamble = builder.first_chunk(include_usage)
-    if preamble is not None:
-        await resp.write(_sse(preamble))
-    event = first
-    while True:
-        if isinstance(event, Delta):
-            await resp.write(_sse(builder.delta_chunk(event, include_usage)))
-        elif isinstance(event, Finish):
-            await resp.write(_sse(builder.finish_chunk(event, include_usage)))
-            if include_usage:
-                await resp.write(_sse(builder.usage_chunk(event)))
-            break
-        else:
-            await resp.write(_sse(event.body()))
-            break
-        event = await job.events.get()
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+    try:
+        await resp.prepare(request)
+        preamble = builder.first_chunk(include_usage)
+        if preamble is not None:
+            await resp.write(_sse(preamble))
+        event = first
+        while True:
+            if isinstance(event, Delta):
+                await resp.write(_sse(builder.delta_chunk(event, include_usage)))
+            elif isinstance(event, Finish):
+                await resp.write(_sse(builder.finish_chunk(event, include_usage)))
+                if include_usage:
+                    await resp.write(_sse(builder.usage_chunk(event)))
+                break
+            else:
+                await resp.write(_sse(event.body()))
+                break
+            event = await job.events.get()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionError:
+        # The client went away between two events (before aiohttp cancelled this
+        # handler): a disconnect, not a server error. _generate's finally frees the slot.
+        request["client_gone"] = True
     return resp
 
 
@@ -386,7 +401,7 @@ def _count_middleware(metrics_: BackendMetrics):
         status = 500
         try:
             response = await handler(request)
-            status = response.status
+            status = 499 if request.get("client_gone") else response.status
             return response
         except asyncio.CancelledError:
             status = 499  # the client went away
@@ -450,7 +465,15 @@ def load_state(config: BackendConfig) -> State:
         max_queue=config.max_queue,
     )
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
-    return State(config, engine, tokenizer, metrics_, store, context, time.time(), new_instance_id())
+    return State(config, engine, tokenizer, metrics_, store, context, time.time(), new_instance_id(),
+                 vocab_size=_vocab_size(model_config, tokenizer))
+
+
+def _vocab_size(model_config: dict, tokenizer) -> int:
+    for cfg in (model_config, model_config.get("text_config") or {}):
+        if isinstance(cfg.get("vocab_size"), int) and cfg["vocab_size"] > 0:
+            return cfg["vocab_size"]
+    return int(tokenizer.vocab_size)  # the base vocabulary: never more rows than the logits
 
 
 def _record(state: State) -> BackendRecord:

@@ -12,6 +12,7 @@ import logging
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("kvroute.errors")
 
@@ -95,10 +96,19 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except APIError as err:
         return error_response(err)
+    except RequestPayloadError as exc:
+        # A body that cannot be decoded (bad gzip or deflate data): the client's fault.
+        cause = exc.__cause__
+        detail = " ".join(str(getattr(cause, "message", None) or exc).split())
+        return error_response(bad_request(f"The request body could not be read: {detail}.",
+                                          code="invalid_body"))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(from_http_exception(exc))
+        response = error_response(from_http_exception(exc))
+        if "Allow" in exc.headers:  # a 405 names the methods that are allowed (RFC 9110)
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
     except Exception:
         # A bug must cost one request, never the process.
         log.exception("unhandled error in %s %s", request.method, request.path)

@@ -28,6 +28,17 @@ _ERROR = {
     },
 }
 
+
+def _nullable(properties: dict) -> dict:
+    """wire.py reads an optional field sent as null as if it were absent."""
+    return {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in properties.items()}
+
+
+def _requires(name: str, schema: dict, then: dict) -> dict:
+    """When `name` is present and matches `schema` (not null), `then` applies."""
+    return {"if": {"required": [name], "properties": {name: schema}}, "then": then}
+
+
 _TEXT_PART = {
     "type": "object",
     "required": ["type", "text"],
@@ -38,12 +49,13 @@ _TOOL_CALL = {
     "type": "object",
     "required": ["function"],
     "properties": {
-        "id": {"type": "string"},
+        **_nullable({"id": {"type": "string"}}),
         "type": {"const": "function"},
         "function": {
             "type": "object",
             "required": ["name"],
-            "properties": {"name": {"type": "string", "minLength": 1}, "arguments": {"type": "string"}},
+            "properties": {"name": {"type": "string", "minLength": 1},
+                           "arguments": {"type": ["string", "object"]}},
         },
     },
 }
@@ -55,15 +67,22 @@ _MESSAGE = {
         "role": {"enum": list(ROLES)},
         "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART},
                               {"type": "null"}]},
-        "name": {"type": "string"},
-        "tool_calls": {"type": "array", "items": _TOOL_CALL},
-        "tool_call_id": {"type": "string"},
+        **_nullable({"name": {"type": "string"},
+                     "tool_calls": {"type": "array", "items": _TOOL_CALL},
+                     "tool_call_id": {"type": "string"}}),
     },
+    "allOf": [
+        {"if": {"properties": {"role": {"const": "assistant"}}},
+         "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}},
+        {"if": {"properties": {"role": {"const": "tool"}}},
+         "then": {"required": ["tool_call_id"],
+                  "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}},
+    ],
 }
 
 _TOOL = {
     "type": "object",
-    "required": ["type", "function"],
+    "required": ["function"],
     "properties": {
         "type": {"const": "function"},
         "function": {
@@ -78,22 +97,26 @@ _TOOL = {
     },
 }
 
-_SAMPLING = {
+_SAMPLING = _nullable({
     "max_tokens": {"type": "integer", "minimum": 1},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "seed": {"type": "integer"},
+    "seed": {"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 64) - 1},
     "stop": {"anyOf": [{"type": "string"},
                        {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP}]},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
-                                                              "maximum": 100}},
+    "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "n": {"const": 1},
     "user": {"type": "string"},
-}
+})
+
+_STREAM_OPTIONS_NEED_STREAM = _requires("stream_options", {"type": "object"},
+                                        {"required": ["stream"],
+                                         "properties": {"stream": {"const": True}}})
 
 CHAT_REQUEST = {
     "type": "object",
@@ -101,14 +124,22 @@ CHAT_REQUEST = {
     "properties": {
         "model": {"type": "string", "minLength": 1},
         "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
-        "tools": {"type": "array", "items": _TOOL},
-        "tool_choice": {"enum": ["auto", "none"]},
-        "max_completion_tokens": {"type": "integer", "minimum": 1},
-        "logprobs": {"type": "boolean"},
-        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
-        "response_format": {"type": "object", "properties": {"type": {"const": "text"}}},
+        **_nullable({
+            "tools": {"type": "array", "items": _TOOL},
+            "tool_choice": {"enum": ["auto", "none"]},
+            "max_completion_tokens": {"type": "integer", "minimum": 1},
+            "logprobs": {"type": "boolean"},
+            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+            "response_format": {"type": "object", "required": ["type"],
+                                "properties": {"type": {"const": "text"}}},
+        }),
         **_SAMPLING,
     },
+    "allOf": [
+        _STREAM_OPTIONS_NEED_STREAM,
+        _requires("top_logprobs", {"type": "integer"},
+                  {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}),
+    ],
 }
 
 COMPLETION_REQUEST = {
@@ -117,11 +148,13 @@ COMPLETION_REQUEST = {
     "properties": {
         "model": {"type": "string", "minLength": 1},
         "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "items": {"type": "string"}, "minItems": 1,
-                              "maxItems": 1}]},
-        "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS},
+                             {"type": "array", "items": {"type": "string", "minLength": 1},
+                              "minItems": 1, "maxItems": 1}]},
+        **_nullable({"logprobs": {"type": "integer", "minimum": 0,
+                                  "maximum": MAX_COMPLETION_LOGPROBS}}),
         **_SAMPLING,
     },
+    "allOf": [_STREAM_OPTIONS_NEED_STREAM],
 }
 
 _USAGE = {
@@ -150,6 +183,25 @@ _COMPLETION_RESPONSE = {
 }
 
 
+# OpenAPI 3.1 has the schema of text/event-stream describe one event. Its data is a
+# chunk as JSON, an error (a failure after the 200) or the final `[DONE]`.
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"anyOf": [
+            {"const": "[DONE]"},
+            {"type": "string", "contentMediaType": "application/json",
+             "contentSchema": {"type": "object", "anyOf": [
+                 {"required": ["id", "object", "created", "model", "choices"]},
+                 {"required": ["error"], "properties": {"error": _ERROR["properties"]["error"]}},
+             ]}},
+        ]},
+    },
+}
+
+
 def _errors(*codes: int) -> dict:
     reasons = {400: "Invalid request", 401: "Missing or wrong key or token", 404: "Unknown model",
                413: "Body too large", 429: "Every queue is full (see Retry-After)",
@@ -169,7 +221,7 @@ def _generate(summary: str, schema: dict, proxy: bool) -> dict:
                     "description": "A completion, or with stream=true an SSE stream of chunks "
                                    "ending in `data: [DONE]`",
                     "content": {"application/json": {"schema": _COMPLETION_RESPONSE},
-                                "text/event-stream": {"schema": {"type": "string"}}},
+                                "text/event-stream": {"schema": _SSE_EVENT}},
                 },
                 **_errors(*codes),
             },

@@ -13,6 +13,8 @@ Key layout (`<m>` is the model id with `{`, `}`, `%`, blanks and non-ASCII perce
                                    lookup script never leaves the model's slot
     kvr:{m:<m>}:backends     ZSET  <bid> -> last heartbeat (unix s) of backends serving
                                    the model; entries older than key_ttl are pruned
+    kvr:{m:<m>}:idx:<bid>    SET   <hex> keys this backend id advertised and has not
+                                   withdrawn, for purges and resyncs; EXPIRE key_ttl
     kvr:b:<bid>              STR   the backend record (JSON), PX record_ttl
     kvr:backends             ZSET  <bid> -> last heartbeat, for live_backends()
 
@@ -278,11 +280,17 @@ end
 return removed
 """
 
-# KEYS[1] model slot   ARGV: prefix, chain hex, member
+# KEYS[1] model slot   ARGV: prefix, chain hex, member, index key suffix
+# The key leaves the backend id's index too, which otherwise would grow with every
+# key ever advertised for as long as the backend keeps advertising (its expiry is
+# refreshed on each call). Instances of one backend id never overlap: a new one
+# purges its predecessor's entries before it advertises or withdraws anything.
 _WITHDRAW = """
-local prefix, chain, member = ARGV[1], ARGV[2], ARGV[3]
+local prefix, chain, member, idx = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 for i = 0, #chain / 16 - 1 do
-  redis.call('SREM', prefix .. 'k:' .. string.sub(chain, i * 16 + 1, i * 16 + 16), member)
+  local hex = string.sub(chain, i * 16 + 1, i * 16 + 16)
+  redis.call('SREM', prefix .. 'k:' .. hex, member)
+  redis.call('SREM', prefix .. idx, hex)
 end
 return 1
 """
@@ -453,7 +461,14 @@ class Registry:
         """Record that this instance no longer holds these keys."""
         _check_id("backend_id", backend_id)
         _check_id("instance_id", instance_id)
-        await self._per_chunk("withdraw", self._withdraw, model, keys, _member(backend_id, instance_id))
+        await self._per_chunk("withdraw", self._withdraw, model, keys, _member(backend_id, instance_id),
+                              "idx:" + backend_id)
+
+    async def advertised(self, backend_id: str, model: str) -> set[int]:
+        """The keys of `model` this backend id advertised and has not withdrawn (its index)."""
+        _check_id("backend_id", backend_id)
+        members = await self._op("advertised", self._redis.smembers(_model_tag(model) + "idx:" + backend_id))
+        return {int(m, 16) for m in members}
 
     async def withdraw_all(self, backend_id: str, instance_id: str) -> None:
         """Clean shutdown: delete this instance's records so its advertisements stop
@@ -731,6 +746,15 @@ class Publisher:
         covered = len(self._events)
         # In a thread: the store's lock and a big snapshot must not stall the loop.
         snapshot = await asyncio.to_thread(self._snapshot_keys)
+        # The covered events are dropped below, evictions included: withdraw whatever
+        # Redis still lists for us beyond the snapshot (keys evicted while Redis was
+        # unreachable, or written late by a Redis that was hung), so a resync leaves
+        # Redis exactly equal to the store. Later evictions are applied after, in order.
+        for model in set(snapshot) | set(rec.models):
+            stale = await self.registry.advertised(rec.backend_id, model)
+            stale.difference_update(snapshot.get(model, ()))
+            if stale:
+                await self.registry.withdraw(rec.backend_id, rec.instance_id, model, sorted(stale))
         for model, keys in snapshot.items():
             await self.registry.advertise(rec.backend_id, rec.instance_id, model, keys)
         for _ in range(covered):

@@ -113,6 +113,7 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad_request("Only best_of=1 is supported.", param="best_of", code="unsupported_parameter")
     if body.get("echo"):
         raise bad_request("'echo' is not supported.", param="echo", code="unsupported_parameter")
+    _get(body, "user", (str,), "a string")  # accepted and unused, but typed as in OpenAI's API
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported.", param="suffix", code="unsupported_parameter")
     fmt = body.get("response_format")
@@ -146,14 +147,26 @@ def _logit_bias(body: dict) -> dict[int, float]:
     bias = _get(body, "logit_bias", (dict,), "an object mapping token ids to numbers", {})
     out = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias key {key!r} is not a token id.", param="logit_bias")
+        # Decimal token ids only (int() would also take "+5", " 5", "1_0", other scripts' digits).
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 18 else -1
+        if token < 0:
+            # Token ids index the logits: the backend also bounds them by its vocabulary.
+            raise bad_request(f"logit_bias key {key[:40]!r} is not a token id.", param="logit_bias",
+                              code="invalid_value")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise bad_request("logit_bias values must be numbers in [-100, 100].", param="logit_bias")
         out[token] = float(value)
     return out
+
+
+def _seed(body: dict) -> int | None:
+    seed = _get(body, "seed", (int,), "an integer")
+    if seed is None:
+        return None
+    # OpenAI's seeds are signed 64-bit; the sampler's PRNG key takes an unsigned one.
+    if not -(1 << 63) <= seed < (1 << 64):
+        raise bad_request("'seed' must be a 64-bit integer.", param="seed", code="invalid_value")
+    return seed % (1 << 64)
 
 
 def _max_tokens(body: dict) -> int | None:
@@ -172,7 +185,7 @@ def _sampling(body: dict, chat: bool) -> SamplingParams:
         max_tokens=_max_tokens(body),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        seed=_get(body, "seed", (int,), "an integer"),
+        seed=_seed(body),
         stop=_stop(body),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
@@ -213,8 +226,10 @@ def _stream(body: dict) -> tuple[bool, bool]:
         raise bad_request(
             "'stream_options' is only allowed when 'stream' is true.", param="stream_options"
         )
-    include_usage = bool(options and options.get("include_usage"))
-    return stream, include_usage
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool) and include_usage is not None:
+        raise _type_error("stream_options.include_usage", "a boolean", include_usage)
+    return stream, bool(include_usage)
 
 
 def _text_content(content: Any, param: str) -> str | None:
@@ -263,6 +278,9 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad_request(f"'{p}.function.name' is required.", param=f"{p}.function.name")
         args = _arguments(fn.get("arguments", "{}"), f"{p}.function.arguments")
+        if call.get("type", "function") != "function":
+            raise bad_request(f"'{p}.type' must be 'function'.", param=f"{p}.type",
+                              code="invalid_value")
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise _type_error(f"{p}.id", "a string", call_id)
@@ -294,8 +312,12 @@ def _message(msg: Any, i: int) -> dict:
         if not isinstance(name, str):
             raise _type_error(f"{param}.name", "a string", name)
         out["name"] = name
-    if role == "assistant" and msg.get("tool_calls"):
-        out["tool_calls"] = _tool_calls(msg["tool_calls"], f"{param}.tool_calls")
+    calls = msg.get("tool_calls")
+    if calls is not None:
+        # Checked on every role (they are part of the prefix keys); rendered for assistants.
+        calls = _tool_calls(calls, f"{param}.tool_calls")
+    if role == "assistant" and calls:
+        out["tool_calls"] = calls
     elif content is None and role != "assistant":
         raise bad_request(f"{param}.content is required for role {role!r}.", param=f"{param}.content")
     if role == "tool":
@@ -331,6 +353,8 @@ def _tools(body: dict) -> list[dict] | None:
             raise bad_request(f"{p}.function.name is required.", param=f"{p}.function.name")
         if "parameters" in fn and not isinstance(fn["parameters"], dict):
             raise _type_error(f"{p}.function.parameters", "an object", fn["parameters"])
+        if "description" in fn and not isinstance(fn["description"], str):
+            raise _type_error(f"{p}.function.description", "a string", fn["description"])
     return tools
 
 

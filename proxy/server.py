@@ -27,6 +27,7 @@ from aiohttp import web
 from kvroute import openapi, prefix
 from kvroute.process import start_site, wait_for_stop
 from kvroute.errors import APIError, bad_request, error_middleware, not_found, overloaded
+from kvroute.hits import is_cache_hit
 from kvroute.registry import BackendRecord, Registry, RegistryUnavailable
 from kvroute.wire import parse_json
 
@@ -61,6 +62,7 @@ class ProxyConfig:
     refresh_period: float = 1.0
     forget_after: float = 10.0  # seconds a backend absent from the registry stays a fallback
     locality_slack: float = 1.0
+    probe_timeout: float = 1.0  # /health deadline when checking a backend whose record lapsed
 
 
 @dataclass
@@ -69,7 +71,13 @@ class Backends:
 
     records: dict[str, BackendRecord] = field(default_factory=dict)  # last known live backends
     seen: dict[str, float] = field(default_factory=dict)  # when each was last listed live
+    # Since when each known backend has been missing from the registry's answers. Only
+    # answers count: while Redis is unreachable nobody ages, so after an outage longer
+    # than forget_after the fleet is still known when Redis answers again, empty.
+    absent_since: dict[str, float] = field(default_factory=dict)
     refreshed: float = 0.0
+    refreshed_at: float = 0.0  # time.monotonic() of the last registry answer
+    probes: dict[str, tuple[float, asyncio.Future]] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)
     pending_tokens: dict[str, float] = field(default_factory=dict)
     suspect_until: dict[str, float] = field(default_factory=dict)
@@ -98,10 +106,22 @@ class Backends:
         for r in records:
             self.records[r.backend_id] = r
             self.seen[r.backend_id] = now
-        for bid in [b for b, t in self.seen.items() if now - t > keep_for]:
-            del self.seen[bid]
+            self.absent_since.pop(r.backend_id, None)
+        for bid in self.seen:
+            if self.seen[bid] != now:
+                self.absent_since.setdefault(bid, now)
+        for bid in [b for b, t in self.absent_since.items() if now - t > keep_for]:
+            del self.seen[bid], self.absent_since[bid]
             self.records.pop(bid, None)
         self.refreshed = time.time()
+        self.refreshed_at = now
+
+    def lapsed(self, backend_id: str, max_age: float) -> bool:
+        """The registry answered recently and no longer lists this backend: its heartbeat
+        stopped, or Redis lost its record (restarted empty). Unknown (False) while the
+        registry does not answer."""
+        return (time.monotonic() - self.refreshed_at <= max_age
+                and self.seen.get(backend_id, 0.0) < self.refreshed_at)
 
     def serving(self, model: str) -> list[BackendRecord]:
         return [r for r in self.records.values() if model in r.models]
@@ -251,8 +271,18 @@ async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | 
     tried: set[str] = set()
     failovers = 0
     last_error: APIError | None = None
+    widened = False
     while True:
         pool = [c for c in candidates if c.backend_id not in tried]
+        if not pool and failovers and not widened:
+            # The registry may list only part of the fleet (Redis restarted, some
+            # heartbeats not back yet): a backend seen recently beats an error.
+            widened = True
+            pool = [Candidate(backend_id=r.backend_id, url=r.url, prefill_tps=r.prefill_tps,
+                              inflight=state.backends.inflight.get(r.backend_id, 0),
+                              suspect=state.backends.is_suspect(r.backend_id))
+                    for r in state.backends.serving(model) if r.backend_id not in tried]
+            candidates = candidates + pool
         if not pool:
             raise last_error or _no_backend(state, model)
         decision = state.policy.choose(pool, request_bytes, known)
@@ -321,13 +351,29 @@ async def _forward(request: web.Request, state: State, raw: bytes, model: str, s
     state.metrics.inflight.labels(bid).set(b.inflight[bid])
     answered = False
     upstream = None
+    # A stopped or hung backend keeps its connections open and says nothing: without
+    # this watch a request would wait for --request-timeout.
+    watchdog = asyncio.ensure_future(_watch(state, bid, c.url))
     try:
         try:
-            upstream = await state.session.post(
-                c.url + request.path, data=raw, headers=_upstream_headers(state, scope))
+            post = asyncio.ensure_future(state.session.post(
+                c.url + request.path, data=raw, headers=_upstream_headers(state, scope)))
+            try:
+                await asyncio.wait({post, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not post.done():
+                    post.cancel()  # also when this handler is cancelled (client gone)
+            if not post.done() or post.cancelled():
+                raise _Retry(APIError(502, f"Backend {bid} stopped answering (no heartbeat, "
+                                      "no health).", "server_error", None, "backend_unresponsive"),
+                             failover=True)
+            upstream = post.result()
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise _Retry(APIError(502, f"Backend {bid} is unreachable: {exc or type(exc).__name__}.",
                                   "server_error", None, "backend_unreachable"), failover=True)
+        # From here on the watch ends a silent upstream by closing it: a stream then
+        # ends with an error event, a whole answer is retried elsewhere.
+        watchdog.add_done_callback(lambda t: _abandon(t, upstream, bid))
         b.pending_tokens[bid] = max(0.0, b.pending_tokens.get(bid, 0.0) - pending)
         answered = True
         if upstream.status in RETRYABLE_STATUS:
@@ -347,10 +393,16 @@ async def _forward(request: web.Request, state: State, raw: bytes, model: str, s
         state.metrics.requests.labels(model, bid, str(upstream.status)).inc()
         if ctype.startswith("text/event-stream"):
             return await _relay_stream(request, upstream, headers, bid)
-        data = await upstream.read()
+        try:
+            data = await upstream.read()
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            # Nothing reached the client yet: retry it elsewhere.
+            raise _Retry(APIError(502, f"Backend {bid} failed while answering: {exc}.",
+                                  "server_error", None, "backend_failed"), failover=True)
         return web.Response(body=data, status=upstream.status, headers=headers,
                             content_type=ctype.split(";")[0])
     finally:
+        watchdog.cancel()
         if not answered:
             b.pending_tokens[bid] = max(0.0, b.pending_tokens.get(bid, 0.0) - pending)
         b.inflight[bid] = max(0, b.inflight.get(bid, 0) - 1)
@@ -359,6 +411,47 @@ async def _forward(request: web.Request, state: State, raw: bytes, model: str, s
             # close(), not release(): on a client disconnect the backend must see
             # its connection drop so that it stops decoding.
             upstream.close()
+
+
+async def _watch(state: State, bid: str, url: str) -> None:
+    """Returns once backend `bid` looks gone: the registry no longer lists it (its
+    heartbeat lapsed) *and* its /health does not answer. Redis trouble alone never
+    trips it: while the registry does not answer nothing counts as lapsed, and after
+    Redis restarted empty the probe still finds the backend alive."""
+    period = state.config.refresh_period
+    lapsed = state.backends.lapsed
+    while True:
+        await asyncio.sleep(period)
+        # Asked again after the probe: a backend that just resumed may answer its
+        # probe late but is listed again as soon as its next heartbeat lands.
+        if lapsed(bid, 3 * period) and not await _answers(state, bid, url) and lapsed(bid, 3 * period):
+            return
+
+
+async def _answers(state: State, bid: str, url: str) -> bool:
+    """Whether `url`/health answers; one probe per backend at a time, its result
+    shared by every request waiting on that backend for a refresh period."""
+    b = state.backends
+    now = time.monotonic()
+    probe = b.probes.get(bid)
+    if probe is None or (probe[1].done() and now - probe[0] > state.config.refresh_period):
+        probe = b.probes[bid] = (now, asyncio.ensure_future(_probe(state, url)))
+    return await asyncio.shield(probe[1])
+
+
+async def _probe(state: State, url: str) -> bool:
+    try:
+        timeout = aiohttp.ClientTimeout(total=state.config.probe_timeout)
+        async with state.session.get(url + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+
+
+def _abandon(watch: asyncio.Future, upstream, bid: str) -> None:
+    if not watch.cancelled():
+        log.warning("backend %s stopped answering (no heartbeat, no health); abandoning its answer", bid)
+        upstream.close()
 
 
 def _record_decision(state: State, model: str, decision: Decision, upstream) -> None:
@@ -398,23 +491,35 @@ def _record_stats(state: State, model: str, decision: Decision, upstream) -> Non
     if cached and tps > 0:
         m.seconds_saved.labels(model, c.backend_id).inc(cached / tps)
     if ttft_ms is not None and upstream.status < 400:
-        m.ttft.labels(model, "true" if cached else "false").observe(ttft_ms / 1000)
+        hit = is_cache_hit(cached or 0, _header_int(upstream, "x-kvroute-prompt-tokens") or 0)
+        m.ttft.labels(model, "true" if hit else "false").observe(ttft_ms / 1000)
 
 
 async def _relay_stream(request: web.Request, upstream, headers: dict, bid: str) -> web.StreamResponse:
     resp = web.StreamResponse(status=upstream.status, headers={
         **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
+    chunks = upstream.content.iter_any().__aiter__()
     try:
-        async for chunk in upstream.content.iter_any():
+        await resp.prepare(request)
+        while True:
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                # After the first byte there is no retry: end the stream with an error event.
+                log.warning("backend %s failed mid-stream: %s", bid, exc)
+                err = APIError(502, f"Backend {bid} failed mid-stream.", "server_error", None,
+                               "backend_failed")
+                await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\ndata: [DONE]\n\n")
+                break
             await resp.write(chunk)
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-        # After the first byte there is no retry: end the stream with an error event.
-        log.warning("backend %s failed mid-stream: %s", bid, exc)
-        err = APIError(502, f"Backend {bid} failed mid-stream.", "server_error", None,
-                       "backend_failed")
-        await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\ndata: [DONE]\n\n")
-    await resp.write_eof()
+        await resp.write_eof()
+    except ConnectionError:
+        # Writing to the client failed: it went away (aiohttp's reset error is also a
+        # ClientConnectionError, hence the separate try for upstream reads above). Not a
+        # backend failure; closing upstream, in _forward's finally, stops its decoding.
+        log.debug("client of a stream from %s went away", bid)
     return resp
 
 

@@ -74,7 +74,7 @@ def chain_of(body) -> list[int]:
 
 
 class Store:
-    """A minimal cache store: whole chains, refcounting left out (no evictions here)."""
+    """A minimal cache store: whole chains, refcounting left to the caller of evict()."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -85,6 +85,12 @@ class Store:
         with self.lock:
             self.chains.setdefault(model, []).append(list(chain))
         self.publisher.on_insert(model, chain)  # after the store changed: the contract
+
+    def evict(self, model: str, chain: list[int], released: list[int]) -> None:
+        """Drop `chain`; `released` are its keys no other chain holds."""
+        with self.lock:
+            self.chains[model].remove(list(chain))
+        self.publisher.on_evict(model, released)
 
     def snapshot(self) -> dict[str, list[list[int]]]:
         with self.lock:
@@ -567,3 +573,55 @@ def test_publisher_stop_when_redis_is_down_does_not_hang(server):
 
 async def _true(value) -> bool:
     return bool(value)
+
+
+# -- regressions found by bench/reliability.py --------------------------------------------
+
+
+def test_regression_eviction_while_redis_is_unreachable_is_withdrawn(server):
+    """A resync after an outage dropped the evictions queued meanwhile without
+    withdrawing them: Redis kept advertising keys the store no longer held."""
+    async def main():
+        reg = Registry(server.url, record_ttl=1.0, op_timeout=0.3, retry_after=0.05)
+        store = Store()
+        pub = _publisher(reg, record("b1"), store)
+        await pub.start()
+        kept, gone = chain_of(conv(2, "kept text ")), chain_of(conv(2, "evicted text "))
+        store.insert(MODEL, kept)
+        store.insert(MODEL, gone)
+        await poll(lambda: _eq(_depth(reg, gone), len(gone)), what="both published")
+        shared = next(i for i, (a, b) in enumerate(zip(kept, gone)) if a != b)
+        failures = pub.failures
+        server.pause()  # hung: connections stay open, nothing answers
+        try:
+            await poll(lambda: _true(pub.failures > failures), what="the publisher to see the outage")
+            store.evict(MODEL, gone, gone[shared:])
+        finally:
+            server.resume()
+        resyncs = pub.resyncs
+        await poll(lambda: _true(pub.resyncs > resyncs and pub.connected), what="a resync")
+        await poll(lambda: _eq(_depth(reg, gone), shared), what="the evicted keys withdrawn")
+        assert await _depth(reg, kept) == len(kept)
+        await pub.stop()
+        await reg.close()
+
+    run(main())
+
+
+def test_regression_withdrawn_keys_leave_the_backend_index(server):
+    """The per-backend index of advertised keys only ever grew while the backend kept
+    advertising (a Redis memory leak, and an ever longer purge at the next restart)."""
+    async def main():
+        reg = Registry(server.url)
+        rec = record("b1")
+        await reg.heartbeat(rec)
+        chain = chain_of(conv(3))
+        await reg.advertise("b1", rec.instance_id, MODEL, chain)
+        assert await reg.advertised("b1", MODEL) == set(chain)
+        await reg.withdraw("b1", rec.instance_id, MODEL, chain[2:])
+        assert await reg.advertised("b1", MODEL) == set(chain[:2])
+        await reg.withdraw("b1", rec.instance_id, MODEL, chain)
+        assert await reg.advertised("b1", MODEL) == set()
+        await reg.close()
+
+    run(main())
