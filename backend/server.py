@@ -114,14 +114,14 @@ def _encode(state: State, prompt: str) -> list[int]:
     return list(state.tokenizer.encode(prompt))
 
 
-def _budget(state: State, prompt: list[int], requested: int | None) -> int:
+def _budget(state: State, prompt: list[int], requested: int | None, prompt_param: str) -> int:
     limit = state.config.max_prompt_tokens or state.context_length
     limit = min(limit, state.context_length)
     if len(prompt) > limit:
         raise bad_request(
             f"This model's maximum prompt length is {limit} tokens; your prompt has "
             f"{len(prompt)} tokens.",
-            param="messages",
+            param=prompt_param,
             code="context_length_exceeded",
         )
     room = state.context_length - len(prompt)
@@ -134,7 +134,7 @@ def _budget(state: State, prompt: list[int], requested: int | None) -> int:
             code="context_length_exceeded",
         )
     if room < 1:
-        raise bad_request("The prompt leaves no room for a completion.", param="messages",
+        raise bad_request("The prompt leaves no room for a completion.", param=prompt_param,
                           code="context_length_exceeded")
     return requested if requested is not None else min(room, state.config.default_max_tokens)
 
@@ -206,7 +206,8 @@ async def _generate(
     extend_chain,
     scope: str | None,
 ) -> web.StreamResponse:
-    max_tokens = _budget(state, prompt, req.params.max_tokens)
+    prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
+    max_tokens = _budget(state, prompt, req.params.max_tokens, prompt_param)
     bias = req.params.logit_bias
     if bias and max(bias) >= state.vocab_size:
         # An id past the logits would index out of bounds inside MLX (a crash, not an error).

@@ -79,6 +79,7 @@ def test_prompt_longer_than_limit(backend):
     status, body = post_json(backend.url + "/v1/completions",
                              {"model": backend.model_id, "prompt": long})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert body["error"]["param"] == "prompt"
 
 
 def test_oversized_body_413(backend):
