@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hmac
 import logging
 import os
@@ -39,6 +40,7 @@ log = logging.getLogger("kvroute.proxy")
 
 STATE_KEY = web.AppKey("state", object)
 RETRYABLE_STATUS = {502, 503, 504}
+_RECENT_BUCKETS = 4096  # distinct (model, first content key) pairs remembered at most
 # Chains of bodies larger than this are computed off the event loop.
 _INLINE_CHAIN_BYTES = 256 << 10
 
@@ -78,25 +80,37 @@ class Backends:
     refreshed: float = 0.0
     refreshed_at: float = 0.0  # time.monotonic() of the last registry answer
     probes: dict[str, tuple[float, asyncio.Future]] = field(default_factory=dict)
+    watches: dict[str, asyncio.Future] = field(default_factory=dict)  # one per backend
     inflight: dict[str, int] = field(default_factory=dict)
     pending_tokens: dict[str, float] = field(default_factory=dict)
     suspect_until: dict[str, float] = field(default_factory=dict)
-    # This proxy's own recent choices: (model, chain, backend, expiry). Redis pending
-    # marks cover other proxies; these cover requests this proxy routes concurrently,
-    # whose marks may not have reached Redis before the next lookup.
-    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))
+    # This proxy's own recent choices, (chain, backend, expiry), bucketed by model and
+    # first content key (key 0, the header, is common to a whole model): only chains
+    # that can share a prefix are compared. Redis pending marks cover other proxies;
+    # these cover requests this proxy routes concurrently, whose marks may not have
+    # reached Redis before the next lookup.
+    recent: dict[tuple[str, int], collections.deque] = field(default_factory=dict)
 
     def remember(self, model: str, keys: list[int], backend_id: str, ttl: float) -> None:
-        self.recent.append((model, keys, backend_id, time.monotonic() + ttl))
+        if len(keys) < 2:
+            return
+        now = time.monotonic()
+        if len(self.recent) >= _RECENT_BUCKETS:  # bounded memory: drop expired buckets
+            for k in [k for k, q in self.recent.items() if not q or q[-1][2] < now]:
+                del self.recent[k]
+        bucket = self.recent.setdefault((model, keys[1]), collections.deque(maxlen=64))
+        bucket.append((keys, backend_id, now + ttl))
 
     def recent_depth(self, model: str, keys: list[int]) -> dict[str, int]:
+        bucket = self.recent.get((model, keys[1])) if len(keys) > 1 else None
+        if not bucket:
+            return {}
         now = time.monotonic()
-        while self.recent and self.recent[0][3] < now:
-            self.recent.popleft()
+        while bucket and bucket[0][2] < now:
+            bucket.popleft()
         depths: dict[str, int] = {}
-        for m, chain, bid, _ in self.recent:
-            if m == model:
-                depths[bid] = max(depths.get(bid, 0), prefix.common_prefix(chain, keys))
+        for chain, bid, _ in bucket:
+            depths[bid] = max(depths.get(bid, 0), prefix.common_prefix(chain, keys))
         return depths
 
     def update(self, records: list[BackendRecord], keep_for: float) -> None:
@@ -352,28 +366,35 @@ async def _forward(request: web.Request, state: State, raw: bytes, model: str, s
     answered = False
     upstream = None
     # A stopped or hung backend keeps its connections open and says nothing: without
-    # this watch a request would wait for --request-timeout.
-    watchdog = asyncio.ensure_future(_watch(state, bid, c.url))
+    # this watch a request would wait for --request-timeout. One watch per backend,
+    # shared by all its requests: a task per request cost a third of peak throughput.
+    watchdog = _watch_of(state, bid, c.url)
+    abandon = None
     try:
         try:
+            # A task, so the watch can cancel it; cancelling this handler (client gone)
+            # cancels it too, as it is being awaited.
             post = asyncio.ensure_future(state.session.post(
                 c.url + request.path, data=raw, headers=_upstream_headers(state, scope)))
+            stop_waiting = functools.partial(_stop_waiting, post=post)
+            watchdog.add_done_callback(stop_waiting)
             try:
-                await asyncio.wait({post, watchdog}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not post.done():
-                    post.cancel()  # also when this handler is cancelled (client gone)
-            if not post.done() or post.cancelled():
+                upstream = await post
+            except asyncio.CancelledError:
+                if not (watchdog.done() and not watchdog.cancelled()):
+                    raise
                 raise _Retry(APIError(502, f"Backend {bid} stopped answering (no heartbeat, "
                                       "no health).", "server_error", None, "backend_unresponsive"),
-                             failover=True)
-            upstream = post.result()
+                             failover=True) from None
+            finally:
+                watchdog.remove_done_callback(stop_waiting)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise _Retry(APIError(502, f"Backend {bid} is unreachable: {exc or type(exc).__name__}.",
                                   "server_error", None, "backend_unreachable"), failover=True)
         # From here on the watch ends a silent upstream by closing it: a stream then
         # ends with an error event, a whole answer is retried elsewhere.
-        watchdog.add_done_callback(lambda t: _abandon(t, upstream, bid))
+        abandon = functools.partial(_abandon, upstream=upstream, bid=bid)
+        watchdog.add_done_callback(abandon)
         b.pending_tokens[bid] = max(0.0, b.pending_tokens.get(bid, 0.0) - pending)
         answered = True
         if upstream.status in RETRYABLE_STATUS:
@@ -402,7 +423,8 @@ async def _forward(request: web.Request, state: State, raw: bytes, model: str, s
         return web.Response(body=data, status=upstream.status, headers=headers,
                             content_type=ctype.split(";")[0])
     finally:
-        watchdog.cancel()
+        if abandon is not None:
+            watchdog.remove_done_callback(abandon)
         if not answered:
             b.pending_tokens[bid] = max(0.0, b.pending_tokens.get(bid, 0.0) - pending)
         b.inflight[bid] = max(0, b.inflight.get(bid, 0) - 1)
@@ -411,6 +433,15 @@ async def _forward(request: web.Request, state: State, raw: bytes, model: str, s
             # close(), not release(): on a client disconnect the backend must see
             # its connection drop so that it stops decoding.
             upstream.close()
+
+
+def _watch_of(state: State, bid: str, url: str) -> asyncio.Future:
+    """The shared watch of backend `bid`; a new one once the last has fired."""
+    watches = state.backends.watches
+    watch = watches.get(bid)
+    if watch is None or watch.done():
+        watch = watches[bid] = asyncio.ensure_future(_watch(state, bid, url))
+    return watch
 
 
 async def _watch(state: State, bid: str, url: str) -> None:
@@ -448,7 +479,12 @@ async def _probe(state: State, url: str) -> bool:
         return False
 
 
-def _abandon(watch: asyncio.Future, upstream, bid: str) -> None:
+def _stop_waiting(watch: asyncio.Future, *, post: asyncio.Future) -> None:
+    if not watch.cancelled():
+        post.cancel()
+
+
+def _abandon(watch: asyncio.Future, *, upstream, bid: str) -> None:
     if not watch.cancelled():
         log.warning("backend %s stopped answering (no heartbeat, no health); abandoning its answer", bid)
         upstream.close()
@@ -645,9 +681,10 @@ async def _startup(app: web.Application) -> None:
 
 async def _cleanup(app: web.Application) -> None:
     state = app[STATE_KEY]
-    for task in state.tasks:
+    tasks = state.tasks + list(state.backends.watches.values())
+    for task in tasks:
         task.cancel()
-    await asyncio.gather(*state.tasks, return_exceptions=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
     if state.session is not None:
         await state.session.close()
     await state.registry.close()

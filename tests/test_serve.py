@@ -46,10 +46,17 @@ def wait_proxy(port: int, backends: int, proc: subprocess.Popen, log: Path) -> d
 
 
 def stop(proc: subprocess.Popen, timeout: float = 15) -> float:
+    """SIGTERM to the whole process group: with a shell in front (the README's
+    command), the launcher is the shell's child, and it must get the signal too."""
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(timeout)
     return time.monotonic() - t0
+
+
+def deployment_pids(port: int) -> list[int]:
+    health = get_json(f"http://127.0.0.1:{port}/health")
+    return [health["pid"]] + [get_json(b["url"] + "/health")["pid"] for b in health["backends"]]
 
 
 def gone(pid: int) -> bool:
@@ -81,8 +88,13 @@ def test_readme_serve_command_serves_and_caches(tmp_path, model_cache):
         r2 = c.chat.completions.create(model="kvroute-demo", messages=messages)
         assert r2.usage.prompt_tokens_details.cached_tokens > 0
         assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+        pids = deployment_pids(port)
     finally:
         stop(proc, 30)
+    # Regression: the shell in front of the launcher used to take the SIGTERM alone,
+    # and every run of this test left a whole deployment behind.
+    wait_until(lambda: all(gone(pid) for pid in pids), 15, interval=0.1,
+               what="the README deployment's processes to exit")
 
 
 CONFIG = """
