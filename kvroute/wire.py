@@ -87,14 +87,17 @@ def _get(body: dict, name: str, kinds: tuple, expected: str, default: Any = None
     return value
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    value = float(_get(body, name, (int, float), "a number", default))
+def _in_range(name: str, value: float, lo: float, hi: float) -> float:
     if not lo <= value <= hi:
         raise bad_request(
             f"'{name}' must be between {lo} and {hi}, got {value}.", param=name,
             code="invalid_value",
         )
     return value
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    return _in_range(name, float(_get(body, name, (int, float), "a number", default)), lo, hi)
 
 
 def _model(body: dict) -> str:
@@ -195,12 +198,7 @@ def _sampling(body: dict, chat: bool) -> SamplingParams:
         params.logprobs = _get(body, "logprobs", (bool,), "a boolean", False)
         top = _get(body, "top_logprobs", (int,), "an integer")
         if top is not None:
-            if not 0 <= top <= MAX_TOP_LOGPROBS:
-                raise bad_request(
-                    f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}.",
-                    param="top_logprobs",
-                    code="invalid_value",
-                )
+            _in_range("top_logprobs", top, 0, MAX_TOP_LOGPROBS)
             if not params.logprobs:
                 raise bad_request(
                     "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs"
@@ -209,12 +207,7 @@ def _sampling(body: dict, chat: bool) -> SamplingParams:
     else:
         n = _get(body, "logprobs", (int,), "an integer")
         if n is not None:
-            if not 0 <= n <= MAX_COMPLETION_LOGPROBS:
-                raise bad_request(
-                    f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}.",
-                    param="logprobs",
-                    code="invalid_value",
-                )
+            _in_range("logprobs", n, 0, MAX_COMPLETION_LOGPROBS)
             params.logprobs, params.top_logprobs = True, n
     return params
 
