@@ -225,24 +225,30 @@ async def _candidates(state: State, model: str, keys: list[int],
         # backends seen recently rather than refuse the request.
         records = [(r, 0, 0) for r in b.serving(model)]
     local = b.recent_depth(model, keys)
-    cands = []
-    for r, depth, pending_depth in records:
-        depth_any = max(pending_depth, local.get(r.backend_id, 0))
-        cands.append(Candidate(
-            backend_id=r.backend_id,
-            url=r.url,
-            depth=max(depth, depth_any),
-            pending_only=depth_any > depth,
-            # Block 0 is the header (salt and model), shared by every request for the
-            # model: matching it alone is no hit.
-            matched_bytes=sizes[max(depth, depth_any) - 1] - sizes[0] if max(depth, depth_any) > 1 else 0,
-            prefill_tps=r.prefill_tps,
-            reported_queue=r.queue_depth,
-            inflight=b.inflight.get(r.backend_id, 0),
-            pending_tokens=b.pending_tokens.get(r.backend_id, 0.0),
-            suspect=b.is_suspect(r.backend_id),
-        ))
+    cands = [_candidate(b, r, depth, max(pending, local.get(r.backend_id, 0)), sizes)
+             for r, depth, pending in records]
     return cands, known
+
+
+def _candidate(b: Backends, r: BackendRecord, depth: int = 0, pending_depth: int = 0,
+               sizes: list[int] | None = None) -> Candidate:
+    """A routing candidate: `depth` blocks advertised, `pending_depth` advertised or
+    about to be (pending marks, this proxy's recent choices)."""
+    deepest = max(depth, pending_depth)
+    return Candidate(
+        backend_id=r.backend_id,
+        url=r.url,
+        depth=deepest,
+        pending_only=pending_depth > depth,
+        # Block 0 is the header (salt and model), shared by every request for the
+        # model: matching it alone is no hit.
+        matched_bytes=sizes[deepest - 1] - sizes[0] if deepest > 1 else 0,
+        prefill_tps=r.prefill_tps,
+        reported_queue=r.queue_depth,
+        inflight=b.inflight.get(r.backend_id, 0),
+        pending_tokens=b.pending_tokens.get(r.backend_id, 0.0),
+        suspect=b.is_suspect(r.backend_id),
+    )
 
 
 def _no_backend(state: State, model: str) -> APIError:
@@ -292,10 +298,8 @@ async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | 
             # The registry may list only part of the fleet (Redis restarted, some
             # heartbeats not back yet): a backend seen recently beats an error.
             widened = True
-            pool = [Candidate(backend_id=r.backend_id, url=r.url, prefill_tps=r.prefill_tps,
-                              inflight=state.backends.inflight.get(r.backend_id, 0),
-                              suspect=state.backends.is_suspect(r.backend_id))
-                    for r in state.backends.serving(model) if r.backend_id not in tried]
+            pool = [_candidate(state.backends, r) for r in state.backends.serving(model)
+                    if r.backend_id not in tried]
             candidates = candidates + pool
         if not pool:
             raise last_error or _no_backend(state, model)
