@@ -5,12 +5,21 @@ invariant 1). HTTP handlers talk to it through `submit` (a thread-safe inbox)
 and a `cancelled` flag on their `Job`; results flow back as events on an
 asyncio queue.
 
-The commit: `BatchGenerator.next()` reports `end_of_prompt` for a sequence right
-after the step that fed its last prompt token, and before the step that feeds
-its first sampled token. At that moment the sequence's KV holds exactly its
-prompt, so the engine copies it into the store there — before any exit path
-(EOS, stop string, tool call, max tokens, disconnect, error) can occur and
-before any decode step can extend it.
+The commit: a prompt is inserted into the `BatchGenerator` as segments that end
+at the positions worth keeping (`Job.checkpoints`, always including the prompt's
+last token but one). The generator never processes across a segment boundary in
+one step and reports `end_of_segment` once the step that reached it is done; the
+sequence's cache then holds exactly the prompt up to there, and the engine
+copies it into the store. The last one lands before the step that feeds the
+prompt's final token and samples from it, so no exit path — EOS, stop string,
+tool call, max tokens, disconnect, or an error in that very step — can lose it.
+
+Full-attention models need only that last checkpoint: their entries can be
+trimmed to any prefix. Models with layers that cannot be trimmed (a sliding
+window that has rotated, a recurrent state) also keep the checkpoints the server
+asks for: the end of the shared header (system prompt and tools) and the end of
+the last complete message, so that repeats, next turns and other conversations
+with the same system prompt all find a state they can extend (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -35,7 +44,9 @@ from kvroute.wire import SamplingParams
 
 from .metrics import BackendMetrics
 from .output import Chunk, OutputParser
-from .store import Store, cache_tokens
+from mlx_lm.models.cache import make_prompt_cache
+
+from .store import Store, always_trimmable, held_tokens
 
 log = logging.getLogger("kvroute.backend.engine")
 
@@ -67,6 +78,9 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     chain: list[int] = field(default_factory=list)  # prefix keys of the request, for the registry
+    # Token positions worth a store entry -> the prefix keys of what they hold.
+    # The server always gives the prompt's last position but one.
+    checkpoints: dict[int, list[int]] = field(default_factory=dict)
     # The chain of the next turn once the reply is known (prompt + assistant message).
     extend_chain: Callable[[str, list[dict]], list[int]] | None = None
     scope: str | None = None
@@ -75,7 +89,10 @@ class Job:
     # Engine-side state.
     uid: int | None = None
     phase: str = "queued"  # queued, prefill, decode, done
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # what the client is told came from cache
+    start: int = 0  # where the generator's copy of the prompt begins (a cache hit)
+    boundaries: list[int] = field(default_factory=list)  # checkpoints still ahead
+    readmitted: bool = False
     processed: int = 0
     generated: int = 0
     submitted: float = field(default_factory=time.perf_counter)
@@ -162,9 +179,14 @@ class Engine:
         self.max_queue = max_queue
         self.prefill_tps = 0.0
         self.peak_batch = 0
+        # Whether entries need checkpoints: some layer cannot always be trimmed.
+        self.checkpointing = not always_trimmable(make_prompt_cache(model))
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[int, Job] = {}
-        self._waiting = 0
+        # Jobs in the inbox = submitted - taken; each counter has one writer
+        # (the event loop and the engine thread), so neither update can be lost.
+        self._submitted = 0
+        self._taken = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
         self._gen = self._new_generator()
@@ -180,13 +202,17 @@ class Engine:
         self._thread.join(timeout)
 
     @property
+    def waiting(self) -> int:
+        return self._submitted - self._taken
+
+    @property
     def queue_depth(self) -> int:
-        return self._waiting + len(self._jobs)
+        return self.waiting + len(self._jobs)
 
     def submit(self, job: Job) -> None:
         if self.queue_depth >= self.max_queue:
             raise overloaded(f"The backend queue is full ({self.max_queue} requests).")
-        self._waiting += 1
+        self._submitted += 1
         self._inbox.put(("job", job))
 
     async def call(self, fn: Callable[[], Any]) -> Any:
@@ -199,7 +225,7 @@ class Engine:
     def snapshot(self) -> dict:
         jobs = list(self._jobs.values())
         return {
-            "queued": self._waiting + sum(j.phase == "queued" for j in jobs),
+            "queued": self.waiting + sum(j.phase == "queued" for j in jobs),
             "prefilling": sum(j.phase == "prefill" for j in jobs),
             "decoding": sum(j.phase == "decode" for j in jobs),
             "peak_batch": self.peak_batch,
@@ -246,20 +272,8 @@ class Engine:
             if item is None:
                 return
             if item[0] == "job":
-                self._waiting -= 1
-                job = item[1]
-                try:
-                    self._admit(job)
-                except Exception as exc:
-                    # A request that cannot be admitted fails alone, with an answer
-                    # (never a hang), and the batch already decoding is untouched.
-                    log.exception("admitting a request failed")
-                    if job.uid is not None:
-                        try:
-                            self._gen.remove([job.uid])
-                        except Exception:
-                            pass
-                    self._fail(job, f"Generation failed: {exc}")
+                self._taken += 1
+                self._admit_or_fail(item[1])
             else:
                 _, fn, loop, fut = item
                 try:
@@ -268,21 +282,35 @@ class Engine:
                     result, exc = None, e
                 loop.call_soon_threadsafe(_settle, fut, result, exc)
 
+    def _admit_or_fail(self, job: Job) -> None:
+        try:
+            self._admit(job)
+        except Exception as exc:
+            # A request that cannot be admitted fails alone, with an answer
+            # (never a hang), and the batch already decoding is untouched.
+            log.exception("admitting a request failed")
+            if job.uid is not None:
+                try:
+                    self._gen.remove([job.uid])
+                except Exception:
+                    pass
+            self._fail(job, f"Generation failed: {exc}")
+
     def _admit(self, job: Job) -> None:
         if job.cancelled:
             job.emit(APIError(499, "Client closed the request.", "server_error"))
             return
-        match = self.store.lookup(self.model_id, job.prompt, job.scope)
-        job.cached_tokens = match.tokens
-        job.processed = match.tokens
-        caches = [match.cache] if match.cache is not None else None
-        all_tokens = [list(job.prompt[: match.tokens])] if match.cache is not None else None
+        hit = self.store.lookup(self.model_id, job.prompt, job.scope)
+        job.start = job.processed = hit.tokens
+        wanted = job.checkpoints if self.checkpointing else {
+            p: k for p, k in job.checkpoints.items() if p == len(job.prompt) - 1}
+        job.boundaries = sorted(p for p in wanted if hit.tokens < p < len(job.prompt))
         sampler = make_sampler(job.params)
-        (job.uid,) = self._gen.insert(
-            [job.prompt[match.tokens :]],
+        (job.uid,) = self._gen.insert_segments(
+            [self._segments(job.prompt, hit.tokens, job.boundaries)],
             max_tokens=[job.max_tokens],
-            caches=caches,
-            all_tokens=all_tokens,
+            caches=[hit.cache] if hit.cache is not None else None,
+            all_tokens=[list(job.prompt[: hit.tokens])] if hit.cache is not None else None,
             samplers=[sampler] if sampler else None,
             logits_processors=[make_processors(job)],
         )
@@ -297,29 +325,48 @@ class Engine:
         )
         job.phase = "prefill"
         self._jobs[job.uid] = job
-        self.metrics.l(self.metrics.prompt_tokens).inc(len(job.prompt))
-        self.metrics.l(self.metrics.cached_tokens).inc(match.tokens)
-        if match.tokens and self.prefill_tps > 0:
-            self.metrics.l(self.metrics.prefill_seconds_saved).inc(match.tokens / self.prefill_tps)
+        if not job.readmitted:
+            job.cached_tokens = hit.tokens
+            self.metrics.l(self.metrics.prompt_tokens).inc(len(job.prompt))
+            self.metrics.l(self.metrics.cached_tokens).inc(hit.tokens)
+            if hit.tokens and self.prefill_tps > 0:
+                self.metrics.l(self.metrics.prefill_seconds_saved).inc(hit.tokens / self.prefill_tps)
         self._update_gauges()
+
+    @staticmethod
+    def _segments(prompt: list[int], start: int, boundaries: list[int]) -> list[list[int]]:
+        """The prompt after `start`, cut at each boundary; the final token alone
+        last, so the generator reports the boundary before it (see module doc)."""
+        cuts = [start, *boundaries, len(prompt) - 1, len(prompt)]
+        return [prompt[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
 
     def _reap_cancelled(self) -> None:
         gone = [j for j in self._jobs.values() if j.cancelled]
         for job in gone:
             if job.phase == "prefill":
                 # A disconnect mid-prefill keeps the chunks already processed.
-                try:
-                    caches = self._gen.remove([job.uid], return_prompt_caches=True)
-                except Exception:  # e.g. nothing processed yet: no KV to extract
-                    log.debug("no partial prefill to keep", exc_info=True)
-                    self._gen.remove([job.uid])
-                    caches = {}
-                cache, tokens = caches.get(job.uid, (None, []))
-                if cache and len(tokens) > job.cached_tokens:
-                    self._commit(job, cache, tokens, "disconnect_prefill")
-            else:
-                self._gen.remove([job.uid])
+                self._keep_partial(job, "disconnect_prefill")
+            self._gen.remove([job.uid])
             self._finish(job, "disconnect")
+
+    def _keep_partial(self, job: Job, path: str) -> None:
+        """Commit what a sequence still in prefill has processed, when its state
+        is whole (after a failed step it may not be: then nothing is kept)."""
+        try:
+            found = self._gen.extract_cache([job.uid])
+        except Exception:  # e.g. nothing processed yet: no state to extract
+            log.debug("no partial prefill to keep", exc_info=True)
+            return
+        cache, tokens = found.get(job.uid, (None, []))
+        if not cache or len(tokens) <= job.start:
+            return
+        held = held_tokens(cache)
+        if held != len(tokens):
+            # A recurrent-only model (None) gives no count to check the state by.
+            log.info("not keeping a partial prefill: state holds %s tokens, list has %d",
+                     held, len(tokens))
+            return
+        self._commit(job, cache, tokens, path)
 
     def _step(self) -> None:
         try:
@@ -327,10 +374,7 @@ class Engine:
                 prompt_responses, gen_responses = self._gen.next()
         except Exception as exc:
             log.exception("batch step failed")
-            # The batch's state is unknown after a failure inside the model; the
-            # prompts it holds were committed already, so start a fresh batch.
-            self._fail_all(f"Generation failed: {exc}")
-            self._gen = self._new_generator()
+            self._recover(f"Generation failed: {exc}")
             return
         if stats.prompt_tokens and stats.prompt_time > 0:
             rate = stats.prompt_tokens / stats.prompt_time
@@ -339,9 +383,12 @@ class Engine:
             job = self._jobs.get(r.uid)
             if job is None:
                 continue
-            job.processed = job.cached_tokens + r.progress[0]
+            job.processed = job.start + r.progress[0]
             if r.end_of_prompt:
-                self._on_prefill_end(job)
+                job.phase = "decode"
+                job.processed = len(job.prompt)
+            elif r.end_of_segment and job.boundaries:
+                self._checkpoint(job, job.boundaries.pop(0))
         for r in gen_responses:
             job = self._jobs.get(r.uid)
             if job is None or job.cancelled:
@@ -370,35 +417,37 @@ class Engine:
         if delays:
             time.sleep(max(delays))
 
-    def _on_prefill_end(self, job: Job) -> None:
-        job.phase = "decode"
-        job.processed = len(job.prompt)
-        if self.store.covers(self.model_id, job.prompt, job.scope):
-            return  # the whole prompt is cached already: nothing new to copy
+    def _checkpoint(self, job: Job, position: int) -> None:
+        """The step that just ran ended a segment: the state holds the prompt up
+        to `position` exactly."""
         cache, tokens = self._gen.extract_cache([job.uid])[job.uid]
-        self._commit(job, cache, tokens, "prefill")
+        if len(tokens) != position:
+            log.error("not checkpointing: generator holds %d tokens, expected %d", len(tokens), position)
+            return
+        self._commit(job, cache, tokens, "checkpoint")
 
     def _commit(self, job: Job, cache: list, tokens: list[int], path: str) -> None:
         tokens = np.array(tokens, dtype=np.int32)  # the generator keeps appending to its list
         mx.eval([c.state for c in cache])
-        if cache_tokens(cache) != len(tokens):
-            log.error("not committing: KV holds %d tokens, list has %d", cache_tokens(cache), len(tokens))
+        held = held_tokens(cache)
+        if held is not None and held != len(tokens):
+            log.error("not committing: the cache holds %d tokens, the list has %d", held, len(tokens))
             return
-        self.store.insert(self.model_id, tokens, cache, path, chain=self._chain_for(job, path),
-                          scope=job.scope)
+        self.store.insert(self.model_id, tokens, cache, path,
+                          chain=self._keys_for(job, path, len(tokens)), scope=job.scope)
         self.metrics.l(self.metrics.commits, path=path).inc()
 
-    def _chain_for(self, job: Job, path: str) -> list[int]:
-        if path == "prefill":
-            return job.chain
+    def _keys_for(self, job: Job, path: str, n_tokens: int) -> list[int]:
         if path == "finish" and job.extend_chain is not None:
             try:
                 return job.extend_chain("".join(job.reply_text), job.reply_tool_calls)
             except ValueError:
                 log.warning("could not compute the extended prefix chain", exc_info=True)
             return job.chain
-        # A partial prefill covers an unknown part of the text: advertise nothing.
-        return []
+        # A checkpoint, or a partial prefill: the keys of the deepest checkpoint
+        # it contains (a partial one also inherits the keys of what it supersedes).
+        held = [p for p in job.checkpoints if p <= n_tokens]
+        return job.checkpoints[max(held)] if held else []
 
     def _on_token(self, job: Job, r: Any) -> None:
         job.generated += 1
@@ -494,6 +543,37 @@ class Engine:
         for job in list(self._jobs.values()):
             self._fail(job, message, status)
         self._update_gauges()
+
+    def _recover(self, message: str) -> None:
+        """After a failed step the generator's state is unknown. Sequences that
+        were decoding, or completing their prompt in that step, fail (their
+        prompts were committed at their last checkpoint). Those still in prefill
+        keep their progress: what they processed is committed when their state is
+        whole, and they start again in a fresh generator from the best entry —
+        once; a second failure fails them too."""
+        survivors = []
+        held = self._in_generator()
+        for job in list(self._jobs.values()):
+            if job.phase == "prefill" and not job.readmitted and job.uid in held:
+                self._keep_partial(job, "recovered")
+                survivors.append(job)
+            else:
+                self._fail(job, message)
+        self._jobs.clear()
+        self._gen = self._new_generator()
+        for job in survivors:
+            job.uid, job.phase, job.readmitted = None, "queued", True
+            self._admit_or_fail(job)
+        self._update_gauges()
+
+    def _in_generator(self) -> set[int]:
+        # Sequences the generator still holds; one that was completing its prompt
+        # in a failed step is in neither its prompt nor its generation batch.
+        # (mlx-lm has no public "holds uid"; extract_cache would copy every state.)
+        try:
+            return set(self._gen._find_uids(list(self._jobs)))
+        except Exception:
+            return set()
 
     def _update_gauges(self) -> None:
         m = self.metrics

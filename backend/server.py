@@ -98,16 +98,49 @@ def _check_model(state: State, model: str) -> None:
         )
 
 
-def _render_chat(state: State, req: ChatRequest) -> list[int]:
+def _render(state: State, messages: list[dict], tools: list[dict] | None, generation: bool) -> list[int]:
+    return list(state.tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=generation, tokenize=True))
+
+
+def _header_messages(messages: list[dict]) -> int:
+    """How many leading messages form the shared header (system prompts)."""
+    n = 0
+    while n < len(messages) and messages[n].get("role") in ("system", "developer"):
+        n += 1
+    return n
+
+
+def _render_chat(state: State, req: ChatRequest) -> tuple[list[int], dict[int, int]]:
+    """The prompt, and {token position: number of messages it ends} for the
+    checkpoints a model with untrimmable caches keeps (see engine.py)."""
     try:
-        return list(
-            state.tokenizer.apply_chat_template(
-                req.messages, tools=req.tools, add_generation_prompt=True, tokenize=True
-            )
-        )
+        prompt = _render(state, req.messages, req.tools, True)
     except Exception as exc:  # template errors are the request's fault (bad role order, ...)
         raise bad_request(f"The messages could not be rendered by the chat template: {exc}.",
                           param="messages")
+    marks: dict[int, int] = {}
+    if state.engine.checkpointing:
+        for n in {_header_messages(req.messages), len(req.messages)}:
+            position = _prefix_position(state, prompt, req.messages[:n], req.tools)
+            if position:
+                marks[position] = n
+    return prompt, marks
+
+
+def _prefix_position(state: State, prompt: list[int], messages: list[dict],
+                     tools: list[dict] | None) -> int | None:
+    """Where the rendering of `messages` ends inside `prompt`, if it is a prefix
+    of it token for token (templates may render a partial conversation
+    differently, or refuse it: then there is no checkpoint there)."""
+    if not messages:
+        return None
+    try:
+        tokens = _render(state, messages, tools, False)
+    except Exception:
+        return None
+    n = len(tokens)
+    return n if 0 < n < len(prompt) and prompt[:n] == tokens else None
 
 
 def _encode(state: State, prompt: str) -> list[int]:
@@ -144,13 +177,21 @@ def _scope(request: web.Request) -> str | None:
     return request.headers.get("x-kvroute-scope") or None
 
 
-def _chat_chains(state: State, body: dict, req: ChatRequest, scope: str | None):
+def _chat_chains(state: State, body: dict, req: ChatRequest, scope: str | None,
+                 marks: dict[int, int], prompt: list[int]):
+    """The request's prefix keys, the keys of each checkpoint, and a function
+    giving the keys of the next turn once the reply is known."""
     salt = prefix.make_salt(state.config.secret, scope)
     kw = {"model": req.model, "salt": salt, "block_bytes": state.config.block_bytes}
     try:
         chain = prefix.chat_chain(body, **kw)
     except ValueError as exc:  # what the template ignores but the key scheme refuses
         raise bad_request(f"Invalid request: {exc}.")
+    n_messages = len(body["messages"])
+    checkpoints = {len(prompt) - 1: chain}
+    for position, n in marks.items():
+        checkpoints[position] = chain if n == n_messages else prefix.chat_chain(
+            {**body, "messages": body["messages"][:n]}, **kw)
 
     def extend(text: str, tool_calls: list[dict]) -> list[int]:
         # The assistant turn exactly as an OpenAI client will send it back next time.
@@ -159,17 +200,18 @@ def _chat_chains(state: State, body: dict, req: ChatRequest, scope: str | None):
             reply["tool_calls"] = tool_calls
         return prefix.chat_chain({**body, "messages": body["messages"] + [reply]}, **kw)
 
-    return chain, extend
+    return chain, checkpoints, extend
 
 
-def _completion_chains(state: State, req: CompletionRequest, scope: str | None):
+def _completion_chains(state: State, req: CompletionRequest, scope: str | None, prompt: list[int]):
     salt = prefix.make_salt(state.config.secret, scope)
     kw = {"model": req.model, "salt": salt, "block_bytes": state.config.block_bytes}
 
     def extend(text: str, tool_calls: list[dict]) -> list[int]:
         return prefix.completion_chain(req.prompt + text, **kw)
 
-    return prefix.completion_chain(req.prompt, **kw), extend
+    chain = prefix.completion_chain(req.prompt, **kw)
+    return chain, {len(prompt) - 1: chain}, extend
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -178,10 +220,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(body)
     _check_model(state, req.model)
     scope = _scope(request)
-    prompt = await asyncio.to_thread(_render_chat, state, req)
-    chain, extend = _chat_chains(state, body, req, scope)
+    prompt, marks = await asyncio.to_thread(_render_chat, state, req)
+    chains = _chat_chains(state, body, req, scope, marks, prompt)
     builder = ChatBuilder(state.config.model_id, logprobs=req.params.logprobs)
-    return await _generate(request, state, req, prompt, builder, req.tools, chain, extend, scope)
+    return await _generate(request, state, req, prompt, builder, req.tools, chains, scope)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -190,9 +232,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_model(state, req.model)
     scope = _scope(request)
     prompt = await asyncio.to_thread(_encode, state, req.prompt)
-    chain, extend = _completion_chains(state, req, scope)
+    chains = _completion_chains(state, req, scope, prompt)
     builder = CompletionBuilder(state.config.model_id, logprobs=req.params.logprobs)
-    return await _generate(request, state, req, prompt, builder, None, chain, extend, scope)
+    return await _generate(request, state, req, prompt, builder, None, chains, scope)
 
 
 async def _generate(
@@ -202,8 +244,7 @@ async def _generate(
     prompt: list[int],
     builder: ChatBuilder | CompletionBuilder,
     tools: list[dict] | None,
-    chain: list[int],
-    extend_chain,
+    chains: tuple,
     scope: str | None,
 ) -> web.StreamResponse:
     prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
@@ -214,6 +255,7 @@ async def _generate(
         raise bad_request(f"logit_bias token id {max(bias)} is outside the vocabulary "
                           f"(0 to {state.vocab_size - 1}).", param="logit_bias",
                           code="invalid_value")
+    chain, checkpoints, extend_chain = chains
     job = Job(
         prompt=prompt,
         params=req.params,
@@ -222,6 +264,7 @@ async def _generate(
         loop=asyncio.get_running_loop(),
         events=asyncio.Queue(),
         chain=chain,
+        checkpoints=checkpoints,
         extend_chain=extend_chain,
         scope=scope,
         fault=req.fault if state.config.enable_faults else None,
@@ -352,25 +395,30 @@ def _describe_entries(store: Store) -> list[dict]:
     import mlx.core as mx
     import numpy as np
     import xxhash
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import KVCache
+
+    from .store import held_tokens
 
     out = []
     with store.lock:
         for e in store.entries.values():
             digest = xxhash.xxh3_64()
-            kv_tokens = []
-            for c in e.cache:
-                for arr in c.state[:2]:
-                    if isinstance(arr, mx.array):
-                        # bfloat16 has no numpy dtype: hash the raw bytes through a view.
-                        digest.update(np.array(arr.view(mx.uint16) if arr.dtype == mx.bfloat16 else arr).tobytes())
-                kv_tokens.append(c.keys.shape[2] if getattr(c, "keys", None) is not None else c.size())
+            for _, arr in tree_flatten([c.state for c in e.cache]):
+                if isinstance(arr, mx.array):
+                    # bfloat16 has no numpy dtype: hash the raw bytes through a view.
+                    digest.update(np.array(arr.view(mx.uint16) if arr.dtype == mx.bfloat16 else arr).tobytes())
+            # Full-attention layers store exactly their tokens' keys; windows and
+            # recurrent states hold less (their `offset` still counts every token).
+            full = [c.keys.shape[2] for c in e.cache if type(c) is KVCache and c.keys is not None]
             out.append(
                 {
                     "id": e.id,
                     "tokens": int(len(e.tokens)),
-                    "kv_tokens": min(kv_tokens) if kv_tokens else 0,
-                    "kv_tokens_max": max(kv_tokens) if kv_tokens else 0,
-                    "offset": e.cache[0].size() if e.cache else 0,
+                    "kv_tokens": min(full) if full else None,
+                    "kv_tokens_max": max(full) if full else None,
+                    "offset": held_tokens(e.cache),
+                    "trimmable": e.trimmable,
                     "nbytes": e.nbytes,
                     "exit_path": e.exit_path,
                     "hits": e.hits,

@@ -1,11 +1,21 @@
-"""The prompt-cache store: committed KV caches keyed by the tokens they hold.
+"""The prompt-cache store: committed caches keyed by the tokens they hold.
 
 Only the engine thread calls into the store (DESIGN invariant 1); listeners it
 notifies must therefore hand work off (e.g. to an asyncio loop) rather than block.
 
-- `lookup` finds the entry sharing the longest token prefix with a prompt and
-  returns a cache holding exactly that prefix (trimming a longer entry when its
-  cache type allows it);
+An entry is one model state: per layer, whatever mlx-lm's cache for that layer
+holds (`KVCache` keys/values, a sliding window's `RotatingKVCache`, the recurrent
+state of an `ArraysCache`, a `CacheList` of those). Two kinds matter here:
+
+- *trimmable* entries (every layer can drop its newest tokens: full attention)
+  serve any prefix of their tokens, so one entry per conversation suffices and
+  an entry that extends another supersedes it;
+- *non-trimmable* entries (a window that has rotated, a recurrent state) serve
+  only prompts that extend all of their tokens. The engine stores them as
+  checkpoints at chosen positions (see `engine.py`), and they never supersede.
+
+- `lookup` finds the entry sharing the longest usable prefix with a prompt and
+  returns a private copy holding exactly that prefix;
 - `insert` commits an entry, dropping entries it makes redundant;
 - a byte budget is enforced by LRU eviction;
 - every insert and eviction is an `Event` for listeners (the registry publisher),
@@ -23,8 +33,20 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    CacheList,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    can_trim_prompt_cache,
+    trim_prompt_cache,
+)
+
+# Layer caches that can always drop their newest tokens, whatever they hold.
+_ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache)
 
 
 @dataclass
@@ -34,15 +56,14 @@ class Entry:
     tokens: np.ndarray  # int32, exactly the tokens whose KV `cache` holds
     cache: list[Any]  # mlx-lm cache objects, one per layer
     nbytes: int
-    exit_path: str  # why it was committed: prefill, disconnect, length, ...
-    chain: list[int] = field(default_factory=list)  # prefix keys advertised for it
+    exit_path: str  # why it was committed: checkpoint, finish, disconnect_prefill, ...
+    # Prefix keys advertised for it: its own chain, plus the keys of entries it
+    # superseded (it holds their tokens too, so routing should still find it).
+    chain: list[int] = field(default_factory=list)
     scope: str | None = None  # cache scope (tenant): entries never serve another scope
+    trimmable: bool = True  # whether it can serve a prefix of its tokens (see module doc)
     created: float = field(default_factory=time.time)
     hits: int = 0
-
-    @property
-    def trimmable(self) -> bool:
-        return can_trim_prompt_cache(self.cache)
 
 
 @dataclass
@@ -56,8 +77,10 @@ class Event:
 
 
 @dataclass
-class Match:
-    tokens: int  # how many leading prompt tokens `cache` holds
+class Hit:
+    """What `lookup` found: a private cache holding the prompt's first `tokens`."""
+
+    tokens: int
     cache: list[Any] | None
     entry_id: int | None = None
 
@@ -66,9 +89,61 @@ def cache_nbytes(cache: list[Any]) -> int:
     return sum(c.nbytes for c in cache)
 
 
-def cache_tokens(cache: list[Any]) -> int:
-    """Tokens held by a per-layer cache (its first layer's offset)."""
-    return cache[0].size() if cache else 0
+def _layer_offset(layer: Any) -> int | None:
+    # `offset` counts every token a layer has seen, also past a sliding window
+    # (where `size()` stops at the window). Recurrent states keep no count.
+    if isinstance(layer, CacheList):
+        known = [o for o in map(_layer_offset, layer.caches) if o is not None]
+        return max(known) if known else None
+    offset = getattr(layer, "offset", None)
+    return offset if isinstance(offset, int) else None
+
+
+def held_tokens(cache: list[Any]) -> int | None:
+    """How many tokens a per-model cache has seen, from the layers that count
+    them; None when no layer does (a pure recurrent model). Layers that disagree
+    mean the state is torn (e.g. a step failed half-way): -1."""
+    known = {o for o in map(_layer_offset, cache) if o is not None}
+    if not known:
+        return None
+    return known.pop() if len(known) == 1 else -1
+
+
+def always_trimmable(cache: list[Any]) -> bool:
+    """Whether every layer can drop tokens however many it holds: then one entry
+    serves all its prefixes and no checkpoints are needed."""
+    def ok(layer: Any) -> bool:
+        if isinstance(layer, CacheList):
+            return all(map(ok, layer.caches))
+        return isinstance(layer, _ALWAYS_TRIMMABLE)
+    return all(map(ok, cache))
+
+
+def _fresh(value: Any) -> Any:
+    # A new array object per array: mlx-lm caches assign into their arrays in
+    # place (`keys[..., a:b, :] = new`), which rebinds the array object they
+    # hold; sharing that object with a stored entry would let a user of the copy
+    # overwrite the entry. A whole-array slice is a new object over the same
+    # buffer (no copy); MLX never writes into a buffer another array still uses.
+    if isinstance(value, mx.array):
+        return value[...] if value.ndim else mx.array(value)
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    return value
+
+
+def private_copy(cache: list[Any]) -> list[Any]:
+    """A copy of a per-model cache that shares no array object with `cache`."""
+    def copy_layer(layer: Any) -> Any:
+        if isinstance(layer, CacheList):
+            return CacheList(*map(copy_layer, layer.caches))
+        new = copy.copy(layer)
+        for name, value in vars(layer).items():
+            setattr(new, name, _fresh(value))
+        return new
+    return [copy_layer(layer) for layer in cache]
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -106,7 +181,7 @@ class Store:
         return len(self.entries)
 
     @_synchronized
-    def lookup(self, model: str, tokens: list[int] | np.ndarray, scope: str | None = None) -> Match:
+    def lookup(self, model: str, tokens: list[int] | np.ndarray, scope: str | None = None) -> Hit:
         """The longest cached prefix of `tokens` that leaves at least one token to
         process (a prompt's last token must run through the model to give logits)."""
         prompt = np.asarray(tokens, dtype=np.int32)
@@ -121,16 +196,15 @@ class Store:
             if n > 0 and (best is None or n > best[0]):
                 best = (n, entry)
         if best is None:
-            return Match(0, None)
+            return Hit(0, None)
         n, entry = best
         entry.hits += 1
         self.entries.move_to_end(entry.id)
-        return Match(n, self._view(entry, n), entry.id)
+        return Hit(n, self._view(entry, n), entry.id)
 
-    def _view(self, entry: Entry, n: int) -> list[Any]:
-        # Shallow copies share the (immutable) MLX arrays; trimming only moves the
-        # copy's offset, so the stored entry is never altered by its users.
-        cache = [copy.copy(c) for c in entry.cache]
+    @staticmethod
+    def _view(entry: Entry, n: int) -> list[Any]:
+        cache = private_copy(entry.cache)
         excess = len(entry.tokens) - n
         if excess:
             trim_prompt_cache(cache, excess)
@@ -149,8 +223,8 @@ class Store:
         """Commit `cache`, which must hold exactly `tokens`. Returns the new entry,
         or None when an existing entry already covers it (that one is refreshed)."""
         tokens = np.asarray(tokens, dtype=np.int32)
-        held = cache_tokens(cache)
-        if held != len(tokens):
+        held = held_tokens(cache)
+        if held is not None and held != len(tokens):
             raise ValueError(f"cache holds {held} tokens but {len(tokens)} were given")
         if len(tokens) == 0:
             return None
@@ -162,16 +236,21 @@ class Store:
         nbytes = cache_nbytes(cache)
         if nbytes > self.budget_bytes:
             return None
-        entry = Entry(next(self._ids), model, tokens, cache, nbytes, exit_path, list(chain or []), scope)
+        trimmable = can_trim_prompt_cache(cache)
+        # Entries this one extends are now redundant when a trimmed view of it
+        # serves them; it inherits their keys, so what routed to them still finds it.
+        superseded = [
+            old for old in self.entries.values()
+            if trimmable and old.model == model and old.scope == scope
+            and self._is_prefix(old.tokens, tokens)
+        ]
+        keys = list(dict.fromkeys([*(chain or []), *(k for old in superseded for k in old.chain)]))
+        entry = Entry(next(self._ids), model, tokens, cache, nbytes, exit_path, keys, scope, trimmable)
         self.entries[entry.id] = entry
         self.nbytes += nbytes
         self._emit("insert", entry, self._hold(model, entry.chain))
-        # Entries this one extends are now redundant: a trimmed view serves them.
-        if entry.trimmable:
-            for old in list(self.entries.values()):
-                if (old is not entry and old.model == model and old.scope == scope
-                        and self._is_prefix(old.tokens, tokens)):
-                    self._remove(old, "superseded")
+        for old in superseded:
+            self._remove(old, "superseded")
         self._enforce_budget(keep=entry.id)
         return entry
 
@@ -195,11 +274,12 @@ class Store:
         return len(short) <= len(long) and common_prefix(short, long) == len(short)
 
     def _merge_chain(self, entry: Entry, chain: list[int]) -> None:
-        # A covering entry may have been advertised under a shorter chain (e.g. a
-        # prompt committed before the reply extended it); it now holds more.
-        if len(chain) > len(entry.chain) and chain[: len(entry.chain)] == entry.chain:
-            new_keys = chain[len(entry.chain) :]
-            entry.chain = list(chain)
+        # A covering entry may have been advertised under fewer keys (e.g. a
+        # prompt committed before the reply extended it); it holds those tokens too.
+        known = set(entry.chain)
+        new_keys = [k for k in dict.fromkeys(chain) if k not in known]
+        if new_keys:
+            entry.chain = entry.chain + new_keys
             added = self._hold(entry.model, new_keys)
             if added:
                 self._emit("insert", entry, added)
@@ -260,7 +340,6 @@ class Store:
             if entry.chain:
                 out.setdefault(entry.model, []).append(list(entry.chain))
         return out
-
 
     @_synchronized
     def stats(self) -> dict:

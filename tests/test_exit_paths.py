@@ -134,7 +134,7 @@ def test_disconnect_mid_decode_frees_slot_and_keeps_prompt(backend):
     stream.close()
     wait_until(lambda: idle(backend), timeout=10, what="the disconnected sequence to leave the batch")
     (entry,) = [e for e in backend.cache() if e["id"] not in before]
-    assert entry["exit_path"] == "prefill"
+    assert entry["exit_path"] == "checkpoint"
     status, second = post_json(backend.url + "/v1/completions",
                                {"model": backend.model_id, "prompt": prompt + " 8", "max_tokens": 2})
     assert status == 200
@@ -201,7 +201,7 @@ def test_commit_cannot_be_raced(backend, steps):
     events = stream.events()
     next(events)
     (entry,) = [e for e in backend.cache() if e["id"] not in before]
-    assert entry["exit_path"] == "prefill"
+    assert entry["exit_path"] == "checkpoint"
     for _ in range(steps + 1):
         next(events)
     (after,) = [e for e in backend.cache() if e["id"] == entry["id"]]
@@ -231,3 +231,50 @@ def test_four_streams_decode_in_one_batch_and_a_disconnect_leaves_it(backend):
     for s in streams[1:]:
         s.close()
     wait_until(lambda: idle(backend), timeout=10, what="every batch slot to be free")
+
+
+def test_error_in_prompt_completing_step_keeps_prompt_and_others_progress(backend):
+    """Regression: an error in the step that feeds a prompt's last token (here a
+    logits processor failing on its first call) used to commit nothing and fail
+    every prompt being prefilled beside it."""
+    long_prompt = f"{uuid.uuid4().hex} " + " ".join(f"word{i % 50}" for i in range(300)) + " 7"
+    other = SSEStream(backend.url + "/v1/completions",
+                      {"model": backend.model_id, "prompt": long_prompt, "max_tokens": 4,
+                       "kvroute_fault": "slow_prefill:0.05", "stream_options": {"include_usage": True}})
+
+    def mid_prefill():
+        jobs = backend.health()["engine"]["jobs"]
+        return [j for j in jobs if j["phase"] == "prefill" and j["processed"] >= 96]
+
+    wait_until(mid_prefill, timeout=30, what="the long prompt's prefill to be under way")
+    messages = conversation()
+    status, body = post_json(backend.url + "/v1/chat/completions",
+                             {"model": backend.model_id, "messages": messages,
+                              "kvroute_fault": "decode_error:0"})
+    assert status == 500 and "injected decode fault" in body["error"]["message"], body
+    # The failed prompt was committed up to its last token but one.
+    repeat = chat(backend, messages, max_tokens=1)
+    assert repeat["usage"]["prompt_tokens_details"]["cached_tokens"] == repeat["usage"]["prompt_tokens"] - 1
+    # The prompt being prefilled beside it carried on and answers as a cold run would.
+    events = [e for e in other.events() if isinstance(e, dict)]
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert events[-1]["usage"]["completion_tokens"] == 4
+    status, again = post_json(backend.url + "/v1/completions",
+                              {"model": backend.model_id, "prompt": long_prompt, "max_tokens": 4})
+    assert status == 200 and again["choices"][0]["text"] == text
+    assert_entries_consistent(backend)
+
+
+def test_waiting_count_regression_returns_to_zero_after_a_burst(backend):
+    """Regression: the inbox count was updated with `+=` from two threads. It is
+    now two counters with one writer each; after a burst nothing stays queued."""
+    import concurrent.futures
+
+    def one(i: int) -> int:
+        return post_json(backend.url + "/v1/completions",
+                         {"model": backend.model_id, "prompt": f"{i} {COUNT_PROMPT}", "max_tokens": 2})[0]
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        assert set(pool.map(one, range(48))) == {200}
+    wait_until(lambda: idle(backend), timeout=10, what="the engine to drain")
+    assert backend.health()["engine"]["queued"] == 0

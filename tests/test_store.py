@@ -91,3 +91,69 @@ def test_snapshot_lists_chains_per_model():
     store.insert("a", tokens(5), make_cache(5), "prefill", chain=[1, 2])
     store.insert("b", tokens(5, 50), make_cache(5), "prefill", chain=[7])
     assert store.snapshot() == {"a": [[1, 2]], "b": [[7]]}
+
+
+def make_window_cache(n_tokens: int, window: int = 4) -> list:
+    """A sliding-window layer that has rotated (it cannot drop tokens any more)
+    beside a recurrent layer, as in Gemma 3 / Qwen3-Next style hybrids."""
+    from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+    rot = RotatingKVCache(max_size=window)
+    for i in range(n_tokens):  # one token at a time, as decoding fills it
+        k = mx.full((1, 2, 1, 8), float(i))
+        rot.update_and_fetch(k, k)
+    rec = ArraysCache(size=1)
+    rec[0] = mx.full((1, 3), float(n_tokens))
+    return [rot, rec]
+
+
+def test_held_tokens_counts_windows_and_trusts_recurrent_states():
+    from backend.store import held_tokens
+
+    assert held_tokens(make_window_cache(9)) == 9  # the window keeps 4, but saw 9
+    assert held_tokens(make_window_cache(9)[1:]) is None  # recurrent only: no count
+    assert held_tokens(make_cache(5) + make_window_cache(6)[:1]) == -1  # torn state
+
+
+def test_untrimmable_entry_serves_only_prompts_that_extend_it():
+    store = Store(budget_bytes=1 << 30)
+    entry = store.insert("m", tokens(9), make_window_cache(9), "checkpoint")
+    assert not entry.trimmable
+    assert store.lookup("m", tokens(12)).tokens == 9
+    # Diverging inside it, or a repeat of exactly its tokens, needs a trim: no hit.
+    assert store.lookup("m", tokens(7) + [500, 501]).tokens == 0
+    assert store.lookup("m", tokens(9)).tokens == 0
+    # A checkpoint never supersedes the shorter ones it extends.
+    store.insert("m", tokens(12), make_window_cache(12), "checkpoint")
+    assert len(store) == 2
+    assert store.lookup("m", tokens(10) + [7]).tokens == 9
+
+
+def test_views_never_alias_stored_arrays():
+    store = Store(budget_bytes=1 << 30)
+    store.insert("m", tokens(10), make_cache(10), "checkpoint")
+    (entry,) = store.entries.values()
+    before = np.array(entry.cache[0].keys)
+    view = store.lookup("m", tokens(6) + [99]).cache
+    # What a generator does with the view: write new keys where the trim left room.
+    view[0].update_and_fetch(mx.ones((1, 2, 3, 8)) * 7, mx.ones((1, 2, 3, 8)))
+    mx.eval(view[0].keys)
+    assert np.array_equal(np.array(entry.cache[0].keys), before)
+    window = store.insert("m", tokens(9, 50), make_window_cache(9), "checkpoint")
+    rec_view = store.lookup("m", tokens(9, 50) + [1]).cache[1]
+    rec_view[0] = mx.zeros((1, 3))  # an ArraysCache assigns into its state list
+    assert window.cache[1][0].tolist() == [[9.0, 9.0, 9.0]]
+
+
+def test_partial_prefill_regression_superseding_entry_keeps_the_keys():
+    """A disconnect mid-prefill commits an entry with no chain of its own; it
+    supersedes turn 1's entry, whose keys must stay advertised so the client's
+    retry is routed back here."""
+    store = Store(budget_bytes=1 << 30)
+    events = []
+    store.listeners.append(events.append)
+    store.insert("m", tokens(10), make_cache(10), "finish", chain=[1, 2])
+    partial = store.insert("m", tokens(30), make_cache(30), "disconnect_prefill", chain=[])
+    assert len(store) == 1 and partial.chain == [1, 2]
+    assert [(e.kind, e.keys) for e in events] == [("insert", [1, 2]), ("insert", []), ("evict", [])]
+    assert store.snapshot() == {"m": [[1, 2]]}
