@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 EXIT_PATHS = ("eos", "length", "stop", "tool_calls", "disconnect", "error")
-COMMIT_PATHS = ("prefill", "disconnect_prefill", "finish")
+COMMIT_PATHS = ("checkpoint", "disconnect_prefill", "recovered", "finish")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
