@@ -130,7 +130,7 @@ def make_sampler(params: SamplingParams) -> Callable | None:
     return sample
 
 
-def make_processors(job: Job) -> list[Callable]:
+def make_processors(job: Job, tokenizer: Any) -> list[Callable]:
     p = job.params
     processors = make_logits_processors(
         logit_bias=p.logit_bias or None,
@@ -139,7 +139,23 @@ def make_processors(job: Job) -> list[Callable]:
     )
     if job.fault and job.fault.startswith("decode_error"):
         processors.append(_fault_processor(job.fault))
+    if job.fault and job.fault.startswith("force:"):
+        processors.append(_forcing_processor(job.fault.partition(":")[2], tokenizer))
     return processors
+
+
+def _forcing_processor(text: str, tokenizer: Any) -> Callable:
+    # Test-only: make a random-weight model reply `text` then EOS, so that the
+    # exit paths that depend on what a model says (a tool call, a stop string,
+    # EOS) run with every model family's real caches.
+    forced = list(tokenizer.encode(text, add_special_tokens=False)) + [min(tokenizer.eos_token_ids)]
+    calls = itertools.count()
+
+    def processor(tokens, logits):
+        target = forced[min(next(calls), len(forced) - 1)]
+        return mx.where(mx.arange(logits.shape[-1]) == target, logits, -mx.inf)
+
+    return processor
 
 
 def _fault_processor(spec: str) -> Callable:
@@ -312,7 +328,7 @@ class Engine:
             caches=[hit.cache] if hit.cache is not None else None,
             all_tokens=[list(job.prompt[: hit.tokens])] if hit.cache is not None else None,
             samplers=[sampler] if sampler else None,
-            logits_processors=[make_processors(job)],
+            logits_processors=[make_processors(job, self.tokenizer)],
         )
         tok = self.tokenizer
         job.detokenizer = tok.detokenizer

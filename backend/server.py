@@ -490,6 +490,7 @@ def load_state(config: BackendConfig) -> State:
 
     t0 = time.perf_counter()
     model, tokenizer, model_config = load(config.model, return_config=True)
+    _evaluate_private_arrays(model)
     config.model_id = config.model_id or Path(config.model.rstrip("/")).name
     # Hostname and port: unique across the Macs or containers of one deployment.
     config.backend_id = config.backend_id or f"{socket.gethostname().split('.')[0]}-{config.port}"
@@ -516,6 +517,19 @@ def load_state(config: BackendConfig) -> State:
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
     return State(config, engine, tokenizer, metrics_, store, context, time.time(), new_instance_id(),
                  vocab_size=_vocab_size(model_config, tokenizer))
+
+
+def _evaluate_private_arrays(model) -> None:
+    """Evaluate arrays that `load` leaves lazy: private attributes (e.g. YaRN's
+    `_freqs` in gpt-oss and DeepSeek) are not parameters. Built on this loading
+    thread, they would be evaluated on the engine thread, where MLX finds no
+    stream of the thread that made them and every request fails."""
+    import mlx.core as mx
+
+    arrays = [v for _, module in model.named_modules()
+              for k, v in [*module.items(), *vars(module).items()]
+              if k.startswith("_") and isinstance(v, mx.array)]
+    mx.eval(arrays)
 
 
 def _vocab_size(model_config: dict, tokenizer) -> int:

@@ -60,7 +60,8 @@ def fleet(text_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("fleet")
     redis = RedisServer()
     redis.start()
-    common = ["--redis-url", redis.url, "--secret", SECRET, "--internal-token", TOKEN]
+    common = ["--redis-url", redis.url, "--secret", SECRET, "--internal-token", TOKEN,
+              "--enable-faults"]
     a1 = BackendProcess(text_model, MODEL_A, logs, backend_id="a1", extra=common)
     a2 = BackendProcess(text_model, MODEL_A, logs, backend_id="a2", extra=common)
     b1 = BackendProcess(text_model, MODEL_B, logs, backend_id="b1",
@@ -122,6 +123,54 @@ def test_other_proxy_keeps_hitting_the_same_backend(fleet):
     turns = first + more
     for (_, prev_prompt, _), (_, _, cached) in zip(turns, turns[1:]):
         assert cached >= prev_prompt - 3, turns
+
+
+def live_pending_marks(redis_url: str) -> list[bytes]:
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        secs, micros = r.time()
+        now_ms = secs * 1000 + micros // 1000
+        return [k for k in r.scan_iter("kvr:*:p:*") if r.zrangebyscore(k, now_ms, "+inf")]
+    finally:
+        r.close()
+
+
+def test_partial_prefill_regression_retry_returns_to_turn1_backend(fleet):
+    """A client that gives up during turn 2's prefill and retries: the partial
+    entry used to replace turn 1's with no prefix keys, so the retry was routed by
+    load. It must go back to turn 1's backend and find more than turn 1 cached."""
+    proxy = fleet["proxies"][0]
+    messages = new_conversation()
+    first, headers = chat(proxy, messages)
+    home = fleet["backends"][headers["x-kvroute-backend"]]
+    turn1 = first.usage.prompt_tokens + first.usage.completion_tokens
+    log = " ".join(f"line {i}: request served in {i % 17} ms." for i in range(300))
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": f"Here is the log:\n{log}"}]
+    stream = SSEStream(proxy.url + "/v1/chat/completions",
+                       {"model": MODEL_A, "messages": messages, "max_tokens": 2,
+                        "kvroute_fault": "slow_prefill:0.2"},
+                       headers={"Authorization": f"Bearer {KEY}"})
+
+    def past_turn1():
+        jobs = home.health()["engine"]["jobs"]
+        return [j for j in jobs if j["phase"] == "prefill" and j["processed"] > turn1 + 256]
+
+    wait_until(past_turn1, timeout=60, what="turn 2's prefill to pass turn 1 on its backend")
+    stream.close()
+    wait_until(lambda: not home.health()["engine"]["jobs"], timeout=20,
+               what="the abandoned prefill to leave the batch")
+    # Routing marks left by turn 2's first try would steer the retry by themselves.
+    wait_until(lambda: not live_pending_marks(fleet["redis"].url), timeout=10,
+               what="turn 2's routing marks to lapse")
+    # Through the other proxy: it knows only what Redis says, not this proxy's choices.
+    retry, headers = chat(fleet["proxies"][1], messages, max_tokens=2)
+    assert headers["x-kvroute-backend"] == home.backend_id
+    # Sent there because Redis still lists turn 1's prefix for it, not by a tie.
+    assert int(headers["x-kvroute-prefix-blocks"]) > 0, dict(headers)
+    assert retry.usage.prompt_tokens_details.cached_tokens > turn1 + 256
 
 
 def _concurrently(fn, n):
