@@ -18,6 +18,10 @@ constructed rather than learned:
 The map makes the chat generation prompt answer ``DEMO_REPLY`` (or a tool call
 for ``DEMO_TOOL_CALL``) and makes digits count ``7 -> 8 -> 9 -> 0 -> ...``
 forever, which tests use for long decodes.
+
+``arch_models`` builds random-weight models of other architectures around the
+same tokenizer and chat template (``write_checkpoint``) and caches them the
+same way (``cached_build``).
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -398,40 +404,23 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
-def build(out_dir: str | Path, variant: str = "text") -> Path:
-    """Write the demo model of ``variant`` to ``out_dir`` and return the path."""
-    if variant not in VARIANTS:
-        raise ValueError(f"Unknown variant {variant!r}, expected one of {VARIANTS}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    tokenizer = train_tokenizer()
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    successors, default = successor_map(tokenizer, variant)
-    model = build_model(successors, default, vocab_size)
-    _check_model(model, successors, default, vocab_size)
-
-    pad_id = tokenizer.token_to_id(PAD_TOKEN)
-    eos_id = tokenizer.token_to_id(IM_END)
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(
-        str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"}
-    )
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        **{k: v for k, v in vars(model.args).items() if v is not None},
+def token_ids(tokenizer: Tokenizer) -> dict:
+    """The special token ids a config.json names."""
+    return {
         "bos_token_id": None,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-        "torch_dtype": "float32",
-        "kvroute_demo": {"variant": variant, "version": VERSION},
+        "eos_token_id": tokenizer.token_to_id(IM_END),
+        "pad_token_id": tokenizer.token_to_id(PAD_TOKEN),
     }
-    _write_json(out_dir / "config.json", config)
+
+
+def write_tokenizer(out_dir: Path, tokenizer: Tokenizer) -> None:
+    """Write the tokenizer, its chat template and the generation config."""
+    eos_id = tokenizer.token_to_id(IM_END)
+    pad_id = tokenizer.token_to_id(PAD_TOKEN)
     _write_json(
         out_dir / "generation_config.json",
         {"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False},
     )
-
     tokenizer.save(str(out_dir / "tokenizer.json"))
     special_tokens = {
         "eos_token": IM_END,
@@ -451,6 +440,41 @@ def build(out_dir: str | Path, variant: str = "text") -> Path:
             "chat_template": CHAT_TEMPLATE,
         },
     )
+
+
+def write_checkpoint(
+    out_dir: Path, model: nn.Module, config: dict, tokenizer: Tokenizer
+) -> None:
+    """Write everything ``mlx_lm.load`` reads: weights, config and tokenizer."""
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(
+        str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"}
+    )
+    _write_json(out_dir / "config.json", config)
+    write_tokenizer(out_dir, tokenizer)
+
+
+def build(out_dir: str | Path, variant: str = "text") -> Path:
+    """Write the demo model of ``variant`` to ``out_dir`` and return the path."""
+    if variant not in VARIANTS:
+        raise ValueError(f"Unknown variant {variant!r}, expected one of {VARIANTS}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = train_tokenizer()
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    successors, default = successor_map(tokenizer, variant)
+    model = build_model(successors, default, vocab_size)
+    _check_model(model, successors, default, vocab_size)
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        **{k: v for k, v in vars(model.args).items() if v is not None},
+        **token_ids(tokenizer),
+        "torch_dtype": "float32",
+        "kvroute_demo": {"variant": variant, "version": VERSION},
+    }
+    write_checkpoint(out_dir, model, config, tokenizer)
     return out_dir
 
 
@@ -467,25 +491,25 @@ def _is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in MODEL_FILES)
 
 
-def ensure(variant: str = "text", cache_dir: Path | None = None) -> Path:
-    """Return the cached demo model of ``variant``, building it on first use.
+def cached_build(
+    name: str, build_into: Callable[[Path], object], cache_dir: Path | None = None
+) -> Path:
+    """Return ``cache_dir / name``, calling ``build_into(path)`` on first use.
 
     Several processes may call this at once: each builds into its own
     temporary directory and renames it into place, which is atomic, so a
     reader never sees half a model. The first rename wins; the others find a
     complete directory there and discard their own copy.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"Unknown variant {variant!r}, expected one of {VARIANTS}")
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / f"demo-model-{variant}-v{VERSION}"
+    target = cache_dir / name
     if _is_complete(target):
         return target
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
     try:
-        build(tmp, variant)
+        build_into(tmp)
         # mkdtemp makes the directory private; the cache may be shared.
         os.chmod(tmp, 0o755)
         try:
@@ -493,8 +517,8 @@ def ensure(variant: str = "text", cache_dir: Path | None = None) -> Path:
             os.rename(tmp, target)
         except OSError:
             if not _is_complete(target):
-                # Not ours: ensure() only ever moves complete directories in.
-                # Removing it here could race with a process that just
+                # Not ours: cached_build() only ever moves complete directories
+                # in. Removing it here could race with a process that just
                 # replaced it with a good one, so leave that to the user.
                 raise RuntimeError(
                     f"{target} exists but is not a complete model; remove it"
@@ -502,3 +526,11 @@ def ensure(variant: str = "text", cache_dir: Path | None = None) -> Path:
         return target
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure(variant: str = "text", cache_dir: Path | None = None) -> Path:
+    """Return the cached demo model of ``variant``, building it on first use."""
+    if variant not in VARIANTS:
+        raise ValueError(f"Unknown variant {variant!r}, expected one of {VARIANTS}")
+    name = f"demo-model-{variant}-v{VERSION}"
+    return cached_build(name, lambda path: build(path, variant), cache_dir)
