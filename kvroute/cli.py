@@ -231,6 +231,11 @@ def run_stats(args: argparse.Namespace) -> int:
     return run(args.url, args.watch)
 
 
+# kvroute.arch_models.ARCHES, which a test keeps in step: importing it would
+# import mlx, which the proxy's image does not have.
+DEMO_ARCHES = ("qwen3", "gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "mamba2", "falcon_h1")
+
+
 def _demo_parser(sub) -> None:
     p = sub.add_parser("demo-model", help="build the tiny demo/test model into DIR",
                        description="Build, offline and in seconds, a tiny mlx-lm model with a "
@@ -238,6 +243,11 @@ def _demo_parser(sub) -> None:
     p.add_argument("dir", help="output directory")
     p.add_argument("--variant", default="text", choices=["text", "tool"],
                    help="'text' replies with a fixed sentence, 'tool' with a tool call")
+    p.add_argument("--arch", choices=DEMO_ARCHES, default=None,
+                   help="instead, a random-weight model of this mlx-lm family (its output is "
+                   "gibberish), to try another cache kind: qwen3 full attention, gemma3_text "
+                   "and gpt_oss sliding windows, qwen3_next, lfm2 and falcon_h1 hybrids with "
+                   "recurrent layers, mamba2 recurrent only")
 
 
 def run_backend(args: argparse.Namespace) -> int:
@@ -275,9 +285,12 @@ def run_backend(args: argparse.Namespace) -> int:
 
 
 def run_demo_model(args: argparse.Namespace) -> int:
-    from . import demo_model
+    from . import arch_models, demo_model
 
-    path = demo_model.build(args.dir, variant=args.variant)
+    if args.arch:
+        path = arch_models.build(args.dir, args.arch)
+    else:
+        path = demo_model.build(args.dir, variant=args.variant)
     print(path)
     return 0
 

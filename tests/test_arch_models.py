@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import CacheList, RotatingKVCache, make_prompt_cache
 
-from kvroute import arch_models
+from kvroute import arch_models, cli
 
 # What make_prompt_cache gives each family: the reason these models exist.
 EXPECTED_CACHES = {
@@ -164,3 +164,13 @@ def test_unknown_arch_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="Unknown arch"):
         arch_models.ensure("llama4", cache_dir=tmp_path)
 
+
+def test_cli_builds_an_arch(tmp_path, capsys):
+    # The CLI lists the names itself, to stay importable without mlx.
+    assert cli.DEMO_ARCHES == arch_models.ARCHES
+    out = tmp_path / "lfm2"
+    assert cli.main(["demo-model", "--arch", "lfm2", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "lfm2"
+    with pytest.raises(SystemExit):
+        cli.main(["demo-model", "--arch", "llama4", str(tmp_path / "x")])
