@@ -212,7 +212,8 @@ SCALES = {
 # writes to dominate, and the final norm makes up the logits' scale.
 # gpt-oss's attention (biased, with sinks) washes the token out faster: at
 # half scale greedy decoding loops within a few tokens, at a quarter it varies.
-# Gemma's norms scale by 1 + weight, so its final norm already doubles logits.
+# Gemma's norms scale by 1 + weight, so its final norm (weight 1) already
+# doubles the logits: its head gets half the others' factor.
 ARCH_SCALES = {
     "lfm2": {"embed_tokens.weight": 0.05, "embedding_norm.weight": 60.0},
     "gpt_oss": {"o_proj.weight": 0.25},
