@@ -30,17 +30,12 @@ A flag beats the environment, which beats the file. The file:
 from __future__ import annotations
 
 import os
-import sys
+import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from .sizes import parse_bytes
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 DEMO = "demo"
 
