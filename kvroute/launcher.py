@@ -162,11 +162,7 @@ class Launcher:
                     "backend", "--model", self.paths[spec.alias], "--model-id", spec.alias,
                     "--host", c.backend_host, "--port", str(port), "--id", name,
                     "--advertise-url", f"http://{c.backend_host}:{port}",
-                    "--cache-bytes", str(spec.cache_bytes),
-                    "--prefill-step", str(spec.prefill_step), "--max-batch", str(spec.max_batch),
-                    "--max-queue", str(spec.max_queue),
-                    "--max-prompt-tokens", str(spec.max_prompt_tokens),
-                    "--default-max-tokens", str(spec.default_max_tokens), *self._common(),
+                    *spec.backend_flags(), *self._common(),
                 ]
                 self.children.append(Child(name, args, f"http://{c.backend_host}:{port}",
                                            COLORS[i % len(COLORS)]))
