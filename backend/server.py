@@ -25,7 +25,6 @@ from aiohttp import web
 from kvroute import openapi, prefix
 from kvroute.process import start_site, wait_for_stop
 from kvroute.errors import APIError, bad_request, error_middleware, not_found
-from kvroute.prefix import DEFAULT_BLOCK_BYTES
 from kvroute.registry import BackendRecord, Publisher, Registry, new_instance_id
 from kvroute.wire import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
 
@@ -40,26 +39,28 @@ ENGINE_KEY = web.AppKey("engine", Engine)
 STATE_KEY = web.AppKey("state", object)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BackendConfig:
+    """`kvroute backend`'s settings; names, defaults and help are in kvroute/config.py."""
+
     model: str
-    host: str = "127.0.0.1"
-    port: int = 8100
-    backend_id: str = ""
-    model_id: str = ""  # the name clients use; defaults to the model path's last part
-    cache_bytes: int = 2 << 30
-    prefill_step: int = 512
-    max_batch: int = 32
-    max_queue: int = 64
-    max_body_bytes: int = 8 << 20
-    max_prompt_tokens: int = 0  # 0: the model's context length
-    default_max_tokens: int = 4096
-    enable_faults: bool = False
-    redis_url: str = ""  # empty: no registry, the backend serves on its own
-    secret: str = ""  # salts the prefix keys; must be the same on every proxy and backend
-    advertise_url: str = ""  # the URL proxies should use (default http://host:port)
-    internal_token: str = ""  # when set, /v1 and /debug require it in x-kvroute-token
-    block_bytes: int = DEFAULT_BLOCK_BYTES
+    host: str
+    port: int
+    backend_id: str  # empty: <hostname>-<port>
+    model_id: str  # the name clients use; empty: the model path's last part
+    cache_bytes: int
+    prefill_step: int
+    max_batch: int
+    max_queue: int
+    max_body_bytes: int
+    max_prompt_tokens: int  # 0: the model's context length
+    default_max_tokens: int
+    enable_faults: bool
+    redis_url: str  # empty: no registry, the backend serves on its own
+    secret: str  # salts the prefix keys; must be the same on every proxy and backend
+    advertise_url: str  # the URL proxies should use; empty: http://host:port
+    internal_token: str  # when set, /v1 and /debug require it in x-kvroute-token
+    block_bytes: int
 
 
 @dataclass

@@ -19,7 +19,7 @@ Starts an external redis-server (so it can be restarted, stopped and paused) and
    follow-up turns are routed as cache hits again.
 
 The backends' /debug/cache needs the launcher's internal token: it is read from
-the backend process's environment (/proc/<pid>/environ, KVROUTE_INTERNAL_TOKEN),
+the backend process's environment (KVROUTE_INTERNAL_TOKEN, read with psutil),
 which the same user may read; nothing else is started outside `kvroute serve`.
 
     python bench/reliability.py [--quick | --soak SECONDS] [--markdown FILE]
@@ -47,6 +47,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -214,11 +215,10 @@ class Deployment:
     def token(self, pid: int) -> str:
         """The launcher's internal token, from the backend's environment."""
         if pid not in self._tokens:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            values = [e.split(b"=", 1)[1] for e in env if e.startswith(b"KVROUTE_INTERNAL_TOKEN=")]
-            if not values:
+            token = psutil.Process(pid).environ().get("KVROUTE_INTERNAL_TOKEN")
+            if not token:
                 raise RuntimeError(f"no KVROUTE_INTERNAL_TOKEN in the environment of pid {pid}")
-            self._tokens[pid] = values[0].decode()
+            self._tokens[pid] = token
         return self._tokens[pid]
 
     def cache_entries(self, url: str, pid: int) -> list[dict]:
@@ -230,10 +230,7 @@ class Deployment:
 
 
 def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    return psutil.Process(pid).memory_info().rss
 
 
 # -- checks ---------------------------------------------------------------------------------

@@ -1,8 +1,17 @@
-"""Configuration of `kvroute serve`: one TOML file, `KVROUTE_*` variables, flags.
+"""Settings of every `kvroute` command, in one table per command.
 
-A flag beats the environment, which beats the file. The file:
+Each `Setting` names its flag, its `KVROUTE_*` variable and its key in the TOML
+file (`kvroute serve --config`); the command-line parsers, the environment and the
+file are all read through these tables, so a default or a name lives in one place.
+A flag beats the environment, which beats the file, which beats the default.
+
+An unknown key in the file, or a `KVROUTE_*` variable that no command knows, is an
+error that names it: a typo must not silently fall back to a default.
+
+The file (every key optional):
 
     secret = "change-me"                 # salts prefix keys; random per launch if unset
+    memory_fraction = 0.85               # of physical memory weights and caches may take
 
     [redis]
     url = "redis://127.0.0.1:6379/0"     # unset: an embedded redis-server on a free port
@@ -21,47 +30,290 @@ A flag beats the environment, which beats the file. The file:
     path = "mlx-community/Qwen2.5-7B-Instruct-4bit"   # a local path, a repo id, or "demo"
     alias = "qwen-7b"                    # the `model` name clients send
     replicas = 2
-    cache_bytes = "8GiB"                 # prompt-cache budget of each replica
-    prefill_step = 512
-    max_batch = 32
-    max_queue = 64
+    cache_bytes = "8GiB"                 # and any other MODEL_SETTINGS key
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import argparse
+import difflib
+import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from .prefix import DEFAULT_BLOCK_BYTES
 from .sizes import parse_bytes
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 DEMO = "demo"
+POLICIES = ("cache-aware", "round-robin", "least-loaded", "random")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# KVROUTE_* variables that are not settings; any other unknown one is an error.
+OTHER_VARIABLES = {
+    "KVROUTE_CACHE_DIR": "where the demo model is built (default ~/.cache/kvroute)",
+    "KVROUTE_PARENT_PID": "set by `kvroute serve` for its children, which exit with it",
+    "KVROUTE_SOAK": "tests: run the reliability suite at full size",
+    "KVROUTE_FUZZ_EXPLORE": "tests: draw fresh fuzzing examples",
+    "KVROUTE_SAVE_SCREENSHOT": "tests: keep the dashboard test's screenshot",
+}
 
 
 class ConfigError(ValueError):
     """A configuration that cannot be served; the message says what to change."""
 
 
+def parse_api_keys(values: list[str]) -> dict[str, str | None]:
+    """`KEY` or `KEY:SCOPE`; a scope keeps that key's cache apart from other scopes."""
+    keys: dict[str, str | None] = {}
+    for value in values:
+        key, _, scope = str(value).strip().partition(":")
+        if key:
+            keys[key] = scope or None
+    return keys
+
+
+def _switch(value: Any) -> bool:
+    return value if isinstance(value, bool) else str(value).strip().lower() not in ("", "0", "false", "no")
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # the attribute of the resolved settings (and of the command's config)
+    type: Callable[[Any], Any]  # converts a flag, variable or file value (each item when many)
+    default: Any
+    help: str
+    flag: str | None = None  # e.g. "--cache-bytes"
+    env: str | None = None  # e.g. "KVROUTE_CACHE_BYTES"
+    toml: str | None = None  # "secret", "proxy.port"; "models.x" is a [[models]] key
+    choices: tuple | None = None
+    metavar: str | None = None
+    many: bool = False  # repeatable flag, comma list in the variable, array in the file
+    switch: bool = False  # a flag without a value; the variable is 1/0
+
+    def convert(self, value: Any, where: str) -> Any:
+        try:
+            if self.switch:
+                return _switch(value)
+            if self.many:
+                items = value.split(",") if isinstance(value, str) else list(value)
+                return [self.type(v) for v in items if str(v).strip()]
+            out = self.type(value)
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+            raise ConfigError(f"{where}: invalid value {value!r} ({exc})") from None
+        if self.choices and out not in self.choices:
+            raise ConfigError(f"{where}: {out!r} is not one of {', '.join(self.choices)}")
+        return out
+
+
+def _opt(name: str, type_: Callable, default: Any, help_: str, *, env: bool | str = True,
+         **kw) -> Setting:
+    """A setting with a flag named after it and, unless env=False, KVROUTE_<FLAG>."""
+    flag = kw.pop("flag", "--" + name.replace("_", "-"))
+    if env is True:
+        env = "KVROUTE_" + flag[2:].upper().replace("-", "_")
+    return Setting(name, type_, default, help_, flag=flag, env=env or None, **kw)
+
+
+def _unknown(what: str, name: str, known: set[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    hint = f"did you mean {close[0]}?" if close else "known: " + ", ".join(sorted(known))
+    return ConfigError(f"unknown {what} {name} ({hint})")
+
+
+_LOG_LEVEL = _opt("log_level", str, "info", "logging level", choices=LOG_LEVELS)
+_JSON_LOGS = _opt("json_logs", bool, False, "log one JSON object per line", switch=True)
+_SECRET = _opt("secret", str, "", "salt of the prefix keys; the same on every proxy and backend")
+_BLOCK_BYTES = _opt("block_bytes", int, DEFAULT_BLOCK_BYTES, "prefix-key block size in bytes; the same everywhere")
+_MAX_BODY = _opt("max_body_bytes", parse_bytes, 8 << 20, "largest accepted request body")
+_TOKEN = _opt("internal_token", str, "", "token shared by proxies and backends (x-kvroute-token)")
+
+# `kvroute backend`. Settings with a `models.` key are also per-model keys of the file.
+BACKEND = [
+    _opt("model", str, "", "local path or Hugging Face repo id; default: the built-in demo model"),
+    _opt("model_id", str, "", "the name clients send as 'model' (default: last part of --model, "
+         "or 'kvroute-demo')"),
+    _opt("host", str, "127.0.0.1", "bind address"),
+    _opt("port", int, 8100, "port"),
+    _opt("backend_id", str, "", "stable backend id, unique in the deployment (default "
+         "<hostname>-<port>)", flag="--id"),
+    _opt("cache_bytes", parse_bytes, 2 << 30, "byte budget of the prompt-cache store, e.g. 512MiB, "
+         "8GiB", toml="models.cache_bytes"),
+    _opt("prefill_step", int, 512, "tokens per prefill chunk; decoding of other requests "
+         "interleaves between chunks", toml="models.prefill_step"),
+    _opt("max_batch", int, 32, "sequences decoded together", toml="models.max_batch"),
+    _opt("max_queue", int, 64, "requests admitted at once; more get 429", toml="models.max_queue"),
+    _MAX_BODY,
+    _opt("max_prompt_tokens", int, 0, "longest accepted prompt (0: the model's context length)",
+         toml="models.max_prompt_tokens"),
+    _opt("default_max_tokens", int, 4096, "completion cap when a request sets none",
+         toml="models.default_max_tokens"),
+    _opt("redis_url", str, "", "registry to advertise the cache in (redis:// or rediss://); "
+         "empty: serve alone"),
+    _SECRET,
+    _opt("advertise_url", str, "", "URL proxies use to reach this backend (default http://HOST:PORT)"),
+    _TOKEN,
+    _BLOCK_BYTES,
+    _opt("demo_variant", str, "text", "which demo model to build when --model is not given",
+         choices=("text", "tool"), toml="models.demo_variant"),
+    _opt("enable_faults", bool, False, "testing only: honour the 'kvroute_fault' request field",
+         switch=True),
+    _LOG_LEVEL,
+    _JSON_LOGS,
+]
+
+PROXY = [
+    _opt("redis_url", str, "", "the registry backends advertise in (redis:// or rediss://); required"),
+    _opt("host", str, "127.0.0.1", "bind address"),
+    _opt("port", int, 8000, "port"),
+    _SECRET,
+    _opt("policy", str, "cache-aware", "routing policy", choices=POLICIES),
+    _opt("api_keys", str, [], "accept this API key (repeatable; the variable takes a comma list); "
+         "a SCOPE isolates the key's prompt cache from other scopes", flag="--api-key",
+         env="KVROUTE_API_KEYS", many=True, metavar="KEY[:SCOPE]"),
+    _TOKEN,
+    _MAX_BODY,
+    _opt("request_timeout", float, 600.0, "seconds a backend may stay silent before the request fails"),
+    _BLOCK_BYTES,
+    _opt("lookup_timeout_ms", float, 50.0, "registry lookup deadline; past it, route by load"),
+    _opt("locality_slack", float, 1.0, "seconds of extra estimated TTFT accepted to keep a prefix hit"),
+    _LOG_LEVEL,
+    _JSON_LOGS,
+]
+
+# `kvroute serve`: the deployment. Not every flag has a variable (see the README).
+SERVE = [
+    _opt("config", str, "", "TOML file (see the README)"),
+    _opt("models", str, [], "serve this model (repeatable); replaces the file's [[models]]",
+         flag="--model", env=False, many=True, metavar="PATH_OR_REPO"),
+    _opt("replicas", int, None, "backend processes per model (default 2 for the bare demo model, "
+         "else the file's, else 1)", env=False),
+    _opt("cache_bytes", parse_bytes, None, "prompt-cache budget of each backend (default: the "
+         "file's, else 2GiB)", env=False),
+    _opt("host", str, "127.0.0.1", "proxy bind address", toml="proxy.host"),
+    _opt("port", int, 8000, "proxy port", toml="proxy.port"),
+    _opt("policy", str, "cache-aware", "routing policy", choices=POLICIES, toml="proxy.policy"),
+    _opt("api_keys", str, [], "require API keys on the proxy (repeatable; the variable takes a "
+         "comma list)", flag="--api-key", env="KVROUTE_API_KEYS", many=True, metavar="KEY[:SCOPE]",
+         toml="proxy.api_keys"),
+    _opt("redis_url", str, "", "use this Redis instead of an embedded one", toml="redis.url"),
+    _opt("secret", str, "", "prefix-key salt (default: random per launch)", toml="secret"),
+    Setting("backend_host", str, "127.0.0.1", "backends' bind address", toml="backends.host"),
+    _opt("backend_port_base", int, 8100, "first port tried for backends", env=False,
+         toml="backends.port_base"),
+    Setting("memory_fraction", float, 0.85, "of physical memory that weights and caches may take",
+            toml="memory_fraction"),
+    _opt("log_level", str, "info", "logging level", choices=LOG_LEVELS),
+    _opt("json_logs", bool, False, "one JSON object per log line, with the process name",
+         switch=True),
+]
+
+STATS = [_opt("url", str, "http://127.0.0.1:8000", "the proxy")]
+
+# Keys of one [[models]] table: these, and the backend settings with a `models.` key.
+MODEL_SETTINGS = [
+    Setting("path", str, DEMO, "a local path, a Hugging Face repo id, or \"demo\"", toml="models.path"),
+    Setting("alias", str, "", "the `model` name clients send (default: last part of path)",
+            toml="models.alias"),
+    Setting("replicas", int, 1, "backend processes of this model", toml="models.replicas"),
+    Setting("kv_bits", int, None, "refused: mlx-lm cannot batch quantized KV caches",
+            toml="models.kv_bits"),
+] + [s for s in BACKEND if s.toml and s.toml.startswith("models.")]
+
+TABLES = {"backend": BACKEND, "proxy": PROXY, "serve": SERVE, "stats": STATS}
+
+
+# -- the command line ------------------------------------------------------------------
+
+
+def _default_text(s: Setting) -> str:
+    if s.switch or s.default in (None, "", []):
+        return ""
+    if s.type is parse_bytes:
+        from .sizes import format_bytes
+
+        return f"default {format_bytes(s.default).replace(' ', '').replace('.0', '')}"
+    return f"default {s.default}"
+
+
+def add_flags(parser: argparse.ArgumentParser, table: list[Setting]) -> None:
+    """One flag per setting that has one. Every default is None, so that resolve()
+    can tell a flag that was given from one that was not."""
+    for s in table:
+        if not s.flag:
+            continue
+        notes = [n for n in (_default_text(s), s.env and f"env {s.env}") if n]
+        help_ = s.help + (f" ({'; '.join(notes)})" if notes else "")
+        kw: dict[str, Any] = {"dest": s.name, "default": None, "help": help_}
+        if s.switch:
+            kw["action"] = "store_true"
+        else:
+            kw.update(type=s.type, metavar=s.metavar, choices=s.choices)
+            if s.many:
+                kw["action"] = "append"
+        parser.add_argument(s.flag, **kw)
+
+
+def resolve(table: list[Setting], flags: argparse.Namespace | Mapping[str, Any],
+            env: Mapping[str, str], file: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Each setting's value: the flag, else the variable, else the file, else the default."""
+    given = vars(flags) if isinstance(flags, argparse.Namespace) else flags
+    out: dict[str, Any] = {}
+    for s in table:
+        value = given.get(s.name)
+        if value is not None and s.many:
+            value = s.convert(value, s.flag or s.name)
+        if value is None and s.env and env.get(s.env, "") != "":
+            value = s.convert(env[s.env], s.env)
+        if value is None and file is not None and s.toml and not s.toml.startswith("models."):
+            section, _, key = s.toml.rpartition(".")
+            table_ = file.get(section, {}) if section else file
+            if key in table_:
+                value = s.convert(table_[key], f"{s.toml} in the config file")
+        out[s.name] = s.default if value is None else value
+    return out
+
+
+def check_environment(env: Mapping[str, str]) -> None:
+    known = {s.env for table in TABLES.values() for s in table if s.env} | set(OTHER_VARIABLES)
+    for name in sorted(env):
+        if name.startswith("KVROUTE_") and name not in known:
+            raise _unknown("environment variable", name, known)
+
+
+# -- kvroute serve ------------------------------------------------------------------------
+
+
+_MODEL = {s.name: s.default for s in MODEL_SETTINGS}
+_SERVE = {s.name: s.default for s in SERVE}
+
+
 @dataclass
 class ModelSpec:
-    path: str = DEMO
-    alias: str = ""
-    replicas: int = 1
-    cache_bytes: int = 2 << 30
-    prefill_step: int = 512
-    max_batch: int = 32
-    max_queue: int = 64
-    max_prompt_tokens: int = 0
-    default_max_tokens: int = 4096
-    demo_variant: str = "text"
-    kv_bits: int | None = None
+    path: str = _MODEL["path"]
+    alias: str = _MODEL["alias"]
+    replicas: int = _MODEL["replicas"]
+    # Per-replica backend settings: defaults from the BACKEND table.
+    cache_bytes: int = _MODEL["cache_bytes"]
+    prefill_step: int = _MODEL["prefill_step"]
+    max_batch: int = _MODEL["max_batch"]
+    max_queue: int = _MODEL["max_queue"]
+    max_prompt_tokens: int = _MODEL["max_prompt_tokens"]
+    default_max_tokens: int = _MODEL["default_max_tokens"]
+    demo_variant: str = _MODEL["demo_variant"]
+    kv_bits: int | None = _MODEL["kv_bits"]
+
+    @classmethod
+    def make(cls, raw: Mapping[str, Any], where: str = "[[models]]") -> "ModelSpec":
+        by_key = {s.toml.split(".", 1)[1]: s for s in MODEL_SETTINGS}
+        raw = dict(raw)
+        if "repo" in raw:  # an alias of path, for Hugging Face repo ids
+            raw["path"] = raw.pop("repo")
+        unknown = set(raw) - set(by_key)
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+        return cls(**{by_key[k].name: by_key[k].convert(v, f"{where} {k}") for k, v in raw.items()})
 
     def __post_init__(self) -> None:
         if not self.alias:
@@ -78,106 +330,78 @@ class ModelSpec:
                 "(mlx-lm 0.32 cannot batch quantized KV caches); remove it"
             )
 
+    def backend_flags(self) -> list[str]:
+        """The per-model settings as `kvroute backend` flags, from the same table."""
+        out: list[str] = []
+        for s in MODEL_SETTINGS:
+            if s in BACKEND and s.name != "demo_variant":
+                out += [s.flag, str(getattr(self, s.name))]
+        return out
+
 
 @dataclass
 class ServeConfig:
     models: list[ModelSpec] = field(default_factory=lambda: [ModelSpec()])
-    host: str = "127.0.0.1"
-    port: int = 8000
-    policy: str = "cache-aware"
-    api_keys: dict[str, str | None] = field(default_factory=dict)
-    redis_url: str = ""
-    secret: str = ""
-    backend_host: str = "127.0.0.1"
-    backend_port_base: int = 8100
-    log_level: str = "info"
-    json_logs: bool = False
-    memory_fraction: float = 0.85  # of physical memory that weights and caches may take
+    host: str = _SERVE["host"]
+    port: int = _SERVE["port"]
+    policy: str = _SERVE["policy"]
+    api_keys: dict[str, str | None] = field(default_factory=dict)  # key -> cache scope
+    redis_url: str = _SERVE["redis_url"]
+    secret: str = _SERVE["secret"]
+    backend_host: str = _SERVE["backend_host"]
+    backend_port_base: int = _SERVE["backend_port_base"]
+    log_level: str = _SERVE["log_level"]
+    json_logs: bool = _SERVE["json_logs"]
+    memory_fraction: float = _SERVE["memory_fraction"]
     ready_timeout: float = 600.0
-
-
-_MODEL_FIELDS = {f.name for f in fields(ModelSpec)}
-
-
-def _model(raw: dict, i: int) -> ModelSpec:
-    unknown = set(raw) - _MODEL_FIELDS - {"repo"}
-    if unknown:
-        raise ConfigError(f"[[models]] #{i + 1}: unknown keys {sorted(unknown)}")
-    raw = dict(raw)
-    if "repo" in raw:
-        raw["path"] = raw.pop("repo")
-    if "cache_bytes" in raw:
-        raw["cache_bytes"] = parse_bytes(raw["cache_bytes"])
-    return ModelSpec(**raw)
-
-
-def parse_api_keys(values: list[str]) -> dict[str, str | None]:
-    """`KEY` or `KEY:SCOPE`; a scope keeps that key's cache apart from other scopes."""
-    keys: dict[str, str | None] = {}
-    for value in values:
-        key, _, scope = value.strip().partition(":")
-        if key:
-            keys[key] = scope or None
-    return keys
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    check_file_keys(data, str(path))
+    return data
 
 
-def from_file(data: dict[str, Any]) -> dict[str, Any]:
-    """The file's settings as ServeConfig keyword arguments."""
-    out: dict[str, Any] = {}
-    if "secret" in data:
-        out["secret"] = str(data["secret"])
-    redis = data.get("redis", {})
-    if "url" in redis:
-        out["redis_url"] = redis["url"]
-    proxy = data.get("proxy", {})
-    for key in ("host", "port", "policy"):
-        if key in proxy:
-            out[key] = proxy[key]
-    if "api_keys" in proxy:
-        out["api_keys"] = parse_api_keys(list(proxy["api_keys"]))
-    backends = data.get("backends", {})
-    if "host" in backends:
-        out["backend_host"] = backends["host"]
-    if "port_base" in backends:
-        out["backend_port_base"] = int(backends["port_base"])
-    if "memory_fraction" in data:
-        out["memory_fraction"] = float(data["memory_fraction"])
-    if "models" in data:
-        out["models"] = [_model(m, i) for i, m in enumerate(data["models"])]
-    return out
+def check_file_keys(data: Mapping[str, Any], where: str) -> None:
+    known = {s.toml for s in SERVE if s.toml} | {"models"}
+    for key, value in data.items():
+        if key == "models":
+            if not isinstance(value, list):
+                raise ConfigError(f"{where}: 'models' must be an array of tables ([[models]])")
+            continue
+        names = [f"{key}.{sub}" for sub in value] if isinstance(value, dict) else [key]
+        for name in names:
+            if name not in known:
+                raise ConfigError(f"{where}: {_unknown('key', name, known).args[0]}")
 
 
-def from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
-    env = os.environ if env is None else env
-    out: dict[str, Any] = {}
-    pairs = {"KVROUTE_HOST": "host", "KVROUTE_PORT": "port", "KVROUTE_POLICY": "policy",
-             "KVROUTE_REDIS_URL": "redis_url", "KVROUTE_SECRET": "secret",
-             "KVROUTE_LOG_LEVEL": "log_level"}
-    for var, key in pairs.items():
-        if env.get(var):
-            out[key] = int(env[var]) if key == "port" else env[var]
-    if env.get("KVROUTE_API_KEYS"):
-        out["api_keys"] = parse_api_keys(env["KVROUTE_API_KEYS"].split(","))
-    if env.get("KVROUTE_JSON_LOGS") not in (None, "", "0"):
-        out["json_logs"] = True
-    return out
-
-
-def build(file: str | None, flags: dict[str, Any], env: dict[str, str] | None = None) -> ServeConfig:
-    """Merge file < environment < flags (flags: only the ones given, i.e. not None)."""
-    settings: dict[str, Any] = {}
-    if file:
-        settings.update(from_file(load_file(file)))
-    settings.update(from_env(env))
-    settings.update({k: v for k, v in flags.items() if v is not None})
-    return ServeConfig(**settings)
+def build(flags: argparse.Namespace | Mapping[str, Any], env: Mapping[str, str]) -> ServeConfig:
+    """The deployment `kvroute serve` starts: file < environment < flags."""
+    given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags)
+    path = given.get("config") or env.get("KVROUTE_CONFIG") or ""
+    file = load_file(path) if path else {}
+    values = resolve(SERVE, given, env, file)
+    if values["models"]:
+        models = [ModelSpec.make({"path": m}) for m in values["models"]]
+    else:
+        models = [ModelSpec.make(m, f"[[models]] #{i + 1}") for i, m in enumerate(file.get("models", []))]
+        models = models or [ModelSpec()]
+    for spec in models:
+        if values["replicas"] is not None:
+            spec.replicas = values["replicas"]
+        elif not file.get("models") and not values["models"] and spec.path == DEMO:
+            spec.replicas = 2  # the zero-argument demo shows routing between two
+        if values["cache_bytes"] is not None:
+            spec.cache_bytes = values["cache_bytes"]
+        if spec.replicas < 1:
+            raise ConfigError("--replicas must be at least 1")
+    names = {f.name for f in fields(ServeConfig)}
+    kw = {k: v for k, v in values.items() if k in names and k != "models"}
+    kw["api_keys"] = parse_api_keys(kw["api_keys"])
+    return ServeConfig(models=models, **kw)

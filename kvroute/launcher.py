@@ -115,6 +115,7 @@ class Child:
     args: list[str]
     url: str  # health is at url + /health
     color: str
+    env: dict[str, str] = field(default_factory=dict)  # secrets: never on the command line
     proc: asyncio.subprocess.Process | None = None
     restarts: int = 0
     started: float = 0.0
@@ -160,28 +161,27 @@ class Launcher:
                 args = [
                     "backend", "--model", self.paths[spec.alias], "--model-id", spec.alias,
                     "--host", c.backend_host, "--port", str(port), "--id", name,
-                    "--redis-url", self.redis_url,
                     "--advertise-url", f"http://{c.backend_host}:{port}",
-                    "--cache-bytes", str(spec.cache_bytes),
-                    "--prefill-step", str(spec.prefill_step), "--max-batch", str(spec.max_batch),
-                    "--max-queue", str(spec.max_queue),
-                    "--max-prompt-tokens", str(spec.max_prompt_tokens),
-                    "--default-max-tokens", str(spec.default_max_tokens), *self._common(),
+                    *spec.backend_flags(), *self._common(),
                 ]
                 self.children.append(Child(name, args, f"http://{c.backend_host}:{port}",
                                            COLORS[i % len(COLORS)]))
                 i += 1
-        args = ["proxy", "--redis-url", self.redis_url, "--host", c.host, "--port", str(c.port),
-                "--policy", c.policy, *self._common()]
-        for key, scope in c.api_keys.items():
-            args += ["--api-key", f"{key}:{scope}" if scope else key]
+        args = ["proxy", "--host", c.host, "--port", str(c.port), "--policy", c.policy,
+                *self._common()]
+        keys = ",".join(f"{key}:{scope}" if scope else key for key, scope in c.api_keys.items())
         host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
-        self.children.append(Child("proxy", args, f"http://{host}:{c.port}", "bold white"))
+        self.children.append(Child("proxy", args, f"http://{host}:{c.port}", "bold white",
+                                   env={"KVROUTE_API_KEYS": keys}))
 
     async def _spawn(self, child: Child) -> None:
-        # Secrets travel in the environment, not argv, which `ps` shows to every user.
+        # Secrets travel in the environment, not argv, which `ps` shows to every user: the
+        # salt, the internal token, the Redis URL (it may hold a password), the API keys.
         env = {**os.environ, "KVROUTE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
-               "KVROUTE_SECRET": self.secret, "KVROUTE_INTERNAL_TOKEN": self.token}
+               "KVROUTE_SECRET": self.secret, "KVROUTE_INTERNAL_TOKEN": self.token,
+               "KVROUTE_REDIS_URL": self.redis_url}
+        env.pop("KVROUTE_API_KEYS", None)  # only the proxy gets them, from its own env below
+        env.update({k: v for k, v in child.env.items() if v})
         # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which
         # then stops children in order; children watch the launcher's pid instead.
         child.proc = await asyncio.create_subprocess_exec(

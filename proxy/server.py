@@ -45,25 +45,27 @@ _RECENT_BUCKETS = 4096  # distinct (model, first content key) pairs remembered a
 _INLINE_CHAIN_BYTES = 256 << 10
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ProxyConfig:
+    """`kvroute proxy`'s settings (names, defaults, help: kvroute/config.py), then tunables."""
+
     redis_url: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    secret: str = ""
-    policy: str = "cache-aware"
-    api_keys: dict[str, str | None] = field(default_factory=dict)  # key -> cache scope
-    internal_token: str = ""
-    max_body_bytes: int = 8 << 20
-    request_timeout: float = 600.0
+    host: str
+    port: int
+    secret: str
+    policy: str
+    api_keys: dict[str, str | None]  # key -> cache scope
+    internal_token: str
+    max_body_bytes: int
+    request_timeout: float
+    block_bytes: int
+    lookup_timeout: float  # seconds (the flag is in ms)
+    locality_slack: float
     connect_timeout: float = 2.0
-    block_bytes: int = prefix.DEFAULT_BLOCK_BYTES
-    lookup_timeout: float = 0.05
     pending_ttl_ms: int = 3000
     suspect_seconds: float = 5.0
     refresh_period: float = 1.0
     forget_after: float = 10.0  # seconds a backend absent from the registry stays a fallback
-    locality_slack: float = 1.0
     probe_timeout: float = 1.0  # /health deadline when checking a backend whose record lapsed
 
 

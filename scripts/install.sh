@@ -9,13 +9,10 @@ test_mode=""
 [ "${1:-}" = "--test" ] && test_mode=1
 
 py=${PYTHON:-python3}
-if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-  echo "kvroute needs Python 3.10 or newer (found: $("$py" --version 2>&1))" >&2
+if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "kvroute needs Python 3.11 or newer (found: $("$py" --version 2>&1))" >&2
   exit 1
 fi
-[ -x .venv/bin/python ] || "$py" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${test_mode:+[test]}"
 
 apt_updated=""
 apt_install() {
@@ -24,6 +21,28 @@ apt_install() {
   if [ -z "$apt_updated" ]; then $sudo apt-get update -qq; apt_updated=1; fi
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
 }
+
+# Debian and Ubuntu ship venv (ensurepip) apart from python3: bring it when it is missing.
+if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  rm -rf .venv
+  if ! "$py" -m venv .venv >/dev/null 2>&1; then
+    rm -rf .venv
+    if command -v apt-get >/dev/null 2>&1; then
+      minor=$("$py" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+      echo "installing python${minor}-venv ..." >&2
+      apt_install "python${minor}-venv" || apt_install python3-venv
+      "$py" -m venv .venv
+    else
+      echo "'$py -m venv' failed: install Python's venv module" >&2
+      exit 1
+    fi
+  fi
+fi
+# -q twice: pip's own progress and the build backend's notices stay out of the way;
+# errors still show.
+pip_install() { .venv/bin/python -m pip install -qq --disable-pip-version-check "$@"; }
+pip_install --upgrade pip
+pip_install -e ".${test_mode:+[test]}"
 
 if ! command -v redis-server >/dev/null 2>&1; then
   echo "installing redis-server ..." >&2

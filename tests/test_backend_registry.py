@@ -3,7 +3,7 @@
 Each test starts (or shares) a `redis-server` child and real backend processes
 running the demo model, sends real HTTP requests, and reads Redis exactly as a
 proxy would: `Registry.lookup` over `prefix.chat_chain` of a request body salted
-with the deployment secret. DESIGN invariants 3-5: Redis holds hashes, never
+with the deployment secret. DESIGN.md invariants 3-5 (docs/DESIGN.md): Redis holds hashes, never
 prompt text; Redis is an accelerator, not a dependency of correctness; a dead
 backend is forgotten fast and a restarted one inherits nothing.
 

@@ -1,4 +1,4 @@
-"""Fuzzing the proxy and the backend (the "Hardening" issue).
+"""Fuzzing the proxy and the backend (DESIGN.md invariant 7: OpenAI errors, no hang).
 
 Whatever a client sends, the answer is a valid completion (200) or an OpenAI error
 envelope `{"error": {"message", "type", "param", "code"}}` with a 4xx status: never

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 from harness import free_port, get_json, request, wait_until
 
@@ -60,15 +61,10 @@ def deployment_pids(port: int) -> list[int]:
 
 
 def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
     # A zombie awaiting its reaper is gone for our purposes.
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[1].split()[0] == "Z"
-    except OSError:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return True
 
 
@@ -105,6 +101,7 @@ url = "{redis}"
 
 [proxy]
 port = {port}
+api_keys = ["sk-serve-test:team"]
 
 [backends]
 port_base = {base}
@@ -143,7 +140,8 @@ def test_two_models_supervision_and_clean_shutdown(tmp_path, model_cache):
                        {"KVROUTE_CACHE_DIR": str(model_cache)}, log)
     try:
         health = wait_proxy(port, 2, proc, log)
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-serve-test",
+                          max_retries=0)
         assert {m.id for m in c.models.list()} == {"small", "large"}
         for model in ("small", "large"):
             raw = c.chat.completions.with_raw_response.create(
@@ -166,7 +164,17 @@ def test_two_models_supervision_and_clean_shutdown(tmp_path, model_cache):
         assert r.choices[0].finish_reason == "stop"
 
         pids = [get_json(b["url"] + "/health")["pid"] for b in health["backends"]]
-        pids.append(get_json(f"http://127.0.0.1:{port}/health")["pid"])
+        proxy_pid = get_json(f"http://127.0.0.1:{port}/health")["pid"]
+        pids.append(proxy_pid)
+        # Secrets reach the children in their environment, never on a command line
+        # (`ps` shows those to every user); API keys reach the proxy alone.
+        for pid in pids:
+            cmdline = " ".join(psutil.Process(pid).cmdline())
+            for secret in ("test-secret", "sk-serve-test", redis.url):
+                assert secret not in cmdline, (secret, cmdline)
+        assert psutil.Process(proxy_pid).environ()["KVROUTE_API_KEYS"] == "sk-serve-test:team"
+        assert all("KVROUTE_API_KEYS" not in psutil.Process(pid).environ() for pid in pids[:-1])
+        assert all(psutil.Process(pid).environ()["KVROUTE_SECRET"] == "test-secret" for pid in pids)
     finally:
         elapsed = stop(proc)
     assert elapsed < 10, elapsed
