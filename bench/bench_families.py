@@ -1,0 +1,87 @@
+"""Cold vs cached time to first token for every model family, and what its
+checkpoints cost in bytes per token.
+
+For each architecture of `kvroute demo-model --arch` (tiny random-weight models,
+built locally), starts a real backend process, then for each prompt length sends
+a never-seen prompt (cold) and the same prompt again (cached from the prompt-end
+checkpoint), timing the first streamed token on the client side. Medians over
+--repeat runs. Bytes per token are those of the entry the repeat used, as `GET /debug/cache`
+reports them (the models are tiny: compare families, not absolute sizes).
+
+    python bench/bench_families.py [--arches qwen3,gemma3_text] [--sizes 1024,4096] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_ttft import prompt_of, ttft  # noqa: E402
+from harness import BackendProcess  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from kvroute import arch_models  # noqa: E402
+
+
+def measure(backend: BackendProcess, size: int, repeat: int) -> dict:
+    colds, hots, per_token, n_prompt, cached = [], [], [], 0, 0
+    for _ in range(repeat):
+        prompt = prompt_of(backend, size)
+        before = {e["id"] for e in backend.cache()}
+        t_cold, n_prompt, c0 = ttft(backend, prompt)
+        assert c0 < 8, f"a cold prompt hit the cache ({c0} tokens)"
+        t_hot, _, cached = ttft(backend, prompt)
+        # The entry the repeat used: the prompt-end checkpoint, or for full attention
+        # the longer entry (prompt + reply) that superseded it and was trimmed.
+        new = [e for e in backend.cache() if e["id"] not in before and e["tokens"] >= cached]
+        new = [min(new, key=lambda e: e["tokens"])] if new else []
+        colds.append(t_cold)
+        hots.append(t_hot)
+        per_token += [e["nbytes"] / e["tokens"] for e in new]
+    return {"prompt": n_prompt, "cached": cached, "cold": statistics.median(colds),
+            "hot": statistics.median(hots),
+            "bytes_per_token": statistics.median(per_token) if per_token else float("nan")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arches", default=",".join(arch_models.ARCHES))
+    ap.add_argument("--sizes", default="1024,4096")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    table = Table(title=f"Cold vs cached TTFT per family (median of {args.repeat}, client side)")
+    for col in ("arch", "prompt tokens", "cached tokens", "cold TTFT (ms)", "cached TTFT (ms)",
+                "cold / cached", "checkpoint bytes/token"):
+        table.add_column(col, justify="right")
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in args.arches.split(","):
+            model = arch_models.ensure(arch, cache_dir=Path(tmp) / "models")
+            backend = BackendProcess(model, model_id=arch, log_dir=Path(tmp),
+                                     extra=["--cache-bytes", "4GiB", "--max-prompt-tokens", "16384"])
+            backend.start()
+            try:
+                ttft(backend, prompt_of(backend, 64))  # warm-up
+                for size in (int(s) for s in args.sizes.split(",")):
+                    r = measure(backend, size, args.repeat)
+                    table.add_row(arch, str(r["prompt"]), str(r["cached"]), f"{r['cold'] * 1000:.1f}",
+                                  f"{r['hot'] * 1000:.1f}", f"{r['cold'] / r['hot']:.1f}x",
+                                  f"{r['bytes_per_token']:.0f}")
+            finally:
+                backend.stop()
+    console = Console(width=160)
+    console.print(f"command: python {' '.join(sys.argv)}")
+    console.print(f"machine: {platform.machine()} {platform.system()} {platform.release()}, "
+                  f"python {platform.python_version()}")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
