@@ -99,9 +99,11 @@ def _check_model(state: State, model: str) -> None:
         )
 
 
-def _render(state: State, messages: list[dict], tools: list[dict] | None, generation: bool) -> list[int]:
-    return list(state.tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=generation, tokenize=True))
+def _render(state: State, messages: list[dict], tools: list[dict] | None, generation: bool,
+            tokenize: bool = True) -> Any:
+    out = state.tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=generation, tokenize=tokenize)
+    return list(out) if tokenize else out
 
 
 def _header_messages(messages: list[dict]) -> int:
@@ -122,26 +124,43 @@ def _render_chat(state: State, req: ChatRequest) -> tuple[list[int], dict[int, i
                           param="messages")
     marks: dict[int, int] = {}
     if state.engine.checkpointing:
+        text = _render(state, req.messages, req.tools, True, tokenize=False)
         for n in {_header_messages(req.messages), len(req.messages)}:
-            position = _prefix_position(state, prompt, req.messages[:n], req.tools)
+            position = _prefix_position(state, prompt, text, req.messages[:n], req.tools)
             if position:
                 marks[position] = n
     return prompt, marks
 
 
-def _prefix_position(state: State, prompt: list[int], messages: list[dict],
+def _template_tokens(state: State, text: str) -> list[int]:
+    # As apply_chat_template tokenizes: the template writes BOS itself.
+    return list(state.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _prefix_position(state: State, prompt: list[int], text: str, messages: list[dict],
                      tools: list[dict] | None) -> int | None:
-    """Where the rendering of `messages` ends inside `prompt`, if it is a prefix
-    of it token for token (templates may render a partial conversation
-    differently, or refuse it: then there is no checkpoint there)."""
+    """Where the rendering of `messages` ends inside `prompt` (rendered as
+    `text`), or None where the template renders that part differently or refuses
+    it. Only a position is chosen here: the checkpoint holds the prompt's own
+    tokens up to it, so a slightly off position costs a hit, never correctness."""
     if not messages:
         return None
     try:
-        tokens = _render(state, messages, tools, False)
+        head = _render(state, messages, tools, False, tokenize=False)
     except Exception:
         return None
-    n = len(tokens)
-    return n if 0 < n < len(prompt) and prompt[:n] == tokens else None
+    if not (0 < len(head) < len(text) and text.startswith(head)):
+        return None
+    if len(head) <= len(text) // 2:
+        tokens = _template_tokens(state, head)
+        n = len(tokens)
+        return n if n < len(prompt) and prompt[:n] == tokens else None
+    # Tokenize the shorter side: the rest (the generation prompt, for the last
+    # message) starts with a special token in chat templates, where tokenizers
+    # split before anything else, so its tokens end the prompt's.
+    tail = _template_tokens(state, text[len(head):])
+    n = len(prompt) - len(tail)
+    return n if 0 < n and prompt[n:] == tail else None
 
 
 def _encode(state: State, prompt: str) -> list[int]:
