@@ -65,6 +65,7 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    stop: str | None = None  # the stop string that ended generation, when one did
 
 
 @dataclass
@@ -488,7 +489,7 @@ class Engine:
                 # generator has already let the sequence go and hands its cache here.
                 cache, tokens = r.prompt_cache, r.all_tokens
             self._commit(job, cache, tokens, "finish")
-            self._finish(job, "stop")
+            self._finish(job, "stop", stop=chunk.stop)
             return
         if r.finish_reason is None:
             self._emit_chunk(job, chunk)
@@ -536,7 +537,7 @@ class Engine:
             "top": [(name(i), v) for i, v in entry["top"]],
         }
 
-    def _finish(self, job: Job, exit_path: str) -> None:
+    def _finish(self, job: Job, exit_path: str, stop: str | None = None) -> None:
         self._jobs.pop(job.uid, None)
         job.phase = "done"
         self.metrics.l(self.metrics.finished, exit=exit_path).inc()
@@ -547,7 +548,7 @@ class Engine:
             job.emit(APIError(499, "Client closed the request.", "server_error"))
             return
         reason = {"eos": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}[exit_path]
-        job.emit(Finish(reason, exit_path, len(job.prompt), job.generated, job.cached_tokens))
+        job.emit(Finish(reason, exit_path, len(job.prompt), job.generated, job.cached_tokens, stop))
 
     def _fail(self, job: Job, message: str, status: int = 500) -> None:
         self._jobs.pop(job.uid, None)

@@ -23,6 +23,7 @@ class Chunk:
     text: str = ""
     tool_calls: list[dict] = field(default_factory=list)
     stopped: bool = False  # a stop string was found: generation must end here
+    stop: str | None = None  # which one (the Messages API reports it as stop_sequence)
 
 
 def _earliest(text: str, markers: list[str]) -> tuple[int, str] | None:
@@ -110,7 +111,7 @@ class OutputParser:
             if marker == self.tool_start:
                 self.in_tool = True
                 continue
-            out.stopped = True
+            out.stopped, out.stop = True, marker
             self.pending = ""
             return out
 

@@ -18,6 +18,13 @@ def _usage(f: Finish) -> dict:
     }
 
 
+def _stop_reason(f: Finish) -> dict:
+    # finish_reason "stop" does not say whether EOS or a stop string ended the reply; the
+    # proxy's Messages API must (stop_reason "stop_sequence" and which one). vLLM's name
+    # for the field; absent otherwise, so plain chat answers keep their usual shape.
+    return {"stop_reason": f.stop} if f.stop is not None else {}
+
+
 def _token_bytes(token: str) -> list[int]:
     return list(token.encode("utf-8"))
 
@@ -114,8 +121,8 @@ class ChatBuilder(_Builder):
                            with_usage)
 
     def finish_chunk(self, f: Finish, with_usage: bool) -> dict:
-        return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": f.reason},
-                           with_usage)
+        return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": f.reason,
+                            **_stop_reason(f)}, with_usage)
 
     def add(self, d: Delta) -> None:
         self.text.append(d.text)
@@ -130,7 +137,7 @@ class ChatBuilder(_Builder):
         message["refusal"] = None
         logprobs = chat_logprobs(self.logprob_entries) if self.logprobs else None
         return self._whole({"index": 0, "message": message, "logprobs": logprobs,
-                            "finish_reason": f.reason}, f)
+                            "finish_reason": f.reason, **_stop_reason(f)}, f)
 
 
 @dataclass

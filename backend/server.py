@@ -26,7 +26,8 @@ from kvroute import openapi, prefix
 from kvroute.process import start_site, wait_for_stop
 from kvroute.errors import APIError, bad_request, error_middleware, not_found
 from kvroute.registry import BackendRecord, Publisher, Registry, new_instance_id
-from kvroute.wire import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
+from kvroute.wire import (COUNT_TOKENS_PATH, ChatRequest, CompletionRequest, parse_chat,
+                          parse_completion, parse_json)
 
 from .engine import Delta, Engine, Finish, Job
 from .metrics import BackendMetrics
@@ -114,14 +115,18 @@ def _header_messages(messages: list[dict]) -> int:
     return n
 
 
-def _render_chat(state: State, req: ChatRequest) -> tuple[list[int], dict[int, int]]:
-    """The prompt, and {token position: number of messages it ends} for the
-    checkpoints a model with untrimmable caches keeps (see engine.py)."""
+def _render_prompt(state: State, req: ChatRequest) -> list[int]:
     try:
-        prompt = _render(state, req.messages, req.tools, True)
+        return _render(state, req.messages, req.tools, True)
     except Exception as exc:  # template errors are the request's fault (bad role order, ...)
         raise bad_request(f"The messages could not be rendered by the chat template: {exc}.",
                           param="messages")
+
+
+def _render_chat(state: State, req: ChatRequest) -> tuple[list[int], dict[int, int]]:
+    """The prompt, and {token position: number of messages it ends} for the
+    checkpoints a model with untrimmable caches keeps (see engine.py)."""
+    prompt = _render_prompt(state, req)
     marks: dict[int, int] = {}
     if state.engine.checkpointing:
         text = _render(state, req.messages, req.tools, True, tokenize=False)
@@ -244,6 +249,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     chains = _chat_chains(state, body, req, scope, marks, prompt)
     builder = ChatBuilder(state.config.model_id, logprobs=req.params.logprobs)
     return await _generate(request, state, req, prompt, builder, req.tools, chains, scope)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt tokens a chat body renders to with this model's chat template, as
+    `usage.prompt_tokens` of the same body would count them; nothing is generated. For
+    the proxy's /v1/messages/count_tokens: only a backend has the tokenizer."""
+    state = _state(request)
+    req = parse_chat(await _read_body(request))
+    _check_model(state, req.model)
+    prompt = await asyncio.to_thread(_render_prompt, state, req)
+    return web.json_response({"object": "token_count", "model": req.model,
+                              "prompt_tokens": len(prompt)},
+                             dumps=lambda o: orjson.dumps(o).decode())
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -497,6 +515,7 @@ def create_app(state: State) -> web.Application:
     app[STATE_KEY] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post(COUNT_TOKENS_PATH, count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -18,6 +18,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+# The backend's internal token count of a chat body (under /v1, so it takes the internal
+# token like the rest): the proxy's Anthropic count_tokens asks it, having no tokenizer.
+COUNT_TOKENS_PATH = "/v1/kvroute/count_tokens"
 
 
 @dataclass
