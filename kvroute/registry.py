@@ -17,6 +17,9 @@ Key layout (`<m>` is the model id with `{`, `}`, `%`, blanks and non-ASCII perce
                                    withdrawn, for purges and resyncs; EXPIRE key_ttl
     kvr:b:<bid>              STR   the backend record (JSON), PX record_ttl
     kvr:backends             ZSET  <bid> -> last heartbeat, for live_backends()
+    kvr:resp:<tag>:<id>      STR   a stored /v1/responses answer (its conversation,
+                                   encrypted by the proxy), PX its TTL; <tag> is a
+                                   keyed hash of the API key's scope, <id> resp_<hex>
 
 Everything a model's lookup touches shares the hash tag `{m:<m>}`, so one model
 lives in one Redis Cluster slot. The scripts declare the model's `backends` key
@@ -136,6 +139,17 @@ def _record_key(backend_id: str) -> str:
 
 
 _ALL_BACKENDS = "kvr:backends"
+
+_RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")
+_SCOPE_TAG_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def _response_key(scope_tag: str, response_id: str) -> str:
+    # Both parts come from the proxy's own hashing and ids: checked so no client text
+    # ever becomes (part of) a key name.
+    if not _SCOPE_TAG_RE.fullmatch(scope_tag) or not _RESPONSE_ID_RE.fullmatch(response_id):
+        raise ValueError("malformed response key")
+    return f"kvr:resp:{scope_tag}:{response_id}"
 
 
 def _chain_hex(keys: list[int]) -> str:
@@ -560,6 +574,15 @@ class Registry:
             self._lookup_failed("mark_pending timed out")
         except Exception as e:
             self._lookup_failed(f"mark_pending: {type(e).__name__}: {e}")
+
+    async def put_response(self, scope_tag: str, response_id: str, blob: bytes, ttl: float) -> None:
+        """Keep a stored response (opaque bytes) for `ttl` seconds. Raises RegistryUnavailable."""
+        await self._op("put_response", self._redis.set(_response_key(scope_tag, response_id), blob,
+                                                       px=max(1, int(ttl * 1000))))
+
+    async def get_response(self, scope_tag: str, response_id: str) -> bytes | None:
+        """A stored response, None when unknown or expired. Raises RegistryUnavailable."""
+        return await self._op("get_response", self._redis.get(_response_key(scope_tag, response_id)))
 
     async def live_backends(self) -> list[BackendRecord]:
         """Every backend whose record is alive, sorted by id. Raises RegistryUnavailable."""

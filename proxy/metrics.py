@@ -15,6 +15,11 @@ class ProxyMetrics:
             "kvroute_proxy_requests", "Requests by model, backend and HTTP status",
             ["model", "backend", "status"], registry=r,
         )
+        self.api_requests = Counter(
+            "kvroute_proxy_api_requests", "Requests by client API (chat, completions, responses, "
+            "messages) and HTTP status, refused ones included",
+            ["api", "status"], registry=r,
+        )
         self.decisions = Counter(
             "kvroute_proxy_route_decisions", "Routing decisions by reason",
             ["model", "backend", "reason"], registry=r,

@@ -32,14 +32,18 @@ from kvroute.hits import is_cache_hit
 from kvroute.registry import BackendRecord, Registry, RegistryUnavailable
 from kvroute.wire import parse_json
 
+from . import apis, messages_api, responses_api
 from .metrics import ProxyMetrics
 from .policy import Candidate, Decision, Policy, PolicyConfig
+from .response_store import ResponseStore
 from .stats import SERIES_PERIOD, Stats
+from .translate import GATEWAY, Gateway, Relay
 
 log = logging.getLogger("kvroute.proxy")
 
 STATE_KEY = web.AppKey("state", object)
 RETRYABLE_STATUS = {502, 503, 504}
+CHAT_PATH = "/v1/chat/completions"
 _RECENT_BUCKETS = 4096  # distinct (model, first content key) pairs remembered at most
 # Chains of bodies larger than this are computed off the event loop.
 _INLINE_CHAIN_BYTES = 256 << 10
@@ -67,6 +71,7 @@ class ProxyConfig:
     refresh_period: float = 1.0
     forget_after: float = 10.0  # seconds a backend absent from the registry stays a fallback
     probe_timeout: float = 1.0  # /health deadline when checking a backend whose record lapsed
+    response_ttl: float = 86400.0  # seconds a stored /v1/responses answer can be continued from
 
 
 @dataclass
@@ -184,9 +189,13 @@ async def auth_middleware(request: web.Request, handler):
     keys = _state(request).config.api_keys
     if keys and request.path.startswith("/v1/"):
         ok, scope = check_api_key(keys, request.headers.get("Authorization", ""))
+        if not ok and "x-api-key" in request.headers:
+            # Anthropic clients send the key this way (Claude Code's ANTHROPIC_API_KEY).
+            ok, scope = check_api_key(keys, "Bearer " + request.headers["x-api-key"])
         if not ok:
-            raise APIError(401, "Missing or invalid API key (send 'Authorization: Bearer <key>').",
-                           "authentication_error", None, "invalid_api_key")
+            raise APIError(401, "Missing or invalid API key (send 'Authorization: Bearer <key>' "
+                           "or 'x-api-key: <key>').", "authentication_error", None,
+                           "invalid_api_key")
         request["scope"] = scope
     return await handler(request)
 
@@ -261,35 +270,70 @@ def _no_backend(state: State, model: str) -> APIError:
                      param="model", code="model_not_found")
 
 
-async def route_request(request: web.Request) -> web.StreamResponse:
+async def ask_backend(request: web.Request, model: str, path: str, body: dict) -> tuple[int, bytes]:
+    """One question about a prompt (not a generation: a token count) to a live backend
+    serving `model`, least loaded first, the next one if it cannot be reached. No cache
+    routing: nothing is prefilled, so no pending mark, decision or stats either."""
     state = _state(request)
+    b = state.backends
+    records = sorted(b.serving(model), key=lambda r: (b.is_suspect(r.backend_id),
+                                                      b.inflight.get(r.backend_id, 0)))
+    if not records:
+        raise _no_backend(state, model)
+    error = None
+    for r in records[:2]:
+        try:
+            async with state.session.post(r.url + path, data=orjson.dumps(body),
+                                          headers=_upstream_headers(state, request.get("scope"))) as up:
+                return up.status, await up.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            error = APIError(502, f"Backend {r.backend_id} is unreachable: {exc or type(exc).__name__}.",
+                             "server_error", None, "backend_unreachable")
+    raise error
+
+
+async def route_request(request: web.Request) -> web.StreamResponse:
     t_start = time.perf_counter()
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise APIError(413, f"Request body too large: {exc.reason}.", code="request_too_large")
-    body = parse_json(raw)
+    return await _route(request, raw, parse_json(raw), request.path, t_start)
+
+
+async def route_chat(request: web.Request, body: dict, relay: Relay,
+                     t_start: float) -> web.StreamResponse:
+    """Route a chat-completions body that another API's handler built (Responses,
+    Messages) exactly as /v1/chat/completions routes its own: the same prefix chain,
+    lookup, choice, failover and forwarding, so a conversation hits the same cache
+    whichever API carries it. `relay` turns the backend's chat answer into that API's."""
+    return await _route(request, orjson.dumps(body), body, CHAT_PATH, t_start, relay)
+
+
+async def _route(request: web.Request, raw: bytes, body: dict, path: str, t_start: float,
+                 relay: Relay | None = None) -> web.StreamResponse:
+    state = _state(request)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string.", param="model",
                           code="missing_required_parameter")
     scope = request.get("scope")
     if len(raw) > _INLINE_CHAIN_BYTES:
-        pairs = await asyncio.to_thread(_chain, state.config, request.path, body, model, scope)
+        pairs = await asyncio.to_thread(_chain, state.config, path, body, model, scope)
     else:
-        pairs = _chain(state.config, request.path, body, model, scope)
+        pairs = _chain(state.config, path, body, model, scope)
     keys = [k for k, _ in pairs]
     sizes = [end for _, end in pairs]
     candidates, known = await _candidates(state, model, keys, sizes)
     if not candidates:
         raise _no_backend(state, model)
     return await _dispatch(request, state, raw, model, scope, keys, candidates, known, t_start,
-                           request_bytes=sizes[-1] if sizes else len(raw))
+                           request_bytes=sizes[-1] if sizes else len(raw), path=path, relay=relay)
 
 
 async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | None,
                     keys: list[int], candidates: list[Candidate], known: bool, t_start: float,
-                    request_bytes: int) -> web.StreamResponse:
+                    request_bytes: int, path: str, relay: Relay | None) -> web.StreamResponse:
     tried: set[str] = set()
     failovers = 0
     last_error: APIError | None = None
@@ -316,7 +360,8 @@ async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | 
                                                           state.config.pending_ttl_ms))
         state.metrics.overhead.observe(time.perf_counter() - t_start)
         try:
-            return await _forward(request, state, raw, model, scope, decision, request_bytes)
+            return await _forward(request, state, raw, model, scope, decision, request_bytes,
+                                  path, relay)
         except _Retry as retry:
             last_error = retry.error
             if retry.failover:
@@ -361,7 +406,8 @@ def _route_headers(decision: Decision) -> dict:
 
 
 async def _forward(request: web.Request, state: State, raw: bytes, model: str, scope: str | None,
-                   decision: Decision, request_bytes: int) -> web.StreamResponse:
+                   decision: Decision, request_bytes: int, path: str,
+                   relay: Relay | None) -> web.StreamResponse:
     c = decision.candidate
     b = state.backends
     bid = c.backend_id
@@ -381,7 +427,7 @@ async def _forward(request: web.Request, state: State, raw: bytes, model: str, s
             # A task, so the watch can cancel it; cancelling this handler (client gone)
             # cancels it too, as it is being awaited.
             post = asyncio.ensure_future(state.session.post(
-                c.url + request.path, data=raw, headers=_upstream_headers(state, scope)))
+                c.url + path, data=raw, headers=_upstream_headers(state, scope)))
             stop_waiting = functools.partial(_stop_waiting, post=post)
             watchdog.add_done_callback(stop_waiting)
             try:
@@ -419,6 +465,8 @@ async def _forward(request: web.Request, state: State, raw: bytes, model: str, s
         ctype = upstream.headers.get("Content-Type", "application/json")
         state.metrics.requests.labels(model, bid, str(upstream.status)).inc()
         if ctype.startswith("text/event-stream"):
+            if relay is not None:
+                return await relay.stream(request, upstream, headers, bid)
             return await _relay_stream(request, upstream, headers, bid)
         try:
             data = await upstream.read()
@@ -426,6 +474,8 @@ async def _forward(request: web.Request, state: State, raw: bytes, model: str, s
             # Nothing reached the client yet: retry it elsewhere.
             raise _Retry(APIError(502, f"Backend {bid} failed while answering: {exc}.",
                                   "server_error", None, "backend_failed"), failover=True)
+        if relay is not None:
+            return await relay.whole(upstream.status, data, headers)
         return web.Response(body=data, status=upstream.status, headers=headers,
                             content_type=ctype.split(";")[0])
     finally:
@@ -657,11 +707,19 @@ def create_app(config: ProxyConfig) -> web.Application:
     registry = Registry(config.redis_url, lookup_timeout=config.lookup_timeout)
     policy = Policy(PolicyConfig(name=config.policy, locality_slack=config.locality_slack))
     state = State(config, registry, policy, ProxyMetrics(), Backends())
-    app = web.Application(middlewares=[error_middleware, auth_middleware],
+    # Outermost first: the per-API count sees final statuses, after Messages errors took
+    # Anthropic's envelope.
+    app = web.Application(middlewares=[apis.count_middleware(state.metrics, state.stats),
+                                       messages_api.error_envelope_middleware,
+                                       error_middleware, auth_middleware],
                           client_max_size=config.max_body_bytes)
     app[STATE_KEY] = state
-    app.router.add_post("/v1/chat/completions", route_request)
+    app[GATEWAY] = Gateway(route_chat, ask_backend,
+                           ResponseStore(registry, config.secret, config.response_ttl))
+    app.router.add_post(CHAT_PATH, route_request)
     app.router.add_post("/v1/completions", route_request)
+    responses_api.add_routes(app)
+    messages_api.add_routes(app)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

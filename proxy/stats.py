@@ -77,6 +77,13 @@ class Stats:
         self.backends: dict[str, Counts] = {}
         self.series: collections.deque = collections.deque(maxlen=SERIES_POINTS)
         self.decisions: collections.deque = collections.deque(maxlen=DECISIONS)
+        # Requests per client API (chat, completions, responses, messages), refused ones too.
+        self.apis: dict[str, dict[str, int]] = {}
+
+    def count_api(self, api: str, status: int) -> None:
+        counts = self.apis.setdefault(api, {"requests": 0, "errors": 0})
+        counts["requests"] += 1
+        counts["errors"] += status >= 400
 
     def record(self, *, model: str, backend: str, reason: str, prefix_blocks: int,
                predicted_tokens: int, status: int, prompt_tokens: int | None,
@@ -122,6 +129,7 @@ class Stats:
             "now": time.time(),
             "uptime_s": round(time.time() - self.started, 1),
             "totals": self.totals.as_dict(),
+            "apis": {api: dict(counts) for api, counts in sorted(self.apis.items())},
             "models": {name: {**{k: v for k, v in m.counts.as_dict().items() if k != "errors"},
                               "ttft_ms": m.ttft_summary()}
                        for name, m in self.models.items()},

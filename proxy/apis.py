@@ -1,0 +1,49 @@
+"""Which client API a request speaks, counted per API for /metrics and /stats.
+
+chat and completions are OpenAI's passed-through endpoints; responses and messages
+are translated onto the chat path (responses_api.py, messages_api.py). Counted in the
+outermost middleware, so every request is seen with its final status: also those
+refused before any routing (400, 401, 413) and those no backend answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from .metrics import ProxyMetrics
+from .stats import Stats
+
+APIS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "messages",
+}
+
+
+def api_of(path: str) -> str | None:
+    return APIS.get(path)
+
+
+def count_middleware(metrics: ProxyMetrics, stats: Stats):
+    @web.middleware
+    async def count(request: web.Request, handler) -> web.StreamResponse:
+        api = api_of(request.path)
+        if api is None:
+            return await handler(request)
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            status = 499  # the client went away before an answer began
+            raise
+        finally:
+            metrics.api_requests.labels(api, str(status)).inc()
+            stats.count_api(api, status)
+
+    return count

@@ -1,0 +1,330 @@
+"""What the agent APIs (Responses, Messages) share on their way through the chat path.
+
+Each of those APIs is a translation: its handler turns the client's request into the
+canonical chat-completions body, hands it to the proxy's chat routing (`Gateway.
+route_chat`: same prefix chain, lookup and forwarding as /v1/chat/completions), and
+gives it a `Relay` that turns the backend's chat answer, whole or streamed, back into
+its own API. This module holds the pieces both translations need: the gateway the
+proxy provides, reading the backend's SSE chunks, writing SSE events, typed field
+checks that raise `APIError` naming the parameter, and the reply accumulated from
+chat chunks.
+
+It imports nothing from `proxy.server`: the server builds the `Gateway` and puts it in
+the app, so the translations depend on the routing only through that object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kvroute.errors import APIError, bad_request
+from kvroute.wire import parse_json
+
+log = logging.getLogger("kvroute.proxy.translate")
+
+# Bodies larger than this are translated off the event loop (as the server does for
+# prefix chains): a big agent history is thousands of items walked in Python.
+INLINE_BYTES = 256 << 10
+
+
+class Relay:
+    """Turns the backend's chat answer into one API's answer. `whole` gets a JSON body
+    (any status: errors too), `stream` an upstream SSE response with status 200."""
+
+    async def whole(self, status: int, data: bytes, headers: dict) -> web.StreamResponse:
+        raise NotImplementedError
+
+    async def stream(self, request: web.Request, upstream: Any, headers: dict,
+                     bid: str) -> web.StreamResponse:
+        raise NotImplementedError
+
+
+@dataclass
+class Gateway:
+    """What the proxy offers the translating APIs (built by `proxy.server.create_app`)."""
+
+    # (request, canonical chat body, relay, t_start) -> the client's response
+    route_chat: Callable[[web.Request, dict, Relay, float], Awaitable[web.StreamResponse]]
+    # (request, model, backend path, body) -> (status, body): a question, not a generation
+    ask_backend: Callable[[web.Request, str, str, dict], Awaitable[tuple[int, bytes]]]
+    responses: Any  # proxy.response_store.ResponseStore
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+async def read_json(request: web.Request) -> tuple[bytes, dict]:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise APIError(413, f"Request body too large: {exc.reason}.", code="request_too_large")
+    return raw, parse_json(raw)
+
+
+async def off_loop_if_large(size: int, fn: Callable, *args) -> Any:
+    if size > INLINE_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+# -- typed fields ------------------------------------------------------------------
+#
+# An optional field sent as null reads as absent, as in kvroute/wire.py (and the
+# OpenAPI description marks such fields nullable).
+
+
+def type_error(param: str, expected: str, value: Any) -> APIError:
+    return bad_request(f"Invalid type for '{param}': expected {expected}, got "
+                       f"{type(value).__name__}.", param=param, code="invalid_type")
+
+
+def unsupported(param: str, message: str) -> APIError:
+    return bad_request(message, param=param, code="unsupported_parameter")
+
+
+def opt(obj: dict, name: str, kinds: tuple, expected: str, param: str | None = None,
+        default: Any = None) -> Any:
+    value = obj.get(name)
+    if value is None:
+        return default
+    # bool is an int subclass: True must not pass as a number.
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        raise type_error(param or name, expected, value)
+    return value
+
+
+def required(obj: dict, name: str, kinds: tuple, expected: str, param: str | None = None) -> Any:
+    value = opt(obj, name, kinds, expected, param)
+    if value is None:
+        raise bad_request(f"'{param or name}' is required.", param=param or name,
+                          code="missing_required_parameter")
+    return value
+
+
+def nonempty_str(obj: dict, name: str, param: str | None = None) -> str:
+    value = required(obj, name, (str,), "a string", param)
+    if not value:
+        raise bad_request(f"'{param or name}' must not be empty.", param=param or name,
+                          code="invalid_value")
+    return value
+
+
+def number(obj: dict, name: str, lo: float, hi: float) -> float | None:
+    value = opt(obj, name, (int, float), "a number")
+    if value is not None and not lo <= value <= hi:
+        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {value}.", param=name,
+                          code="invalid_value")
+    return value
+
+
+def positive_int(obj: dict, name: str, required_: bool = False) -> int | None:
+    value = (required if required_ else opt)(obj, name, (int,), "an integer")
+    if value is not None and value < 1:
+        raise bad_request(f"'{name}' must be at least 1, got {value}.", param=name,
+                          code="invalid_value")
+    return value
+
+
+def string_list(obj: dict, name: str) -> list[str] | None:
+    value = opt(obj, name, (list,), "a list of strings")
+    if value is not None and not all(isinstance(v, str) for v in value):
+        raise type_error(name, "a list of strings", value)
+    return value
+
+
+# -- the backend's answer --------------------------------------------------------------
+
+
+def upstream_error(status: int, data: bytes) -> APIError:
+    """The backend's (or proxy's) OpenAI error envelope as an APIError to re-raise."""
+    try:
+        err = orjson.loads(data)["error"]
+        return APIError(status, str(err.get("message") or "Backend error."),
+                        str(err.get("type") or "server_error"), err.get("param"), err.get("code"))
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return APIError(status if status >= 400 else 502, "The backend's answer could not be read.",
+                        "server_error", None, "backend_failed")
+
+
+class UpstreamFailed(Exception):
+    """The backend's stream broke after its first byte, or carried an error event."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.message)
+        self.error = error
+
+
+async def chat_chunks(upstream: Any, bid: str) -> AsyncIterator[dict]:
+    """The chunks of the backend's chat SSE stream, until `data: [DONE]`.
+
+    Split by hand rather than with `readline`: one event (a tool call's arguments) can
+    exceed aiohttp's line limit. An `error` event or a broken connection raises
+    UpstreamFailed; a stream that ends without [DONE] does too."""
+    buffer = b""
+    chunks = upstream.content.iter_any().__aiter__()
+    while True:
+        try:
+            data = await chunks.__anext__()
+        except StopAsyncIteration:
+            break
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            log.warning("backend %s failed mid-stream: %s", bid, exc)
+            raise UpstreamFailed(APIError(502, f"Backend {bid} failed mid-stream.", "server_error",
+                                          None, "backend_failed")) from None
+        buffer += data
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    return
+                try:
+                    chunk = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    raise UpstreamFailed(APIError(502, f"Backend {bid} sent an unreadable event.",
+                                                  "server_error", None, "backend_failed")) from None
+                if isinstance(chunk, dict) and "error" in chunk:
+                    raise UpstreamFailed(upstream_error(500, payload))
+                if isinstance(chunk, dict):
+                    yield chunk
+    raise UpstreamFailed(APIError(502, f"Backend {bid} ended its stream early.", "server_error",
+                                  None, "backend_failed"))
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def from_chat(cls, usage: Any) -> "Usage":
+        if not isinstance(usage, dict):
+            return cls()
+        details = usage.get("prompt_tokens_details") or {}
+        return cls(int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0),
+                   int(usage.get("completion_tokens") or 0))
+
+    @classmethod
+    def from_headers(cls, headers: dict) -> "Usage":
+        """What the backend knew when it sent its headers (with the first token)."""
+        def num(name: str) -> int:
+            value = headers.get(name, "")
+            return int(value) if value.isdigit() else 0
+        return cls(num("x-kvroute-prompt-tokens"), num("x-kvroute-cached-tokens"))
+
+
+@dataclass
+class ChatReply:
+    """The assistant turn of a chat answer: text, tool calls, why it ended, usage."""
+
+    text: str = ""
+    tool_calls: list[dict] = field(default_factory=list)  # OpenAI format, arguments a JSON string
+    finish_reason: str | None = None  # stop, length, tool_calls
+    stop: str | None = None  # the stop string that ended it (the backend's stop_reason)
+    usage: Usage = field(default_factory=Usage)
+
+    @classmethod
+    def from_completion(cls, data: bytes) -> "ChatReply":
+        try:
+            body = orjson.loads(data)
+            choice = body["choices"][0]
+            message = choice["message"]
+            return cls(text=message.get("content") or "", tool_calls=message.get("tool_calls") or [],
+                       finish_reason=choice.get("finish_reason"), stop=_stop(choice),
+                       usage=Usage.from_chat(body.get("usage")))
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
+            raise APIError(502, "The backend's answer could not be read.", "server_error", None,
+                           "backend_failed") from None
+
+    def message(self) -> dict:
+        """The turn as a chat message, exactly as the backend extends its prefix chain with
+        it (content null when empty), so the next turn's chain continues this one's."""
+        msg: dict = {"role": "assistant", "content": self.text or None}
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+def _stop(choice: dict) -> str | None:
+    stop = choice.get("stop_reason")
+    return stop if isinstance(stop, str) else None
+
+
+def chunk_parts(chunk: dict) -> tuple[str, list[dict], str | None, str | None]:
+    """(text, tool calls, finish_reason, stop string) of one chat chunk."""
+    choices = chunk.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        return "", [], None, None
+    choice = choices[0]
+    delta = choice.get("delta") or {}
+    return (delta.get("content") or "", delta.get("tool_calls") or [], choice.get("finish_reason"),
+            _stop(choice))
+
+
+def tool_call_parts(call: dict) -> tuple[str, str, str]:
+    """(id, name, arguments JSON) of an OpenAI tool call."""
+    fn = call.get("function") or {}
+    args = fn.get("arguments")
+    if not isinstance(args, str):
+        args = orjson.dumps(args if args is not None else {}).decode()
+    return str(call.get("id") or new_id("call_")), str(fn.get("name") or ""), args
+
+
+# -- writing SSE -----------------------------------------------------------------------
+
+
+class SSEWriter:
+    """One SSE response to the client. `send` returns False once the client is gone."""
+
+    def __init__(self, headers: dict):
+        self.resp = web.StreamResponse(status=200, headers={
+            **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self.open = True
+
+    async def start(self, request: web.Request) -> bool:
+        try:
+            await self.resp.prepare(request)
+        except ConnectionError:
+            self.open = False
+        return self.open
+
+    async def send(self, event: str, data: dict) -> bool:
+        if not self.open:
+            return False
+        try:
+            await self.resp.write(b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data)
+                                  + b"\n\n")
+        except ConnectionError:
+            # The client went away: not a backend failure. Closing upstream (the
+            # server's forward does it) stops the backend decoding.
+            log.debug("client of a translated stream went away")
+            self.open = False
+        return self.open
+
+    async def end(self) -> web.StreamResponse:
+        if self.open:
+            try:
+                await self.resp.write_eof()
+            except ConnectionError:
+                self.open = False
+        return self.resp
+
+
+def json_response(obj: Any, headers: dict, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, headers=headers,
+                        content_type="application/json")
