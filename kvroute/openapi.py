@@ -1,15 +1,18 @@
 """The OpenAPI 3.1 description of kvroute's HTTP surface, served at /openapi.json.
 
 One description for both processes: the proxy and the backend accept the same
-request bodies (the proxy passes them through unchanged); each serves the
+chat and completion bodies (the proxy passes them through unchanged); each serves the
 operations it has. Schemas here mirror `kvroute/wire.py`, which is what really
-validates: keep the two in step (tests fuzz the servers from this description).
+validates: keep the two in step (tests fuzz the servers from this description). The
+proxy's agent APIs (/v1/responses, /v1/messages) mirror `proxy/responses_api.py` and
+`proxy/messages_api.py` the same way: whatever these schemas call invalid, those
+refuse with a 4xx.
 """
 
 from __future__ import annotations
 
 from . import __version__
-from .wire import MAX_COMPLETION_LOGPROBS, MAX_STOP, MAX_TOP_LOGPROBS, ROLES
+from .wire import COUNT_TOKENS_PATH, MAX_COMPLETION_LOGPROBS, MAX_STOP, MAX_TOP_LOGPROBS, ROLES
 
 _ERROR = {
     "type": "object",
@@ -229,6 +232,198 @@ def _generate(summary: str, schema: dict, proxy: bool) -> dict:
     }
 
 
+# -- the agent APIs (proxy only) -------------------------------------------------------
+
+_STR1 = {"type": "string", "minLength": 1}
+
+# Anthropic's error envelope, which every error under /v1/messages takes.
+ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {"type": "object", "required": ["type", "message"],
+                  "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
+    },
+}
+
+_RESPONSE_TEXT = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"],
+        "properties": {"type": {"enum": ["input_text", "output_text", "text"]},
+                       "text": {"type": "string"}}}},
+]}
+
+_RESPONSE_ITEM = {"anyOf": [
+    {"type": "object", "required": ["role", "content"],
+     "properties": {"type": {"enum": ["message", None]},
+                    "role": {"enum": ["user", "assistant", "system", "developer"]},
+                    "content": _RESPONSE_TEXT}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"],
+     "properties": {"type": {"const": "function_call"}, "call_id": _STR1, "name": _STR1,
+                    "arguments": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id", "output"],
+     "properties": {"type": {"const": "function_call_output"}, "call_id": _STR1,
+                    "output": _RESPONSE_TEXT}},
+    # Accepted and dropped: nothing in it is renderable (proxy/responses_api.py).
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "reasoning"}}},
+]}
+
+RESPONSES_REQUEST = {
+    "type": "object",
+    "required": ["model", "input"],
+    "properties": {
+        "model": _STR1,
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": _RESPONSE_ITEM}]},
+        **_nullable({
+            "instructions": {"type": "string"},
+            "previous_response_id": {"type": "string"},
+            "tools": {"type": "array", "items": {
+                "type": "object", "required": ["type", "name"],
+                "properties": {"type": {"const": "function"}, "name": _STR1,
+                               **_nullable({"description": {"type": "string"},
+                                            "parameters": {"type": "object"},
+                                            "strict": {"type": "boolean"}})}}},
+            "tool_choice": {"enum": ["auto", "none"]},
+            "parallel_tool_calls": {"type": "boolean"},
+            "max_output_tokens": {"type": "integer", "minimum": 1},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+            "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+            "stop": {"anyOf": [{"type": "string"},
+                               {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP}]},
+            "stream": {"type": "boolean"},
+            "store": {"type": "boolean"},
+            "metadata": {"type": "object"},
+            "user": {"type": "string"},
+            "background": {"const": False},
+            "text": {"type": "object", "properties": {"format": {"anyOf": [
+                {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
+                {"type": "null"}]}}},
+            "top_logprobs": {"const": 0},
+            "truncation": {"enum": ["auto", "disabled"]},
+            "include": {"type": "array", "items": {"type": "string"}},
+            "reasoning": {"type": "object"},
+            "prompt_cache_key": {"type": "string"},
+            "service_tier": {"type": "string"},
+        }),
+        "conversation": {"type": "null"},
+        "prompt": {"type": "null"},
+    },
+}
+
+_TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
+               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+
+_MESSAGE_BLOCK = {"anyOf": [
+    _TEXT_BLOCK,
+    {"type": "object", "required": ["type", "id", "name", "input"],
+     "properties": {"type": {"const": "tool_use"}, "id": _STR1, "name": _STR1,
+                    "input": {"type": "object"}}},
+    {"type": "object", "required": ["type", "tool_use_id"],
+     "properties": {"type": {"const": "tool_result"}, "tool_use_id": _STR1,
+                    **_nullable({"content": {"anyOf": [{"type": "string"},
+                                                       {"type": "array", "items": _TEXT_BLOCK}]},
+                                 "is_error": {"type": "boolean"}})}},
+    {"type": "object", "required": ["type"],
+     "properties": {"type": {"enum": ["thinking", "redacted_thinking"]}}},
+]}
+
+_MESSAGES_COMMON = {
+    "model": _STR1,
+    "messages": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"enum": ["user", "assistant"]},
+                       "content": {"anyOf": [{"type": "string"},
+                                             {"type": "array", "items": _MESSAGE_BLOCK}]}}}},
+    **_nullable({
+        "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
+        "tools": {"type": "array", "items": {
+            "type": "object", "required": ["name", "input_schema"],
+            "properties": {"name": _STR1, "input_schema": {"type": "object"},
+                           **_nullable({"type": {"const": "custom"},
+                                        "description": {"type": "string"}})}}},
+        "tool_choice": {"type": "object", "required": ["type"],
+                        "properties": {"type": {"enum": ["auto", "none"]},
+                                       **_nullable({"disable_parallel_tool_use":
+                                                    {"type": "boolean"}})}},
+        "thinking": {"type": "object"},
+        "metadata": {"type": "object", "properties": _nullable({"user_id": {"type": "string"}})},
+    }),
+}
+
+MESSAGES_REQUEST = {
+    "type": "object",
+    "required": ["model", "max_tokens", "messages"],
+    "properties": {
+        **_MESSAGES_COMMON,
+        "max_tokens": {"type": "integer", "minimum": 1},
+        **_nullable({
+            "stop_sequences": {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+            "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+            "stream": {"type": "boolean"},
+        }),
+        "top_k": {"type": "null"},
+    },
+}
+
+COUNT_TOKENS_REQUEST = {"type": "object", "required": ["model", "messages"],
+                        "properties": _MESSAGES_COMMON}
+
+_RESPONSE_OBJECT = {
+    "type": "object",
+    "required": ["id", "object", "created_at", "status", "model", "output"],
+    "properties": {
+        "id": {"type": "string"}, "object": {"const": "response"},
+        "created_at": {"type": "integer"},
+        "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]},
+        "model": {"type": "string"}, "output": {"type": "array"},
+        "usage": {"type": "object", "required": ["input_tokens", "input_tokens_details",
+                                                 "output_tokens", "total_tokens"]},
+    },
+}
+
+_MESSAGE_OBJECT = {
+    "type": "object",
+    "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"],
+    "properties": {
+        "id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+        "model": {"type": "string"}, "content": {"type": "array"},
+        "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
+        "usage": {"type": "object", "required": ["input_tokens", "output_tokens",
+                                                 "cache_read_input_tokens",
+                                                 "cache_creation_input_tokens"]},
+    },
+}
+
+# An event of the agent APIs' streams: a named event whose data is one JSON object.
+_NAMED_EVENT = {
+    "type": "object",
+    "required": ["event", "data"],
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"type": "object", "required": ["type"]}},
+    },
+}
+
+
+def _agent(summary: str, schema: dict, ok: dict, error: dict, stream: bool = True) -> dict:
+    content = {"application/json": {"schema": ok}}
+    if stream:
+        content["text/event-stream"] = {"schema": _NAMED_EVENT}
+    errors = _errors(400, 401, 404, 413, 429, 500, 502, 503)
+    for answer in errors.values():
+        answer["content"]["application/json"]["schema"] = error
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "responses": {"200": {"description": "The answer, or with stream=true its events",
+                              "content": content}, **errors},
+    }}
+
+
 def _get(summary: str, ctype: str = "application/json") -> dict:
     return {"get": {"summary": summary,
                     "responses": {"200": {"description": summary, "content": {ctype: {"schema": {}}}}}}}
@@ -246,10 +441,29 @@ def spec(role: str) -> dict:
         "/openapi.json": _get("This description"),
     }
     if proxy:
+        paths["/v1/responses"] = _agent(
+            "OpenAI Responses API, routed and cached like chat", RESPONSES_REQUEST,
+            _RESPONSE_OBJECT, _ERROR)
+        paths["/v1/messages"] = _agent(
+            "Anthropic Messages API, routed and cached like chat", MESSAGES_REQUEST,
+            _MESSAGE_OBJECT, ANTHROPIC_ERROR)
+        paths["/v1/messages/count_tokens"] = _agent(
+            "Anthropic token count, by a backend's chat template", COUNT_TOKENS_REQUEST,
+            {"type": "object", "required": ["input_tokens"],
+             "properties": {"input_tokens": {"type": "integer"}}}, ANTHROPIC_ERROR, stream=False)
         paths["/stats"] = _get("Cache and routing figures (the dashboard's data)")
         paths["/dashboard"] = _get("Live dashboard", "text/html")
     else:
         paths["/debug/cache"] = _get("Prompt-cache entries (counts and digests, never text)")
+        paths[COUNT_TOKENS_PATH] = {"post": {
+            "summary": "Internal: the prompt tokens of a chat body (the proxy's count_tokens)",
+            "requestBody": {"required": True,
+                            "content": {"application/json": {"schema": CHAT_REQUEST}}},
+            "responses": {"200": {"description": "The count", "content": {"application/json": {
+                "schema": {"type": "object", "required": ["prompt_tokens"],
+                           "properties": {"prompt_tokens": {"type": "integer"}}}}}},
+                **_errors(400, 401, 404, 413)},
+        }}
     return {
         "openapi": "3.1.0",
         "info": {"title": f"kvroute {role}", "version": __version__,
@@ -257,7 +471,12 @@ def spec(role: str) -> dict:
         "paths": paths,
         "components": {
             "schemas": {"Error": _ERROR, "ChatRequest": CHAT_REQUEST,
-                        "CompletionRequest": COMPLETION_REQUEST},
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+                        "CompletionRequest": COMPLETION_REQUEST,
+                        **({"ResponsesRequest": RESPONSES_REQUEST,
+                            "MessagesRequest": MESSAGES_REQUEST,
+                            "AnthropicError": ANTHROPIC_ERROR} if proxy else {})},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                **({"x-api-key": {"type": "apiKey", "in": "header",
+                                                  "name": "x-api-key"}} if proxy else {})},
         },
     }

@@ -95,19 +95,16 @@ def _system(body: dict) -> str | None:
 
 
 def _tool_result_text(block: dict, p: str) -> str:
+    is_error = opt(block, "is_error", (bool,), "a boolean", f"{p}.is_error")
     content = block.get("content")
-    if content is None:
-        return ""
     texts = []
-    for i, part in enumerate(_blocks(content, f"{p}.content")):
+    for i, part in enumerate(_blocks(content, f"{p}.content") if content is not None else []):
         if part.get("type") != "text":
             raise _unsupported_block(part.get("type"), f"{p}.content[{i}]")
         texts.append(_text_block(part, f"{p}.content[{i}]"))
     text = BLOCK_SEPARATOR.join(texts)
     # Chat has no error flag on a tool message: say it in the text the model reads.
-    if opt(block, "is_error", (bool,), "a boolean", f"{p}.is_error"):
-        text = "Error: " + text
-    return text
+    return "Error: " + text if is_error else text
 
 
 def _user(content: list[dict], param: str) -> list[dict]:

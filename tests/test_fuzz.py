@@ -174,6 +174,18 @@ def envelope(data: bytes) -> dict:
     return err
 
 
+def anthropic_envelope(data: bytes) -> dict:
+    """Anthropic's error envelope, which every error under /v1/messages takes."""
+    body = json.loads(data)
+    assert isinstance(body, dict) and set(body) == {"type", "error"}, body
+    assert body["type"] == "error", body
+    err = body["error"]
+    assert set(err) == {"type", "message"}, err
+    assert isinstance(err["type"], str) and err["type"], err
+    assert isinstance(err["message"], str) and err["message"], err
+    return err
+
+
 def check_answer(status: int, headers: dict, data: bytes, what: str = "") -> None:
     """A completion (200) or a 4xx envelope; a streamed 200 ends with `data: [DONE]`."""
     assert status == 200 or 400 <= status < 500, (what, status, data[:500])
@@ -541,7 +553,7 @@ def _steer(case) -> None:
         return
     if isinstance(body.get("model"), str) and body["model"]:
         body["model"] = MODEL
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and 8 < value < CONTEXT:
             body[name] = 8
@@ -552,7 +564,10 @@ def _run_case(servers: Servers, role: str, case) -> None:
     response = case.call(base_url=servers.targets()[role], timeout=30)
     case.validate_response(response, checks=ST_CHECKS)
     if response.status_code >= 400:
-        envelope(response.content)
+        if case.path.startswith("/v1/messages"):
+            anthropic_envelope(response.content)
+        else:
+            envelope(response.content)
     assert servers.backend.alive() and servers.proxy.poll() is None, servers.describe()
 
 
