@@ -178,6 +178,8 @@ PROXY = [
     _BLOCK_BYTES,
     _opt("lookup_timeout_ms", float, 50.0, "registry lookup deadline; past it, route by load"),
     _opt("locality_slack", float, 1.0, "seconds of extra estimated TTFT accepted to keep a prefix hit"),
+    _opt("response_ttl", float, 86400.0, "seconds a stored /v1/responses answer can be continued "
+         "from with previous_response_id"),
     _LOG_LEVEL,
     _JSON_LOGS,
 ]
