@@ -27,10 +27,10 @@ from aiohttp import web
 from kvroute.errors import APIError, bad_request
 from kvroute.wire import COUNT_TOKENS_PATH
 
-from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, chat_chunks,
-                        chunk_parts, json_response, new_id, nonempty_str, number, off_loop_if_large,
-                        opt, positive_int, read_json, required, string_list, tool_call_parts,
-                        type_error, unsupported, upstream_error)
+from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
+                        chat_chunks, chunk_parts, json_response, new_id, nonempty_str, number,
+                        off_loop_if_large, opt, positive_int, read_json, required, string_list,
+                        tool_call_parts, type_error, unsupported, upstream_error)
 
 PATH = "/v1/messages"
 COUNT_PATH = "/v1/messages/count_tokens"
@@ -183,8 +183,8 @@ def _messages(body: dict) -> list[dict]:
         # A chat template closes every assistant turn and opens a new one: continuing a
         # partial reply (prefill) cannot be expressed.
         raise bad_request("The last message must be a user message: continuing an assistant "
-                          "message (prefill) is not supported.", param=f"messages[{len(messages) - 1}]",
-                          code="unsupported_parameter")
+                          "message (prefill) is not supported.",
+                          param=f"messages[{len(messages) - 1}]", code="unsupported_parameter")
     return out
 
 
@@ -360,8 +360,9 @@ class _MessagesRelay(Relay):
                     await send("content_block_start", index=blocks,
                                content_block={**block, "input": {}})
                     # The backend sends each call whole: one delta carries all of its input.
-                    await send("content_block_delta", index=blocks, delta={
-                        "type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()})
+                    partial = orjson.dumps(block["input"]).decode()
+                    await send("content_block_delta", index=blocks,
+                               delta={"type": "input_json_delta", "partial_json": partial})
                     await send("content_block_stop", index=blocks)
                     blocks += 1
                 if finish:
@@ -385,8 +386,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     t_start = time.perf_counter()
     raw, body = await read_json(request)
     req = await off_loop_if_large(len(raw), parse, body)
-    return await request.app[GATEWAY].route_chat(request, chat_body(req), _MessagesRelay(req),
-                                                 t_start)
+    return await request.app[GATEWAY].route_chat(request, carry_fault(body, chat_body(req)),
+                                                 _MessagesRelay(req), t_start)
 
 
 async def count_tokens(request: web.Request) -> web.Response:

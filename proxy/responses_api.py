@@ -24,10 +24,10 @@ from aiohttp import web
 
 from kvroute.errors import bad_request, not_found
 
-from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, chat_chunks,
-                        chunk_parts, json_response, new_id, nonempty_str, number, off_loop_if_large,
-                        opt, positive_int, read_json, required, tool_call_parts, type_error,
-                        unsupported, upstream_error)
+from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
+                        chat_chunks, chunk_parts, json_response, new_id, nonempty_str, number,
+                        off_loop_if_large, opt, positive_int, read_json, required,
+                        tool_call_parts, type_error, unsupported, upstream_error)
 
 PATH = "/v1/responses"
 ROLES = ("user", "assistant", "system", "developer")
@@ -116,7 +116,8 @@ def _input_messages(value: Any) -> list[dict]:
             if "output" not in item:
                 raise bad_request(f"'{p}.output' is required.", param=f"{p}.output",
                                   code="missing_required_parameter")
-            out.append({"role": "tool", "tool_call_id": nonempty_str(item, "call_id", f"{p}.call_id"),
+            call_id = nonempty_str(item, "call_id", f"{p}.call_id")
+            out.append({"role": "tool", "tool_call_id": call_id,
                         "content": _text(item["output"], f"{p}.output")})
         elif kind == "reasoning":
             # kvroute's models give no reasoning items; one from another provider holds
@@ -392,8 +393,9 @@ class _ResponsesRelay(Relay):
                            content_index=0, part=_text_part(""))
             await close_message()
             final = await self._finish(reply, output)
-            kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-            await send(kind, response=final)
+            incomplete = final["status"] == "incomplete"
+            await send("response.incomplete" if incomplete else "response.completed",
+                       response=final)
         except UpstreamFailed as exc:
             err = exc.error
             await send("error", code=err.code or err.type, message=err.message, param=err.param)
@@ -416,7 +418,7 @@ async def create(request: web.Request) -> web.StreamResponse:
                             "found.", param="previous_response_id",
                             code="previous_response_not_found")
         history = record["messages"]
-    chat = chat_body(req, history)
+    chat = carry_fault(body, chat_body(req, history))
     return await gateway.route_chat(request, chat, _ResponsesRelay(request, req, history), t_start)
 
 

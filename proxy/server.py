@@ -280,15 +280,17 @@ async def ask_backend(request: web.Request, model: str, path: str, body: dict) -
                                                       b.inflight.get(r.backend_id, 0)))
     if not records:
         raise _no_backend(state, model)
+    headers = _upstream_headers(state, request.get("scope"))
     error = None
     for r in records[:2]:
         try:
             async with state.session.post(r.url + path, data=orjson.dumps(body),
-                                          headers=_upstream_headers(state, request.get("scope"))) as up:
+                                          headers=headers) as up:
                 return up.status, await up.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            error = APIError(502, f"Backend {r.backend_id} is unreachable: {exc or type(exc).__name__}.",
-                             "server_error", None, "backend_unreachable")
+            error = APIError(502, f"Backend {r.backend_id} is unreachable: "
+                             f"{exc or type(exc).__name__}.", "server_error", None,
+                             "backend_unreachable")
     raise error
 
 

@@ -179,7 +179,8 @@ async def chat_chunks(upstream: Any, bid: str) -> AsyncIterator[dict]:
             data = await chunks.__anext__()
         except StopAsyncIteration:
             break
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
+                asyncio.TimeoutError) as exc:
             log.warning("backend %s failed mid-stream: %s", bid, exc)
             raise UpstreamFailed(APIError(502, f"Backend {bid} failed mid-stream.", "server_error",
                                           None, "backend_failed")) from None
@@ -244,8 +245,8 @@ class ChatReply:
             body = orjson.loads(data)
             choice = body["choices"][0]
             message = choice["message"]
-            return cls(text=message.get("content") or "", tool_calls=message.get("tool_calls") or [],
-                       finish_reason=choice.get("finish_reason"), stop=_stop(choice),
+            return cls(text=message.get("content") or "",
+                       tool_calls=message.get("tool_calls") or [], finish_reason=choice.get("finish_reason"), stop=_stop(choice),
                        usage=Usage.from_chat(body.get("usage")))
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
             raise APIError(502, "The backend's answer could not be read.", "server_error", None,
@@ -323,6 +324,14 @@ class SSEWriter:
             except ConnectionError:
                 self.open = False
         return self.resp
+
+
+def carry_fault(body: dict, chat: dict) -> dict:
+    """The testing-only `kvroute_fault` field travels on, as it does in a chat body the
+    proxy passes through: only a backend started with --enable-faults honours it."""
+    if isinstance(body.get("kvroute_fault"), str):
+        chat["kvroute_fault"] = body["kvroute_fault"]
+    return chat
 
 
 def json_response(obj: Any, headers: dict, status: int = 200) -> web.Response:

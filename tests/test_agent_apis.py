@@ -80,8 +80,9 @@ def fleet(text_model, tool_model, tmp_path_factory):
     redis = RedisServer()
     redis.start()
     common = ["--redis-url", redis.url, "--secret", SECRET, "--internal-token", TOKEN]
-    backends = [BackendProcess(text_model, TEXT, logs, backend_id=f"text-{i}", extra=common)
-                for i in (1, 2)]
+    # Faults on (the kvroute_fault request field) for the failure-mid-stream test.
+    backends = [BackendProcess(text_model, TEXT, logs, backend_id=f"text-{i}",
+                               extra=common + ["--enable-faults"]) for i in (1, 2)]
     backends += [BackendProcess(tool_model, TOOL, logs, backend_id=f"tool-{i}", extra=common)
                  for i in (1, 2)]
     proxy = None
@@ -394,6 +395,42 @@ def test_messages_errors_take_anthropics_envelope(fleet):
     status, _, data = request(url + "/v1/messages/nothing-here", "POST", {},
                               headers={"x-api-key": KEY})
     assert status == 404 and json.loads(data)["error"]["type"] == "not_found_error"
+
+
+def named_events(data: bytes) -> list[tuple[str, dict]]:
+    return [(block.split(b"\n")[0][7:].decode(), json.loads(block.split(b"\ndata: ", 1)[1]))
+            for block in data.split(b"\n\n") if block.startswith(b"event: ")]
+
+
+def test_a_generation_failure_ends_each_stream_with_its_error_event(fleet):
+    # The backend fails inside its third decode step (testing-only kvroute_fault, which
+    # the translations pass on as the chat endpoint does): after the 200 and some text.
+    url, fault = fleet["proxy"].url, "decode_error:3"
+    status, _, data = request(url + "/v1/responses", "POST", {
+        "model": TEXT, "input": "Hello there.", "stream": True, "kvroute_fault": fault},
+        headers={"Authorization": f"Bearer {KEY}"})
+    events = named_events(data)
+    assert status == 200 and [n for n, _ in events][-2:] == ["error", "response.failed"], events
+    assert "response.output_text.delta" in [n for n, _ in events]
+    assert events[-1][1]["response"]["status"] == "failed"
+    assert events[-1][1]["response"]["error"]["message"]
+    status, _, data = request(url + "/v1/messages", "POST", {
+        "model": TEXT, "max_tokens": 64, "stream": True, "kvroute_fault": fault,
+        "messages": [{"role": "user", "content": "Hello there."}]}, headers={"x-api-key": KEY})
+    events = named_events(data)
+    assert status == 200 and events[-1][0] == "error", events
+    assert events[-1][1] == {"type": "error", "error": {"type": "api_error",
+                                                        "message": events[-1][1]["error"]["message"]}}
+    # Not streamed: the failure is the answer's status, in each API's envelope.
+    with pytest.raises(openai.InternalServerError):
+        oai(fleet).responses.create(model=TEXT, input="Hello there.",
+                                    extra_body={"kvroute_fault": fault})
+    with pytest.raises(anthropic.InternalServerError) as e:
+        claude(fleet).messages.create(model=TEXT, max_tokens=64, extra_body={"kvroute_fault": fault},
+                                      messages=[{"role": "user", "content": "Hello there."}])
+    assert e.value.body["error"]["type"] == "api_error"
+    # Nothing was harmed: the same requests without the fault succeed.
+    assert oai(fleet).responses.create(model=TEXT, input="Hello there.").output_text == DEMO_REPLY
 
 
 # -- the proxy around them ------------------------------------------------------------------
