@@ -248,6 +248,8 @@ def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
 
 # -- response --------------------------------------------------------------------------
 
+_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
+
 
 def _usage(u: Usage) -> dict:
     return {"input_tokens": u.prompt_tokens,
@@ -309,7 +311,10 @@ class _ResponsesRelay(Relay):
 
     async def whole(self, status: int, data: bytes, headers: dict) -> web.StreamResponse:
         if status >= 400:
-            raise upstream_error(status, data)
+            err = upstream_error(status, data)
+            # The backend names chat parameters; say which of this request's it means.
+            err.param = _CHAT_PARAMS.get(err.param or "", err.param)
+            raise err
         reply = ChatReply.from_completion(data)
         output = []
         if reply.text or not reply.tool_calls:

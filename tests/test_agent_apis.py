@@ -230,6 +230,21 @@ def test_previous_response_id_unknown_or_other_scope_is_404(fleet):
         oai(fleet).responses.create(model=TEXT, input="Again?", previous_response_id=r.id)
 
 
+def test_responses_refusals_name_the_responses_parameter(fleet):
+    c = oai(fleet)
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the backend, past the context
+        c.responses.create(model=TEXT, input="Hello there.", max_output_tokens=10**6)
+    assert e.value.body["code"] == "context_length_exceeded"
+    assert e.value.body["param"] == "max_output_tokens"
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the translation
+        c.responses.create(model=TEXT, input=[{"type": "message", "role": "user", "content": [
+            {"type": "input_image", "image_url": "data:,"}]}])
+    assert e.value.body["param"] == "input[0].content[0].type"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=TEXT, input="Hi", tools=[{"type": "web_search"}])
+    assert e.value.body["param"] == "tools[0].type"
+
+
 def test_stored_responses_hold_no_prompt_text_in_redis(fleet):
     phrase = "violet-octopus-" + uuid.uuid4().hex[:8]
     r = oai(fleet).responses.create(model=TEXT, instructions=f"Remember the {phrase}.",
