@@ -9,6 +9,11 @@ checkpoint), timing the first streamed token on the client side. Medians over
 reports them (the models are tiny: compare families, not absolute sizes).
 
     python bench/bench_families.py [--arches qwen3,gemma3_text] [--sizes 1024,4096] [--repeat 3]
+
+On an accelerator, 7B-class shapes of a sliding-window and a hybrid family:
+
+    python bench/bench_families.py --model-size 7b --arches gemma3_text,qwen3_next \
+        --sizes 8192,32768 --backend-args="--prefill-step 2048"
 """
 
 from __future__ import annotations
@@ -56,17 +61,24 @@ def main() -> None:
     ap.add_argument("--arches", default=",".join(arch_models.ARCHES))
     ap.add_argument("--sizes", default="1024,4096")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--model-size", default="tiny", choices=arch_models.SIZES)
+    ap.add_argument("--models-dir", help="where models are built (default: a temporary folder)")
+    ap.add_argument("--backend-args", default="", help="more `kvroute backend` flags")
     args = ap.parse_args()
-    table = Table(title=f"Cold vs cached TTFT per family (median of {args.repeat}, client side)")
+    longest = max(int(s) for s in args.sizes.split(","))
+    table = Table(title=f"Cold vs cached TTFT per family, {args.model_size} models "
+                  f"(median of {args.repeat}, client side)")
     for col in ("arch", "prompt tokens", "cached tokens", "cold TTFT (ms)", "cached TTFT (ms)",
                 "cold / cached", "checkpoint bytes/token"):
         table.add_column(col, justify="right")
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.arches.split(","):
-            model = arch_models.ensure(arch, cache_dir=Path(tmp) / "models")
+            model = arch_models.ensure(arch, cache_dir=Path(args.models_dir or Path(tmp) / "models"),
+                                       size=args.model_size)
             backend = BackendProcess(model, model_id=arch, log_dir=Path(tmp),
-                                     extra=["--cache-bytes", "4GiB", "--max-prompt-tokens", "16384"])
-            backend.start()
+                                     extra=["--cache-bytes", "16GiB", "--max-prompt-tokens",
+                                            str(2 * longest), *args.backend_args.split()])
+            backend.start(timeout=600)
             try:
                 ttft(backend, prompt_of(backend, 64))  # warm-up
                 for size in (int(s) for s in args.sizes.split(",")):

@@ -17,6 +17,7 @@ in one call (``prefill_gap``), so a cached prefix can be extended exactly.
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -192,6 +193,47 @@ CONFIGS: dict[str, dict] = {
 }
 ARCHES = tuple(CONFIGS)
 
+# 7B-class shapes (``size="7b"``) of the families whose caches differ most, for
+# timing on an accelerator: prefill and decode cost what a real model's do, and
+# the caches hold real sizes (1,024-token windows, 128x128 recurrent states).
+# The vocabulary stays the demo tokenizer's, so lm_head is ~1B parameters
+# lighter than a real model's. Weights are random bf16; the build check only
+# asks for finite logits, since bf16 cannot meet the tiny models' 1e-4 gap.
+LARGE_POSITIONS = 65536
+LARGE_CONFIGS: dict[str, dict] = {
+    # 32 layers, every sixth global, as in Gemma 3: ~6.4B parameters.
+    "gemma3_text": {
+        "hidden_size": 3584,
+        "num_hidden_layers": 32,
+        "intermediate_size": 14336,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "max_position_embeddings": LARGE_POSITIONS,
+    },
+    # 32 layers, every fourth full attention and the rest gated-delta, as in
+    # Qwen3-Next, with dense MLPs instead of its experts: ~6.6B parameters.
+    "qwen3_next": {
+        "hidden_size": 3584,
+        "num_hidden_layers": 32,
+        "intermediate_size": 14336,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "full_attention_interval": 4,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "mlp_only_layers": list(range(32)),
+        "max_position_embeddings": LARGE_POSITIONS,
+    },
+}
+SIZES = ("tiny", "7b")
+
 # Factors on mlx's default initialization, by parameter-name suffix (the names
 # are common to all the families). The defaults keep activations O(1), but
 # with them a few random layers wash the current token out of the last hidden
@@ -226,16 +268,26 @@ def _check_arch(arch: str) -> None:
         raise ValueError(f"Unknown arch {arch!r}, expected one of {ARCHES}")
 
 
-def model_config(arch: str, tokenizer: Tokenizer) -> dict:
-    """The full config.json of ``arch`` for the demo tokenizer."""
+def _check_size(arch: str, size: str) -> None:
+    if size not in SIZES:
+        raise ValueError(f"Unknown size {size!r}, expected one of {SIZES}")
+    if size != "tiny" and arch not in LARGE_CONFIGS:
+        raise ValueError(f"No {size} shape for {arch!r}; have {tuple(LARGE_CONFIGS)}")
+
+
+def model_config(arch: str, tokenizer: Tokenizer, size: str = "tiny") -> dict:
+    """The full config.json of ``arch`` at ``size`` for the demo tokenizer."""
     _check_arch(arch)
+    _check_size(arch, size)
+    large = size != "tiny"
     return {
         "model_type": arch,
         **CONFIGS[arch],
+        **(LARGE_CONFIGS[arch] if large else {}),
         "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
         **demo_model.token_ids(tokenizer),
-        "torch_dtype": "float32",
-        "kvroute_arch": {"arch": arch, "version": VERSION},
+        "torch_dtype": "bfloat16" if large else "float32",
+        "kvroute_arch": {"arch": arch, "version": VERSION, **({"size": size} if large else {})},
     }
 
 
@@ -244,6 +296,11 @@ def build_model(config: dict) -> nn.Module:
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(SEED)
     model = module.Model(module.ModelArgs.from_dict(config))
+    if config["torch_dtype"] == "bfloat16":
+        model.set_dtype(mx.bfloat16)
+        # One layer at a time: never a float32 copy of a 7B model in memory.
+        for layer in model.layers:
+            mx.eval(layer.parameters())
     scales = {**SCALES, **ARCH_SCALES.get(config["model_type"], {})}
     updates = [
         (name, value * scales[suffix])
@@ -306,24 +363,37 @@ def check_tokens(tokenizer: Tokenizer) -> list[int]:
     return tokens
 
 
-def build(out_dir: str | Path, arch: str) -> Path:
+def build(out_dir: str | Path, arch: str, size: str = "tiny") -> Path:
     """Write the random-weight model of ``arch`` to ``out_dir`` and return it."""
     _check_arch(arch)
+    _check_size(arch, size)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = demo_model.train_tokenizer()
-    config = model_config(arch, tokenizer)
+    config = model_config(arch, tokenizer, size)
     model = build_model(config)
-    check_model(model, check_tokens(tokenizer))
+    if size == "tiny":
+        check_model(model, check_tokens(tokenizer))
+    else:
+        logits = model(mx.array([check_tokens(tokenizer)]))
+        _require(mx.isfinite(logits).all().item(), "non-finite logits")
     demo_model.write_checkpoint(out_dir, model, config, tokenizer)
+    if size != "tiny":
+        # The tokenizer's limit is the tiny models' context; the backend reads
+        # the longer of the two as its own.
+        tok_path = out_dir / "tokenizer_config.json"
+        tok_config = json.loads(tok_path.read_text())
+        tok_config["model_max_length"] = LARGE_POSITIONS
+        tok_path.write_text(json.dumps(tok_config, indent=2) + "\n")
     return out_dir
 
 
-def ensure(arch: str, cache_dir: Path | None = None) -> Path:
-    """Return the cached model of ``arch``, building it on first use.
+def ensure(arch: str, cache_dir: Path | None = None, size: str = "tiny") -> Path:
+    """Return the cached model of ``arch`` at ``size``, building it on first use.
 
     The same cache and contract as ``demo_model.ensure``.
     """
     _check_arch(arch)
-    name = f"arch-model-{arch}-v{VERSION}"
-    return demo_model.cached_build(name, lambda path: build(path, arch), cache_dir)
+    _check_size(arch, size)
+    name = f"arch-model-{arch}-v{VERSION}" + ("" if size == "tiny" else f"-{size}")
+    return demo_model.cached_build(name, lambda path: build(path, arch, size), cache_dir)

@@ -132,6 +132,9 @@ def _demo_parser(sub) -> None:
                    "gibberish), to try another cache kind: qwen3 full attention, gemma3_text "
                    "and gpt_oss sliding windows, qwen3_next, lfm2 and falcon_h1 hybrids with "
                    "recurrent layers, mamba2 recurrent only")
+    p.add_argument("--size", choices=("tiny", "7b"), default="tiny",
+                   help="with --arch gemma3_text or qwen3_next: '7b' writes a 7B-class bf16 "
+                   "model (~13 GB) for timing on an accelerator")
 
 
 def run_backend(s: dict[str, Any]) -> int:
@@ -152,7 +155,7 @@ def run_demo_model(args: dict[str, Any]) -> int:
     from . import arch_models, demo_model
 
     if args.get("arch"):
-        path = arch_models.build(args["dir"], args["arch"])
+        path = arch_models.build(args["dir"], args["arch"], args.get("size") or "tiny")
     else:
         path = demo_model.build(args["dir"], variant=args["variant"])
     print(path)

@@ -174,3 +174,26 @@ def test_cli_builds_an_arch(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["model_type"] == "lfm2"
     with pytest.raises(SystemExit):
         cli.main(["demo-model", "--arch", "llama4", str(tmp_path / "x")])
+
+
+@pytest.mark.parametrize("arch", sorted(arch_models.LARGE_CONFIGS))
+def test_7b_shapes_are_7b_class_bf16(arch):
+    # Counted without allocating: mlx initializes parameters lazily.
+    import importlib
+
+    from mlx.utils import tree_flatten
+
+    config = arch_models.model_config(arch, arch_models.demo_model.train_tokenizer(), "7b")
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    assert 6e9 < params < 8e9
+    assert config["torch_dtype"] == "bfloat16"
+    assert config["max_position_embeddings"] >= 32768
+
+
+def test_7b_only_for_the_large_shapes(tmp_path):
+    with pytest.raises(ValueError, match="No 7b shape"):
+        arch_models.build(tmp_path, "mamba2", "7b")
+    with pytest.raises(ValueError, match="Unknown size"):
+        arch_models.ensure("qwen3", cache_dir=tmp_path, size="70b")
