@@ -101,12 +101,12 @@ class BackendRecord:
 
 
 @dataclass
-class Match:
+class PrefixMatch:
     """How deep one live backend matches a chain."""
 
     depth: int  # leading keys it advertised (contiguous from key 0)
     record: BackendRecord
-    pending_depth: int = 0  # leading keys advertised *or* marked pending for it (>= depth)
+    marked_depth: int = 0  # leading keys advertised *or* carrying a routing mark for it (>= depth)
 
 
 def new_instance_id() -> str:
@@ -169,11 +169,11 @@ def _member(backend_id: str, instance_id: str) -> str:
 
 # The lookup: one round trip answers "how deep does each live backend match".
 #   KEYS[1] kvr:{m:<m>}:backends     ARGV[1] kvr:{m:<m>}:     ARGV[2] chain hex
-# Returns {record_json, depth, pending_depth, ...} for every live backend serving the
+# Returns {record_json, depth, marked_depth, ...} for every live backend serving the
 # model (depth 0 included). A backend is live when its rec key exists; it holds key x
 # when the set of key x contains "<bid>|<instance id from its record>", and it is
 # pending on key x when the pending zset of key x has an unexpired mark for <bid>.
-# depth = leading keys held, contiguous from key 0; pending_depth = leading keys held
+# depth = leading keys held, contiguous from key 0; marked_depth = leading keys held
 # or pending. The result is exactly that of walking the chain key by key and stopping
 # at the first key no backend still matches; to make the common case cheap, the walk
 # goes by chunks (8 keys, doubling up to 64): one SINTER tells which backends hold the
@@ -513,7 +513,7 @@ class Registry:
 
     # -- proxy side ---------------------------------------------------------
 
-    async def lookup(self, model: str, chain: list[int]) -> dict[str, Match] | None:
+    async def lookup(self, model: str, chain: list[int]) -> dict[str, PrefixMatch] | None:
         """Depth of each live backend serving `model` on `chain`, by backend id.
 
         Backends with depth 0 are included, so the caller can still pick by load.
@@ -528,11 +528,11 @@ class Registry:
             flat = await asyncio.wait_for(
                 self._lookup(keys=[tag + "backends"], args=[tag, chain_hex]), self.lookup_timeout
             )
-            out: dict[str, Match] = {}
+            out: dict[str, PrefixMatch] = {}
             for i in range(0, len(flat), 3):
                 rec = self._record(flat[i])
-                out[rec.backend_id] = Match(depth=int(flat[i + 1]), record=rec,
-                                            pending_depth=int(flat[i + 2]))
+                out[rec.backend_id] = PrefixMatch(depth=int(flat[i + 1]), record=rec,
+                                                  marked_depth=int(flat[i + 2]))
         except asyncio.TimeoutError:
             self._lookup_failed(f"no answer within {self.lookup_timeout * 1000:.0f} ms")
             return None

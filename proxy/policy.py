@@ -1,17 +1,22 @@
-"""The routing policy: which backend serves a request.
+"""The routing policies: which backend serves a request.
+
+Every policy is a pure function of a `RouteContext` (the candidates and the request)
+to a `Decision`, behind the one `RoutingPolicy` protocol; the server builds the
+context, asks `choose`, and never names a policy.
 
 `cache-aware` (the default) estimates, for every live backend serving the model,
 the time to first token:
 
     ttft = queue wait + (prompt tokens - matched tokens) / prefill rate
 
-where matched tokens come from the registry's prefix depth (advertised or pending)
-and the queue wait from the prefill work this proxy has sent there and not yet
-seen answered, plus what the backend reports queued. It picks the lowest. A
-backend holding a deeper prefix is still preferred while its estimate stays
-within `locality_slack` seconds of the best one: keeping a conversation (or a
-burst sharing a new system prompt) on one backend pays off on every later turn,
-until that backend's queue costs more than re-prefilling elsewhere.
+where matched tokens come from the registry's prefix depth (advertised, or expected
+from routing marks and this proxy's recent choices) and the queue wait from the
+prefill work this proxy has sent there and not yet seen answered, plus what the
+backend reports queued. It picks the lowest. A backend holding a deeper prefix is
+still preferred while its estimate stays within `locality_slack` seconds of the best
+one: keeping a conversation (or a burst sharing a new system prompt) on one backend
+pays off on every later turn, until that backend's queue costs more than
+re-prefilling elsewhere.
 
 `round-robin`, `least-loaded` and `random` are there for comparison.
 """
@@ -20,31 +25,72 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 POLICIES = ("cache-aware", "round-robin", "least-loaded", "random")
 
 
-@dataclass
+@dataclass(frozen=True)
+class Load:
+    """How busy a backend is, as this proxy sees it."""
+
+    unanswered_tokens: float = 0.0  # prefill tokens this proxy sent there, not yet answered
+    inflight: int = 0  # requests this proxy has open there
+    reported_queue: int = 0  # the backend's own queue (all proxies): waiting + decoding
+    prefill_tps: float = 0.0  # backend-measured; 0 = unknown
+
+
+@dataclass(frozen=True)
 class Candidate:
+    """One backend that could serve the request."""
+
     backend_id: str
     url: str
-    depth: int = 0  # matched prefix blocks (advertised or pending)
-    pending_only: bool = False  # the deepest match is a routing-time mark, not yet a commit
-    matched_bytes: int = 0  # request bytes those blocks cover, beyond the shared header
-    prefill_tps: float = 0.0  # backend-measured; 0 = unknown
-    reported_queue: int = 0  # the backend's own queue depth (all proxies), from its heartbeat
-    inflight: int = 0  # requests this proxy has open there
-    pending_tokens: float = 0.0  # prefill work this proxy sent there, not yet answered
-    suspect: bool = False
+    advertised_depth: int = 0  # leading chain blocks the backend published as cached
+    # Leading blocks expected there soon: routing marks in Redis (any proxy) or this
+    # proxy's recent choices. Above advertised_depth only while a prefill is under way.
+    expected_depth: int = 0
+    load: Load = field(default_factory=Load)
+    suspect: bool = False  # failed recently: used only when nothing else is left
+
+    @property
+    def depth(self) -> int:
+        """Blocks the policy counts as matched: advertised or expected."""
+        return max(self.advertised_depth, self.expected_depth)
+
+    @property
+    def expected_only(self) -> bool:
+        """The deepest match is a routing-time expectation, not yet a commit."""
+        return self.expected_depth > self.advertised_depth
 
 
-@dataclass
+@dataclass(frozen=True)
+class RouteContext:
+    candidates: list[Candidate]
+    chain: list[int]  # the request's prefix keys; key 0 is the model's shared header
+    ends: list[int]  # request byte offset where each chain block ends
+    request_bytes: int
+    registry_known: bool  # False: the registry did not answer, depths are all 0
+
+    def matched_bytes(self, c: Candidate) -> int:
+        """Request bytes the candidate's match covers beyond the shared header: block 0
+        (salt and model) is common to every request of the model, matching it alone is
+        no hit."""
+        d = min(c.depth, len(self.ends))
+        return self.ends[d - 1] - self.ends[0] if d > 1 else 0
+
+
+@dataclass(frozen=True)
 class Decision:
     candidate: Candidate
     reason: str  # cache-hit, pending-hit, load, no-registry, round-robin, least-loaded, random
+    prefill_tokens: float = 0.0  # estimated tokens the backend must prefill
     ttft_estimate: float = 0.0
-    predicted_tokens: int = 0
+    predicted_tokens: int = 0  # estimated cached tokens
+    # Record the choice (routing marks in Redis, this proxy's recent choices) so that
+    # requests sharing the prefix follow it before the backend advertises it.
+    mark: bool = False
 
 
 @dataclass
@@ -56,55 +102,117 @@ class PolicyConfig:
     per_request_wait: float = 0.02  # seconds a queued request of another proxy is assumed to cost
 
 
-class Policy:
+class RoutingPolicy(Protocol):
+    name: str
+    config: PolicyConfig
+
+    def choose(self, ctx: RouteContext) -> Decision: ...
+
+
+class _Base:
+    name = ""
+
     def __init__(self, config: PolicyConfig):
-        if config.name not in POLICIES:
-            raise ValueError(f"unknown policy {config.name!r}; choose one of {', '.join(POLICIES)}")
         self.config = config
-        self._rr = itertools.count()
-        self._random = random.Random()
+        self._tie = itertools.count()  # spreads equal candidates instead of taking the first
 
     def tokens(self, nbytes: int) -> float:
         return nbytes / self.config.bytes_per_token
 
-    def ttft(self, c: Candidate, request_bytes: int) -> float:
-        rate = c.prefill_tps or self.config.default_prefill_tps
-        unmatched = self.tokens(max(0, request_bytes - c.matched_bytes))
-        others = max(0, c.reported_queue - c.inflight)  # requests other proxies sent there
-        return (c.pending_tokens + unmatched) / rate + others * self.config.per_request_wait
+    def unmatched_tokens(self, ctx: RouteContext, c: Candidate) -> float:
+        return self.tokens(max(0, ctx.request_bytes - ctx.matched_bytes(c)))
 
-    def choose(self, candidates: list[Candidate], request_bytes: int, registry_known: bool) -> Decision:
+    def ttft(self, ctx: RouteContext, c: Candidate) -> float:
+        rate = c.load.prefill_tps or self.config.default_prefill_tps
+        others = max(0, c.load.reported_queue - c.load.inflight)  # requests other proxies sent
+        return ((c.load.unanswered_tokens + self.unmatched_tokens(ctx, c)) / rate
+                + others * self.config.per_request_wait)
+
+    def decide(self, ctx: RouteContext, c: Candidate, reason: str, **kw) -> Decision:
+        return Decision(c, reason, self.unmatched_tokens(ctx, c), **kw)
+
+    @staticmethod
+    def pool(ctx: RouteContext) -> list[Candidate]:
         """Order is irrelevant; suspects are used only when nothing else is left."""
-        pool = [c for c in candidates if not c.suspect] or list(candidates)
-        name = self.config.name
-        if name == "round-robin":
-            pool.sort(key=lambda c: c.backend_id)
-            return Decision(pool[next(self._rr) % len(pool)], "round-robin")
-        if name == "random":
-            return Decision(self._random.choice(pool), "random")
-        if name == "least-loaded" or not registry_known:
-            best = min(pool, key=lambda c: (c.inflight + c.reported_queue, c.pending_tokens,
-                                            next(self._rr)))
-            return Decision(best, "least-loaded" if registry_known else "no-registry")
-        return self._cache_aware(pool, request_bytes)
+        if not ctx.candidates:
+            raise ValueError("no candidates to choose from")
+        return [c for c in ctx.candidates if not c.suspect] or list(ctx.candidates)
 
-    def _cache_aware(self, pool: list[Candidate], request_bytes: int) -> Decision:
-        # The tie-breaker counter spreads equal candidates instead of always taking the first.
-        tie = next(self._rr)
+    def least_loaded(self, pool: list[Candidate]) -> Candidate:
+        return min(pool, key=lambda c: (c.load.inflight + c.load.reported_queue,
+                                        c.load.unanswered_tokens, next(self._tie)))
+
+
+class RoundRobin(_Base):
+    name = "round-robin"
+
+    def choose(self, ctx: RouteContext) -> Decision:
+        pool = sorted(self.pool(ctx), key=lambda c: c.backend_id)
+        return self.decide(ctx, pool[next(self._tie) % len(pool)], "round-robin")
+
+
+class Random(_Base):
+    name = "random"
+
+    def __init__(self, config: PolicyConfig, rng: random.Random | None = None):
+        super().__init__(config)
+        self._random = rng or random.Random()
+
+    def choose(self, ctx: RouteContext) -> Decision:
+        return self.decide(ctx, self._random.choice(self.pool(ctx)), "random")
+
+
+class LeastLoaded(_Base):
+    name = "least-loaded"
+
+    def choose(self, ctx: RouteContext) -> Decision:
+        reason = "least-loaded" if ctx.registry_known else "no-registry"
+        return self.decide(ctx, self.least_loaded(self.pool(ctx)), reason)
+
+
+class CacheAware(_Base):
+    name = "cache-aware"
+
+    def choose(self, ctx: RouteContext) -> Decision:
+        pool = self.pool(ctx)
+        if not ctx.registry_known:
+            chosen = self.least_loaded(pool)
+            return self.decide(ctx, chosen, "no-registry", mark=self._needs_mark(ctx, chosen))
+        tie = next(self._tie)
         scored = sorted(
-            ((self.ttft(c, request_bytes), c.inflight + c.reported_queue, (i - tie) % len(pool), c)
+            ((self.ttft(ctx, c), c.load.inflight + c.load.reported_queue, (i - tie) % len(pool), c)
              for i, c in enumerate(sorted(pool, key=lambda c: c.backend_id))),
             key=lambda t: t[:3],
         )
         best_ttft, _, _, best = scored[0]
-        deepest = max(pool, key=lambda c: (c.matched_bytes, -self.ttft(c, request_bytes)))
+        deepest = max(pool, key=lambda c: (ctx.matched_bytes(c), -self.ttft(ctx, c)))
         chosen, est = best, best_ttft
-        if deepest.matched_bytes > best.matched_bytes:
-            deep_ttft = self.ttft(deepest, request_bytes)
+        if ctx.matched_bytes(deepest) > ctx.matched_bytes(best):
+            deep_ttft = self.ttft(ctx, deepest)
             if deep_ttft <= best_ttft + self.config.locality_slack:
                 chosen, est = deepest, deep_ttft
-        if not chosen.matched_bytes:
+        matched = ctx.matched_bytes(chosen)
+        if not matched:
             reason = "load"
         else:
-            reason = "pending-hit" if chosen.pending_only else "cache-hit"
-        return Decision(chosen, reason, est, int(self.tokens(chosen.matched_bytes)))
+            # "pending-hit": the label users see in metrics and the dashboard.
+            reason = "pending-hit" if chosen.expected_only else "cache-hit"
+        return self.decide(ctx, chosen, reason, ttft_estimate=est,
+                           predicted_tokens=int(self.tokens(matched)),
+                           mark=self._needs_mark(ctx, chosen))
+
+    @staticmethod
+    def _needs_mark(ctx: RouteContext, chosen: Candidate) -> bool:
+        # Only a prefix the chosen backend does not hold yet needs marking.
+        return chosen.advertised_depth < len(ctx.chain)
+
+
+_CLASSES: dict[str, type[_Base]] = {
+    p.name: p for p in (CacheAware, RoundRobin, LeastLoaded, Random)}
+
+
+def make_policy(config: PolicyConfig) -> RoutingPolicy:
+    cls = _CLASSES.get(config.name)
+    if cls is None:
+        raise ValueError(f"unknown policy {config.name!r}; choose one of {', '.join(POLICIES)}")
+    return cls(config)

@@ -11,7 +11,6 @@ connection, which makes the backend stop decoding.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import hmac
 import logging
@@ -34,7 +33,8 @@ from kvroute.wire import parse_json
 
 from . import apis, messages_api, responses_api
 from .metrics import ProxyMetrics
-from .policy import Candidate, Decision, Policy, PolicyConfig
+from .policy import Candidate, Decision, Load, PolicyConfig, RouteContext, RoutingPolicy, make_policy
+from .recent import RecentChoices
 from .response_store import ResponseStore
 from .stats import SERIES_PERIOD, Stats
 from .translate import GATEWAY, Gateway, Relay
@@ -44,7 +44,6 @@ log = logging.getLogger("kvroute.proxy")
 STATE_KEY = web.AppKey("state", object)
 RETRYABLE_STATUS = {502, 503, 504}
 CHAT_PATH = "/v1/chat/completions"
-_RECENT_BUCKETS = 4096  # distinct (model, first content key) pairs remembered at most
 # Chains of bodies larger than this are computed off the event loop.
 _INLINE_CHAIN_BYTES = 256 << 10
 
@@ -89,36 +88,8 @@ class Backends:
     probes: dict[str, tuple[float, asyncio.Future]] = field(default_factory=dict)
     watches: dict[str, asyncio.Future] = field(default_factory=dict)  # one per backend
     inflight: dict[str, int] = field(default_factory=dict)
-    pending_tokens: dict[str, float] = field(default_factory=dict)
+    unanswered_tokens: dict[str, float] = field(default_factory=dict)  # prefill sent, no answer yet
     suspect_until: dict[str, float] = field(default_factory=dict)
-    # This proxy's own recent choices, (chain, backend, expiry), bucketed by model and
-    # first content key (key 0, the header, is common to a whole model): only chains
-    # that can share a prefix are compared. Redis pending marks cover other proxies;
-    # these cover requests this proxy routes concurrently, whose marks may not have
-    # reached Redis before the next lookup.
-    recent: dict[tuple[str, int], collections.deque] = field(default_factory=dict)
-
-    def remember(self, model: str, keys: list[int], backend_id: str, ttl: float) -> None:
-        if len(keys) < 2:
-            return
-        now = time.monotonic()
-        if len(self.recent) >= _RECENT_BUCKETS:  # bounded memory: drop expired buckets
-            for k in [k for k, q in self.recent.items() if not q or q[-1][2] < now]:
-                del self.recent[k]
-        bucket = self.recent.setdefault((model, keys[1]), collections.deque(maxlen=64))
-        bucket.append((keys, backend_id, now + ttl))
-
-    def recent_depth(self, model: str, keys: list[int]) -> dict[str, int]:
-        bucket = self.recent.get((model, keys[1])) if len(keys) > 1 else None
-        if not bucket:
-            return {}
-        now = time.monotonic()
-        while bucket and bucket[0][2] < now:
-            bucket.popleft()
-        depths: dict[str, int] = {}
-        for chain, bid, _ in bucket:
-            depths[bid] = max(depths.get(bid, 0), prefix.common_prefix(chain, keys))
-        return depths
 
     def update(self, records: list[BackendRecord], keep_for: float) -> None:
         # A backend missing from one answer (Redis restarted empty, heartbeat not yet
@@ -158,9 +129,10 @@ class Backends:
 class State:
     config: ProxyConfig
     registry: Registry
-    policy: Policy
+    policy: RoutingPolicy
     metrics: ProxyMetrics
     backends: Backends
+    recent: RecentChoices = field(default_factory=RecentChoices)
     stats: Stats = field(default_factory=Stats)
     session: aiohttp.ClientSession | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -218,47 +190,40 @@ def _chain(config: ProxyConfig, path: str, body: dict, model: str, scope: str | 
         raise bad_request(f"Invalid request: {exc}.")
 
 
-async def _candidates(state: State, model: str, keys: list[int],
-                      sizes: list[int]) -> tuple[list[Candidate], bool]:
+async def _candidates(state: State, model: str, keys: list[int]) -> tuple[list[Candidate], bool]:
     t0 = time.perf_counter()
-    matches = await state.registry.lookup(model, keys)
+    found = await state.registry.lookup(model, keys)
     state.metrics.lookup.observe(time.perf_counter() - t0)
     b = state.backends
     records = []
-    if matches is None:
+    if found is None:
         state.metrics.registry_unknown.inc()
     else:
-        records = [(m.record, m.depth, m.pending_depth) for m in matches.values()
+        records = [(m.record, m.depth, m.marked_depth) for m in found.values()
                    if model in m.record.models]
     known = bool(records)
     if not records:
         # Redis down, or up but empty (just restarted): route by load among the
         # backends seen recently rather than refuse the request.
         records = [(r, 0, 0) for r in b.serving(model)]
-    local = b.recent_depth(model, keys)
-    cands = [_candidate(b, r, depth, max(pending, local.get(r.backend_id, 0)), sizes)
-             for r, depth, pending in records]
+    recent = state.recent.depths(model, keys)
+    cands = [_candidate(b, r, depth, max(marked, recent.get(r.backend_id, 0)))
+             for r, depth, marked in records]
     return cands, known
 
 
-def _candidate(b: Backends, r: BackendRecord, depth: int = 0, pending_depth: int = 0,
-               sizes: list[int] | None = None) -> Candidate:
-    """A routing candidate: `depth` blocks advertised, `pending_depth` advertised or
-    about to be (pending marks, this proxy's recent choices)."""
-    deepest = max(depth, pending_depth)
+def _candidate(b: Backends, r: BackendRecord, advertised_depth: int = 0,
+               expected_depth: int = 0) -> Candidate:
+    bid = r.backend_id
     return Candidate(
-        backend_id=r.backend_id,
+        backend_id=bid,
         url=r.url,
-        depth=deepest,
-        pending_only=pending_depth > depth,
-        # Block 0 is the header (salt and model), shared by every request for the
-        # model: matching it alone is no hit.
-        matched_bytes=sizes[deepest - 1] - sizes[0] if deepest > 1 else 0,
-        prefill_tps=r.prefill_tps,
-        reported_queue=r.queue_depth,
-        inflight=b.inflight.get(r.backend_id, 0),
-        pending_tokens=b.pending_tokens.get(r.backend_id, 0.0),
-        suspect=b.is_suspect(r.backend_id),
+        advertised_depth=advertised_depth,
+        expected_depth=expected_depth,
+        load=Load(unanswered_tokens=b.unanswered_tokens.get(bid, 0.0),
+                  inflight=b.inflight.get(bid, 0), reported_queue=r.queue_depth,
+                  prefill_tps=r.prefill_tps),
+        suspect=b.is_suspect(bid),
     )
 
 
@@ -325,17 +290,18 @@ async def _route(request: web.Request, raw: bytes, body: dict, path: str, t_star
     else:
         pairs = _chain(state.config, path, body, model, scope)
     keys = [k for k, _ in pairs]
-    sizes = [end for _, end in pairs]
-    candidates, known = await _candidates(state, model, keys, sizes)
+    ends = [end for _, end in pairs]
+    candidates, known = await _candidates(state, model, keys)
     if not candidates:
         raise _no_backend(state, model)
-    return await _dispatch(request, state, raw, model, scope, keys, candidates, known, t_start,
-                           request_bytes=sizes[-1] if sizes else len(raw), path=path, relay=relay)
+    return await _dispatch(request, state, raw, model, scope, keys, ends, candidates, known,
+                           t_start, path=path, relay=relay)
 
 
 async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | None,
-                    keys: list[int], candidates: list[Candidate], known: bool, t_start: float,
-                    request_bytes: int, path: str, relay: Relay | None) -> web.StreamResponse:
+                    keys: list[int], ends: list[int], candidates: list[Candidate], known: bool,
+                    t_start: float, path: str, relay: Relay | None) -> web.StreamResponse:
+    request_bytes = ends[-1] if ends else len(raw)
     tried: set[str] = set()
     failovers = 0
     last_error: APIError | None = None
@@ -351,19 +317,17 @@ async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | 
             candidates = candidates + pool
         if not pool:
             raise last_error or _no_backend(state, model)
-        decision = state.policy.choose(pool, request_bytes, known)
+        decision = state.policy.choose(RouteContext(pool, keys, ends, request_bytes, known))
         c = decision.candidate
         tried.add(c.backend_id)
-        if state.policy.config.name == "cache-aware" and (c.pending_only or c.depth < len(keys)):
-            # Only a prefix the chosen backend does not hold yet needs a pending mark.
-            state.backends.remember(model, keys, c.backend_id, state.config.pending_ttl_ms / 1000)
+        if decision.mark:
+            state.recent.remember(model, keys, c.backend_id, state.config.pending_ttl_ms / 1000)
             if known:
                 _spawn(state, state.registry.mark_pending(model, keys, c.backend_id,
                                                           state.config.pending_ttl_ms))
         state.metrics.overhead.observe(time.perf_counter() - t_start)
         try:
-            return await _forward(request, state, raw, model, scope, decision, request_bytes,
-                                  path, relay)
+            return await _forward(request, state, raw, model, scope, decision, path, relay)
         except _Retry as retry:
             last_error = retry.error
             if retry.failover:
@@ -408,14 +372,13 @@ def _route_headers(decision: Decision) -> dict:
 
 
 async def _forward(request: web.Request, state: State, raw: bytes, model: str, scope: str | None,
-                   decision: Decision, request_bytes: int, path: str,
-                   relay: Relay | None) -> web.StreamResponse:
+                   decision: Decision, path: str, relay: Relay | None) -> web.StreamResponse:
     c = decision.candidate
     b = state.backends
     bid = c.backend_id
-    pending = state.policy.tokens(max(0, request_bytes - c.matched_bytes))
+    prefill = decision.prefill_tokens
     b.inflight[bid] = b.inflight.get(bid, 0) + 1
-    b.pending_tokens[bid] = b.pending_tokens.get(bid, 0.0) + pending
+    b.unanswered_tokens[bid] = b.unanswered_tokens.get(bid, 0.0) + prefill
     state.metrics.inflight.labels(bid).set(b.inflight[bid])
     answered = False
     upstream = None
@@ -449,7 +412,7 @@ async def _forward(request: web.Request, state: State, raw: bytes, model: str, s
         # ends with an error event, a whole answer is retried elsewhere.
         abandon = functools.partial(_abandon, upstream=upstream, bid=bid)
         watchdog.add_done_callback(abandon)
-        b.pending_tokens[bid] = max(0.0, b.pending_tokens.get(bid, 0.0) - pending)
+        b.unanswered_tokens[bid] = max(0.0, b.unanswered_tokens.get(bid, 0.0) - prefill)
         answered = True
         if upstream.status in RETRYABLE_STATUS:
             raise _Retry(APIError(upstream.status, f"Backend {bid} answered {upstream.status}.",
@@ -484,7 +447,7 @@ async def _forward(request: web.Request, state: State, raw: bytes, model: str, s
         if abandon is not None:
             watchdog.remove_done_callback(abandon)
         if not answered:
-            b.pending_tokens[bid] = max(0.0, b.pending_tokens.get(bid, 0.0) - pending)
+            b.unanswered_tokens[bid] = max(0.0, b.unanswered_tokens.get(bid, 0.0) - prefill)
         b.inflight[bid] = max(0, b.inflight.get(bid, 0) - 1)
         state.metrics.inflight.labels(bid).set(b.inflight[bid])
         if upstream is not None:
@@ -574,7 +537,7 @@ def _record_stats(state: State, model: str, decision: Decision, upstream) -> Non
     except (KeyError, ValueError):
         ttft_ms = None
     record = state.backends.records.get(c.backend_id)
-    tps = (record.prefill_tps if record else 0.0) or c.prefill_tps
+    tps = (record.prefill_tps if record else 0.0) or c.load.prefill_tps
     state.stats.record(
         model=model, backend=c.backend_id, reason=decision.reason, prefix_blocks=c.depth,
         predicted_tokens=decision.predicted_tokens, status=upstream.status,
@@ -663,7 +626,7 @@ async def health(request: web.Request) -> web.Response:
     return _json({
         "status": "ok",
         "pid": os.getpid(),
-        "policy": state.policy.config.name,
+        "policy": state.policy.name,
         "backends": fleet(state),
         "registry_age_s": round(time.time() - b.refreshed, 2) if b.refreshed else None,
     })
@@ -707,7 +670,7 @@ async def openapi_json(request: web.Request) -> web.Response:
 
 def create_app(config: ProxyConfig) -> web.Application:
     registry = Registry(config.redis_url, lookup_timeout=config.lookup_timeout)
-    policy = Policy(PolicyConfig(name=config.policy, locality_slack=config.locality_slack))
+    policy = make_policy(PolicyConfig(name=config.policy, locality_slack=config.locality_slack))
     state = State(config, registry, policy, ProxyMetrics(), Backends())
     # Outermost first: the per-API count sees final statuses, after Messages errors took
     # Anthropic's envelope.

@@ -24,7 +24,7 @@ from harness import BackendProcess, post_json, wait_until
 from kvroute.demo_model import DEMO_REPLY
 from kvroute.prefix import chat_chain, common_prefix, make_salt
 from kvroute.redis_server import RedisServer
-from kvroute.registry import Match, Registry
+from kvroute.registry import PrefixMatch, Registry
 
 MODEL_ID = "demo"
 SECRET = "kvr-test-secret-0c4e7d"
@@ -46,7 +46,7 @@ def chain(messages: list[dict], salt: bytes = SALT) -> list[int]:
     return chat_chain({"model": MODEL_ID, "messages": messages}, model=MODEL_ID, salt=salt)
 
 
-async def _lookup(url: str, keys: list[int], lookup_timeout: float) -> dict[str, Match] | None:
+async def _lookup(url: str, keys: list[int], lookup_timeout: float) -> dict[str, PrefixMatch] | None:
     # One Registry per event loop (asyncio.run makes a fresh loop each call).
     reg = Registry(url, lookup_timeout=lookup_timeout, record_ttl=RECORD_TTL)
     try:
@@ -146,7 +146,7 @@ def start_backend(model, log_dir, redis_url: str, backend_id: str, *extra: str,
     return proc
 
 
-def wait_listed(url: str, backend_id: str, timeout: float = 5.0) -> Match:
+def wait_listed(url: str, backend_id: str, timeout: float = 5.0) -> PrefixMatch:
     """Poll until the backend's first heartbeat made it visible to lookups."""
     probe = conversation()
     return wait_until(lambda: (lookup(url, probe) or {}).get(backend_id), timeout, interval=0.05,
@@ -203,7 +203,7 @@ def test_follow_up_turn_is_advertised_at_full_depth(shared_backend, shared_redis
     found = lookup(url, nxt)
     assert found[bid].record.url == shared_backend.url
     assert found[bid].record.models == [MODEL_ID]
-    assert found[bid].pending_depth >= found[bid].depth
+    assert found[bid].marked_depth >= found[bid].depth
 
     # An unrelated conversation matches nothing but the header block (salt and model
     # id), which every chain of this model starts with; the backend is still listed
@@ -294,7 +294,7 @@ def test_killed_backend_is_forgotten_and_restart_inherits_nothing(text_model, lo
             seen["match"] = m = found[new.backend_id]
             assert m.record.instance_id != old_instance, "lookup returned the dead instance's record"
             assert m.depth == 0, f"restarted backend inherited depth {m.depth} of its predecessor"
-            assert m.pending_depth == 0
+            assert m.marked_depth == 0
             return True
 
         wait_until(listed_with_depth_zero, timeout=5.0, interval=0.05,

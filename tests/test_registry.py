@@ -113,7 +113,7 @@ def test_advertise_then_lookup_reports_shared_prefix_depth(server):
 
         found = await reg.lookup(MODEL, new)
         assert set(found) == {"b1", "b2"}  # depth-0 backends are reported too
-        assert found["b1"].depth == len(old) and found["b1"].pending_depth == len(old)
+        assert found["b1"].depth == len(old) and found["b1"].marked_depth == len(old)
         assert found["b2"].depth == 0
         assert found["b1"].record == BackendRecord.from_json(found["b1"].record.to_json())
         assert found["b1"].record.prefill_tps == 1234.5 and found["b1"].record.updated_at > 0
@@ -188,7 +188,7 @@ def test_lookup_matches_a_key_by_key_walk_with_holes_and_marks(server):
             # A dead instance of b0 holding everything must not count.
             await reg.advertise("b0", "dead-instance", MODEL, chain)
             found = await reg.lookup(MODEL, chain)
-            got = {b: (m.depth, m.pending_depth) for b, m in found.items()}
+            got = {b: (m.depth, m.marked_depth) for b, m in found.items()}
             assert got == _reference_depths(chain, held, marked, backends), f"trial {trial}"
             # Clean up this trial's state for the next one.
             for b in backends:
@@ -294,15 +294,15 @@ def test_pending_marks_count_and_expire(server):
         await reg.mark_pending(MODEL, chain, "b1", ttl_ms=400)
         await reg.mark_pending(MODEL, chain[:3], "b2", ttl_ms=400)
         found = await reg.lookup(MODEL, chain)
-        assert (found["b1"].depth, found["b1"].pending_depth) == (2, len(chain))
-        assert (found["b2"].depth, found["b2"].pending_depth) == (0, 3)
+        assert (found["b1"].depth, found["b1"].marked_depth) == (2, len(chain))
+        assert (found["b2"].depth, found["b2"].marked_depth) == (0, 3)
         # A mark for a backend that is not live does not make it appear.
         await reg.mark_pending(MODEL, chain, "ghost", ttl_ms=400)
         assert "ghost" not in await reg.lookup(MODEL, chain)
 
         async def expired():
             f = await reg.lookup(MODEL, chain)
-            return f["b1"].pending_depth == 2 and f["b2"].pending_depth == 0
+            return f["b1"].marked_depth == 2 and f["b2"].marked_depth == 0
 
         t0 = time.monotonic()
         await poll(expired, deadline=3.0, what="pending marks to expire")
