@@ -1,22 +1,20 @@
-"""The front proxy: one OpenAI endpoint that routes each turn to where its prefix is cached.
+"""The front proxy's routes and app: one OpenAI endpoint that routes each turn to where
+its prefix is cached.
 
 Per request: read the body once, compute its prefix chain (no tokenizer), ask the
 registry in one round trip how deep each live backend matches, let the policy
-choose, mark the choice pending in Redis (so a burst sharing a new prefix lands
-together), then pass the body through unchanged and relay the answer's bytes as
-they arrive. A client disconnect cancels the handler, which closes the upstream
-connection, which makes the backend stop decoding.
+(proxy/policy.py) choose, leave a routing mark in Redis when the policy asks for one
+(so a burst sharing a new prefix lands together), then forward (proxy/forward.py),
+failing over once to the next best backend. The fleet view lives in proxy/fleet.py,
+the state and settings in proxy/state.py, API keys in proxy/auth.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import hmac
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,150 +24,26 @@ from aiohttp import web
 
 from kvroute import openapi, prefix
 from kvroute.process import start_site, wait_for_stop
-from kvroute.errors import APIError, bad_request, error_middleware, not_found, overloaded
-from kvroute.hits import is_cache_hit
-from kvroute.registry import BackendRecord, Registry, RegistryUnavailable
+from kvroute.errors import APIError, bad_request, error_middleware, not_found
+from kvroute.registry import BackendRecord, Registry
 from kvroute.wire import parse_json
 
 from . import apis, messages_api, responses_api
+from .auth import auth_middleware
+from .fleet import Backends, describe, refresh_backends
+from .forward import Retry, forward, upstream_headers
 from .metrics import ProxyMetrics
-from .policy import Candidate, Decision, Load, PolicyConfig, RouteContext, RoutingPolicy, make_policy
-from .recent import RecentChoices
+from .policy import Candidate, Load, PolicyConfig, RouteContext, make_policy
 from .response_store import ResponseStore
-from .stats import SERIES_PERIOD, Stats
+from .state import STATE_KEY, ProxyConfig, State, spawn, state_of
+from .stats import SERIES_PERIOD
 from .translate import GATEWAY, Gateway, Relay
 
 log = logging.getLogger("kvroute.proxy")
 
-STATE_KEY = web.AppKey("state", object)
-RETRYABLE_STATUS = {502, 503, 504}
 CHAT_PATH = "/v1/chat/completions"
 # Chains of bodies larger than this are computed off the event loop.
 _INLINE_CHAIN_BYTES = 256 << 10
-
-
-@dataclass(kw_only=True)
-class ProxyConfig:
-    """`kvroute proxy`'s settings (names, defaults, help: kvroute/config.py), then tunables."""
-
-    redis_url: str
-    host: str
-    port: int
-    secret: str
-    policy: str
-    api_keys: dict[str, str | None]  # key -> cache scope
-    internal_token: str
-    max_body_bytes: int
-    request_timeout: float
-    block_bytes: int
-    lookup_timeout: float  # seconds (the flag is in ms)
-    locality_slack: float
-    connect_timeout: float = 2.0
-    pending_ttl_ms: int = 3000
-    suspect_seconds: float = 5.0
-    refresh_period: float = 1.0
-    forget_after: float = 10.0  # seconds a backend absent from the registry stays a fallback
-    probe_timeout: float = 1.0  # /health deadline when checking a backend whose record lapsed
-    response_ttl: float = 86400.0  # seconds a stored /v1/responses answer can be continued from
-
-
-@dataclass
-class Backends:
-    """What this proxy knows of the fleet between registry answers."""
-
-    records: dict[str, BackendRecord] = field(default_factory=dict)  # last known live backends
-    seen: dict[str, float] = field(default_factory=dict)  # when each was last listed live
-    # Since when each known backend has been missing from the registry's answers. Only
-    # answers count: while Redis is unreachable nobody ages, so after an outage longer
-    # than forget_after the fleet is still known when Redis answers again, empty.
-    absent_since: dict[str, float] = field(default_factory=dict)
-    refreshed: float = 0.0
-    refreshed_at: float = 0.0  # time.monotonic() of the last registry answer
-    probes: dict[str, tuple[float, asyncio.Future]] = field(default_factory=dict)
-    watches: dict[str, asyncio.Future] = field(default_factory=dict)  # one per backend
-    inflight: dict[str, int] = field(default_factory=dict)
-    unanswered_tokens: dict[str, float] = field(default_factory=dict)  # prefill sent, no answer yet
-    suspect_until: dict[str, float] = field(default_factory=dict)
-
-    def update(self, records: list[BackendRecord], keep_for: float) -> None:
-        # A backend missing from one answer (Redis restarted empty, heartbeat not yet
-        # back) stays known for keep_for seconds; failover covers one that really died.
-        now = time.monotonic()
-        for r in records:
-            self.records[r.backend_id] = r
-            self.seen[r.backend_id] = now
-            self.absent_since.pop(r.backend_id, None)
-        for bid in self.seen:
-            if self.seen[bid] != now:
-                self.absent_since.setdefault(bid, now)
-        for bid in [b for b, t in self.absent_since.items() if now - t > keep_for]:
-            del self.seen[bid], self.absent_since[bid]
-            self.records.pop(bid, None)
-        self.refreshed = time.time()
-        self.refreshed_at = now
-
-    def lapsed(self, backend_id: str, max_age: float) -> bool:
-        """The registry answered recently and no longer lists this backend: its heartbeat
-        stopped, or Redis lost its record (restarted empty). Unknown (False) while the
-        registry does not answer."""
-        return (time.monotonic() - self.refreshed_at <= max_age
-                and self.seen.get(backend_id, 0.0) < self.refreshed_at)
-
-    def serving(self, model: str) -> list[BackendRecord]:
-        return [r for r in self.records.values() if model in r.models]
-
-    def models(self) -> list[str]:
-        return sorted({m for r in self.records.values() for m in r.models})
-
-    def is_suspect(self, backend_id: str) -> bool:
-        return self.suspect_until.get(backend_id, 0.0) > time.monotonic()
-
-
-@dataclass
-class State:
-    config: ProxyConfig
-    registry: Registry
-    policy: RoutingPolicy
-    metrics: ProxyMetrics
-    backends: Backends
-    recent: RecentChoices = field(default_factory=RecentChoices)
-    stats: Stats = field(default_factory=Stats)
-    session: aiohttp.ClientSession | None = None
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    background: set = field(default_factory=set)
-
-
-def _state(request: web.Request) -> State:
-    return request.app[STATE_KEY]
-
-
-# -- authentication -------------------------------------------------------------
-
-
-def check_api_key(keys: dict[str, str | None], header: str) -> tuple[bool, str | None]:
-    """Constant-time: every configured key is compared, whatever matches first."""
-    given = header[7:].strip() if header[:7].lower() == "bearer " else ""
-    ok, scope = False, None
-    for key, key_scope in keys.items():
-        if hmac.compare_digest(given.encode(), key.encode()):
-            ok, scope = True, key_scope
-    return ok, scope
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler):
-    keys = _state(request).config.api_keys
-    if keys and request.path.startswith("/v1/"):
-        ok, scope = check_api_key(keys, request.headers.get("Authorization", ""))
-        if not ok and "x-api-key" in request.headers:
-            # Anthropic clients send the key this way (Claude Code's ANTHROPIC_API_KEY).
-            ok, scope = check_api_key(keys, "Bearer " + request.headers["x-api-key"])
-        if not ok:
-            raise APIError(401, "Missing or invalid API key (send 'Authorization: Bearer <key>' "
-                           "or 'x-api-key: <key>').", "authentication_error", None,
-                           "invalid_api_key")
-        request["scope"] = scope
-    return await handler(request)
 
 
 # -- routing ----------------------------------------------------------------------
@@ -239,13 +113,13 @@ async def ask_backend(request: web.Request, model: str, path: str, body: dict) -
     """One question about a prompt (not a generation: a token count) to a live backend
     serving `model`, least loaded first, the next one if it cannot be reached. No cache
     routing: nothing is prefilled, so no pending mark, decision or stats either."""
-    state = _state(request)
+    state = state_of(request)
     b = state.backends
     records = sorted(b.serving(model), key=lambda r: (b.is_suspect(r.backend_id),
                                                       b.inflight.get(r.backend_id, 0)))
     if not records:
         raise _no_backend(state, model)
-    headers = _upstream_headers(state, request.get("scope"))
+    headers = upstream_headers(state, request.get("scope"))
     error = None
     for r in records[:2]:
         try:
@@ -279,7 +153,7 @@ async def route_chat(request: web.Request, body: dict, relay: Relay,
 
 async def _route(request: web.Request, raw: bytes, body: dict, path: str, t_start: float,
                  relay: Relay | None = None) -> web.StreamResponse:
-    state = _state(request)
+    state = state_of(request)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string.", param="model",
@@ -323,12 +197,12 @@ async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | 
         if decision.mark:
             state.recent.remember(model, keys, c.backend_id, state.config.pending_ttl_ms / 1000)
             if known:
-                _spawn(state, state.registry.mark_pending(model, keys, c.backend_id,
+                spawn(state, state.registry.mark_pending(model, keys, c.backend_id,
                                                           state.config.pending_ttl_ms))
         state.metrics.overhead.observe(time.perf_counter() - t_start)
         try:
-            return await _forward(request, state, raw, model, scope, decision, path, relay)
-        except _Retry as retry:
+            return await forward(request, state, raw, model, scope, decision, path, relay)
+        except Retry as retry:
             last_error = retry.error
             if retry.failover:
                 # A backend that failed before its first byte: try the next best once.
@@ -342,260 +216,6 @@ async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | 
                     raise retry.error
 
 
-def _spawn(state: State, coro) -> None:
-    # Keep a reference: the loop holds tasks weakly, and a collected task never runs.
-    task = asyncio.ensure_future(coro)
-    state.background.add(task)
-    task.add_done_callback(state.background.discard)
-
-
-class _Retry(Exception):
-    def __init__(self, error: APIError, failover: bool):
-        self.error, self.failover = error, failover
-
-
-def _upstream_headers(state: State, scope: str | None) -> dict:
-    headers = {"Content-Type": "application/json"}
-    if state.config.internal_token:
-        headers["x-kvroute-token"] = state.config.internal_token
-    if scope:
-        headers["x-kvroute-scope"] = scope
-    return headers
-
-
-def _route_headers(decision: Decision) -> dict:
-    return {
-        "x-kvroute-backend": decision.candidate.backend_id,
-        "x-kvroute-prefix-blocks": str(decision.candidate.depth),
-        "x-kvroute-route-reason": decision.reason,
-    }
-
-
-async def _forward(request: web.Request, state: State, raw: bytes, model: str, scope: str | None,
-                   decision: Decision, path: str, relay: Relay | None) -> web.StreamResponse:
-    c = decision.candidate
-    b = state.backends
-    bid = c.backend_id
-    prefill = decision.prefill_tokens
-    b.inflight[bid] = b.inflight.get(bid, 0) + 1
-    b.unanswered_tokens[bid] = b.unanswered_tokens.get(bid, 0.0) + prefill
-    state.metrics.inflight.labels(bid).set(b.inflight[bid])
-    answered = False
-    upstream = None
-    # A stopped or hung backend keeps its connections open and says nothing: without
-    # this watch a request would wait for --request-timeout. One watch per backend,
-    # shared by all its requests: a task per request cost a third of peak throughput.
-    watchdog = _watch_of(state, bid, c.url)
-    abandon = None
-    try:
-        try:
-            # A task, so the watch can cancel it; cancelling this handler (client gone)
-            # cancels it too, as it is being awaited.
-            post = asyncio.ensure_future(state.session.post(
-                c.url + path, data=raw, headers=_upstream_headers(state, scope)))
-            stop_waiting = functools.partial(_stop_waiting, post=post)
-            watchdog.add_done_callback(stop_waiting)
-            try:
-                upstream = await post
-            except asyncio.CancelledError:
-                if not (watchdog.done() and not watchdog.cancelled()):
-                    raise
-                raise _Retry(APIError(502, f"Backend {bid} stopped answering (no heartbeat, "
-                                      "no health).", "server_error", None, "backend_unresponsive"),
-                             failover=True) from None
-            finally:
-                watchdog.remove_done_callback(stop_waiting)
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            raise _Retry(APIError(502, f"Backend {bid} is unreachable: {exc or type(exc).__name__}.",
-                                  "server_error", None, "backend_unreachable"), failover=True)
-        # From here on the watch ends a silent upstream by closing it: a stream then
-        # ends with an error event, a whole answer is retried elsewhere.
-        abandon = functools.partial(_abandon, upstream=upstream, bid=bid)
-        watchdog.add_done_callback(abandon)
-        b.unanswered_tokens[bid] = max(0.0, b.unanswered_tokens.get(bid, 0.0) - prefill)
-        answered = True
-        if upstream.status in RETRYABLE_STATUS:
-            raise _Retry(APIError(upstream.status, f"Backend {bid} answered {upstream.status}.",
-                                  "server_error", None, "backend_unavailable"), failover=True)
-        if upstream.status == 429:
-            retry_after = float(upstream.headers.get("Retry-After", "1") or 1)
-            raise _Retry(overloaded("Every backend serving this model is at capacity.",
-                                    retry_after), failover=False)
-        _record_decision(state, model, decision, upstream)
-        _record_stats(state, model, decision, upstream)
-        headers = _route_headers(decision)
-        for name in ("x-kvroute-cached-tokens", "x-kvroute-prompt-tokens", "Retry-After"):
-            if name in upstream.headers:
-                headers[name] = upstream.headers[name]
-        ctype = upstream.headers.get("Content-Type", "application/json")
-        state.metrics.requests.labels(model, bid, str(upstream.status)).inc()
-        if ctype.startswith("text/event-stream"):
-            if relay is not None:
-                return await relay.stream(request, upstream, headers, bid)
-            return await _relay_stream(request, upstream, headers, bid)
-        try:
-            data = await upstream.read()
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            # Nothing reached the client yet: retry it elsewhere.
-            raise _Retry(APIError(502, f"Backend {bid} failed while answering: {exc}.",
-                                  "server_error", None, "backend_failed"), failover=True)
-        if relay is not None:
-            return await relay.whole(upstream.status, data, headers)
-        return web.Response(body=data, status=upstream.status, headers=headers,
-                            content_type=ctype.split(";")[0])
-    finally:
-        if abandon is not None:
-            watchdog.remove_done_callback(abandon)
-        if not answered:
-            b.unanswered_tokens[bid] = max(0.0, b.unanswered_tokens.get(bid, 0.0) - prefill)
-        b.inflight[bid] = max(0, b.inflight.get(bid, 0) - 1)
-        state.metrics.inflight.labels(bid).set(b.inflight[bid])
-        if upstream is not None:
-            # close(), not release(): on a client disconnect the backend must see
-            # its connection drop so that it stops decoding.
-            upstream.close()
-
-
-def _watch_of(state: State, bid: str, url: str) -> asyncio.Future:
-    """The shared watch of backend `bid`; a new one once the last has fired."""
-    watches = state.backends.watches
-    watch = watches.get(bid)
-    if watch is None or watch.done():
-        watch = watches[bid] = asyncio.ensure_future(_watch(state, bid, url))
-    return watch
-
-
-async def _watch(state: State, bid: str, url: str) -> None:
-    """Returns once backend `bid` looks gone: the registry no longer lists it (its
-    heartbeat lapsed) *and* its /health does not answer. Redis trouble alone never
-    trips it: while the registry does not answer nothing counts as lapsed, and after
-    Redis restarted empty the probe still finds the backend alive."""
-    period = state.config.refresh_period
-    lapsed = state.backends.lapsed
-    while True:
-        await asyncio.sleep(period)
-        # Asked again after the probe: a backend that just resumed may answer its
-        # probe late but is listed again as soon as its next heartbeat lands.
-        if lapsed(bid, 3 * period) and not await _answers(state, bid, url) and lapsed(bid, 3 * period):
-            return
-
-
-async def _answers(state: State, bid: str, url: str) -> bool:
-    """Whether `url`/health answers; one probe per backend at a time, its result
-    shared by every request waiting on that backend for a refresh period."""
-    b = state.backends
-    now = time.monotonic()
-    probe = b.probes.get(bid)
-    if probe is None or (probe[1].done() and now - probe[0] > state.config.refresh_period):
-        probe = b.probes[bid] = (now, asyncio.ensure_future(_probe(state, url)))
-    return await asyncio.shield(probe[1])
-
-
-async def _probe(state: State, url: str) -> bool:
-    try:
-        timeout = aiohttp.ClientTimeout(total=state.config.probe_timeout)
-        async with state.session.get(url + "/health", timeout=timeout) as r:
-            return r.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return False
-
-
-def _stop_waiting(watch: asyncio.Future, *, post: asyncio.Future) -> None:
-    if not watch.cancelled():
-        post.cancel()
-
-
-def _abandon(watch: asyncio.Future, *, upstream, bid: str) -> None:
-    if not watch.cancelled():
-        log.warning("backend %s stopped answering (no heartbeat, no health); abandoning its answer", bid)
-        upstream.close()
-
-
-def _record_decision(state: State, model: str, decision: Decision, upstream) -> None:
-    m = state.metrics
-    bid = decision.candidate.backend_id
-    m.decisions.labels(model, bid, decision.reason).inc()
-    m.predicted_tokens.labels(model, bid).inc(decision.predicted_tokens)
-    cached = upstream.headers.get("x-kvroute-cached-tokens")
-    prompt = upstream.headers.get("x-kvroute-prompt-tokens")
-    if cached and cached.isdigit():
-        m.actual_tokens.labels(model, bid).inc(int(cached))
-    if prompt and prompt.isdigit():
-        m.prompt_tokens.labels(model, bid).inc(int(prompt))
-
-
-def _header_int(upstream, name: str) -> int | None:
-    value = upstream.headers.get(name, "")
-    return int(value) if value.isdigit() else None
-
-
-def _record_stats(state: State, model: str, decision: Decision, upstream) -> None:
-    c = decision.candidate
-    cached = _header_int(upstream, "x-kvroute-cached-tokens")
-    try:
-        ttft_ms = float(upstream.headers["x-kvroute-ttft-ms"])
-    except (KeyError, ValueError):
-        ttft_ms = None
-    record = state.backends.records.get(c.backend_id)
-    tps = (record.prefill_tps if record else 0.0) or c.load.prefill_tps
-    state.stats.record(
-        model=model, backend=c.backend_id, reason=decision.reason, prefix_blocks=c.depth,
-        predicted_tokens=decision.predicted_tokens, status=upstream.status,
-        prompt_tokens=_header_int(upstream, "x-kvroute-prompt-tokens"), cached_tokens=cached,
-        ttft_ms=ttft_ms, prefill_tps=tps,
-    )
-    m = state.metrics
-    if cached and tps > 0:
-        m.seconds_saved.labels(model, c.backend_id).inc(cached / tps)
-    if ttft_ms is not None and upstream.status < 400:
-        hit = is_cache_hit(cached or 0, _header_int(upstream, "x-kvroute-prompt-tokens") or 0)
-        m.ttft.labels(model, "true" if hit else "false").observe(ttft_ms / 1000)
-
-
-async def _relay_stream(request: web.Request, upstream, headers: dict, bid: str) -> web.StreamResponse:
-    resp = web.StreamResponse(status=upstream.status, headers={
-        **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    chunks = upstream.content.iter_any().__aiter__()
-    try:
-        await resp.prepare(request)
-        while True:
-            try:
-                chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                break
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                # After the first byte there is no retry: end the stream with an error event.
-                log.warning("backend %s failed mid-stream: %s", bid, exc)
-                err = APIError(502, f"Backend {bid} failed mid-stream.", "server_error", None,
-                               "backend_failed")
-                await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\ndata: [DONE]\n\n")
-                break
-            await resp.write(chunk)
-        await resp.write_eof()
-    except ConnectionError:
-        # Writing to the client failed: it went away (aiohttp's reset error is also a
-        # ClientConnectionError, hence the separate try for upstream reads above). Not a
-        # backend failure; closing upstream, in _forward's finally, stops its decoding.
-        log.debug("client of a stream from %s went away", bid)
-    return resp
-
-
-# -- fleet view -------------------------------------------------------------------
-
-
-async def refresh_backends(state: State) -> None:
-    """Keep the last known live backends: the fallback when Redis does not answer."""
-    while True:
-        try:
-            records = await state.registry.live_backends()
-            state.backends.update(records, keep_for=state.config.forget_after)
-        except RegistryUnavailable as exc:
-            log.debug("live backends unavailable: %s", exc)
-        except Exception:
-            log.exception("refreshing live backends failed")
-        await asyncio.sleep(state.config.refresh_period)
-
-
 # -- other endpoints --------------------------------------------------------------
 
 
@@ -604,37 +224,27 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    state = _state(request)
+    state = state_of(request)
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvroute"}
             for m in state.backends.models()]
     return _json({"object": "list", "data": data})
 
 
-def fleet(state: State) -> list[dict]:
-    b = state.backends
-    return [
-        {"id": r.backend_id, "url": r.url, "models": r.models, "queue_depth": r.queue_depth,
-         "inflight": b.inflight.get(r.backend_id, 0), "suspect": b.is_suspect(r.backend_id),
-         "prefill_tps": r.prefill_tps, "cache_bytes": r.cache_bytes, "cache_budget": r.cache_budget}
-        for r in sorted(b.records.values(), key=lambda r: r.backend_id)
-    ]
-
-
 async def health(request: web.Request) -> web.Response:
-    state = _state(request)
+    state = state_of(request)
     b = state.backends
     return _json({
         "status": "ok",
         "pid": os.getpid(),
         "policy": state.policy.name,
-        "backends": fleet(state),
+        "backends": describe(state),
         "registry_age_s": round(time.time() - b.refreshed, 2) if b.refreshed else None,
     })
 
 
 async def stats(request: web.Request) -> web.Response:
-    state = _state(request)
-    return _json(state.stats.snapshot(fleet(state)))
+    state = state_of(request)
+    return _json(state.stats.snapshot(describe(state)))
 
 
 _DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -648,7 +258,7 @@ async def dashboard(request: web.Request) -> web.Response:
 async def sample_stats(state: State) -> None:
     m = state.metrics
     while True:
-        backends = fleet(state)
+        backends = describe(state)
         state.stats.sample(backends)
         for b in backends:
             m.backend_cache_bytes.labels(b["id"]).set(b["cache_bytes"])
@@ -657,7 +267,7 @@ async def sample_stats(state: State) -> None:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=_state(request).metrics.render(), content_type="text/plain",
+    return web.Response(body=state_of(request).metrics.render(), content_type="text/plain",
                         charset="utf-8")
 
 
@@ -725,3 +335,4 @@ async def serve(config: ProxyConfig) -> None:
              config.policy, config.redis_url)
     await wait_for_stop()
     await runner.cleanup()
+

@@ -387,7 +387,7 @@ def test_regression_redis_outage_longer_than_forget_after_keeps_the_fleet():
     """After Redis was unreachable for longer than forget_after (10 s), the first answer
     of a Redis whose records had expired made the proxy forget every backend: requests
     got 404 model_not_found until the heartbeats came back."""
-    from proxy.server import Backends
+    from proxy.fleet import Backends
 
     b = Backends()
     rec = BackendRecord(backend_id="b1", instance_id="i1", url="http://127.0.0.1:1", models=[MODEL])

@@ -1,0 +1,38 @@
+"""API keys: who may call /v1/, and the cache scope each key's requests share."""
+
+from __future__ import annotations
+
+import hmac
+
+from aiohttp import web
+
+from kvroute.errors import APIError
+
+from .state import state_of
+
+
+def check_api_key(keys: dict[str, str | None], header: str) -> tuple[bool, str | None]:
+    """Constant-time: every configured key is compared, whatever matches first."""
+    given = header[7:].strip() if header[:7].lower() == "bearer " else ""
+    ok, scope = False, None
+    for key, key_scope in keys.items():
+        if hmac.compare_digest(given.encode(), key.encode()):
+            ok, scope = True, key_scope
+    return ok, scope
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    keys = state_of(request).config.api_keys
+    if keys and request.path.startswith("/v1/"):
+        ok, scope = check_api_key(keys, request.headers.get("Authorization", ""))
+        if not ok and "x-api-key" in request.headers:
+            # Anthropic clients send the key this way (Claude Code's ANTHROPIC_API_KEY).
+            ok, scope = check_api_key(keys, "Bearer " + request.headers["x-api-key"])
+        if not ok:
+            raise APIError(401, "Missing or invalid API key (send 'Authorization: Bearer <key>' "
+                           "or 'x-api-key: <key>').", "authentication_error", None,
+                           "invalid_api_key")
+        request["scope"] = scope
+    return await handler(request)
+

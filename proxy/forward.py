@@ -1,0 +1,219 @@
+"""Forwarding one routed request: the upstream call, the relay of its answer, and the
+errors that let the router fail over to the next backend (`Retry`).
+
+The body passes through unchanged and the answer's bytes are relayed as they arrive.
+A client disconnect cancels the handler, which closes the upstream connection, which
+makes the backend stop decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kvroute.errors import APIError, overloaded
+from kvroute.hits import is_cache_hit
+
+from .fleet import watch_of
+from .policy import Decision
+from .state import State
+from .translate import Relay
+
+log = logging.getLogger("kvroute.proxy")
+
+RETRYABLE_STATUS = {502, 503, 504}
+
+
+class Retry(Exception):
+    def __init__(self, error: APIError, failover: bool):
+        self.error, self.failover = error, failover
+
+
+def upstream_headers(state: State, scope: str | None) -> dict:
+    headers = {"Content-Type": "application/json"}
+    if state.config.internal_token:
+        headers["x-kvroute-token"] = state.config.internal_token
+    if scope:
+        headers["x-kvroute-scope"] = scope
+    return headers
+
+
+def route_headers(decision: Decision) -> dict:
+    return {
+        "x-kvroute-backend": decision.candidate.backend_id,
+        "x-kvroute-prefix-blocks": str(decision.candidate.depth),
+        "x-kvroute-route-reason": decision.reason,
+    }
+
+
+
+async def forward(request: web.Request, state: State, raw: bytes, model: str, scope: str | None,
+                   decision: Decision, path: str, relay: Relay | None) -> web.StreamResponse:
+    c = decision.candidate
+    b = state.backends
+    bid = c.backend_id
+    prefill = decision.prefill_tokens
+    b.inflight[bid] = b.inflight.get(bid, 0) + 1
+    b.unanswered_tokens[bid] = b.unanswered_tokens.get(bid, 0.0) + prefill
+    state.metrics.inflight.labels(bid).set(b.inflight[bid])
+    answered = False
+    upstream = None
+    # A stopped or hung backend keeps its connections open and says nothing: without
+    # this watch a request would wait for --request-timeout. One watch per backend,
+    # shared by all its requests: a task per request cost a third of peak throughput.
+    watchdog = watch_of(state, bid, c.url)
+    abandon = None
+    try:
+        try:
+            # A task, so the watch can cancel it; cancelling this handler (client gone)
+            # cancels it too, as it is being awaited.
+            post = asyncio.ensure_future(state.session.post(
+                c.url + path, data=raw, headers=upstream_headers(state, scope)))
+            stop_waiting = functools.partial(_stop_waiting, post=post)
+            watchdog.add_done_callback(stop_waiting)
+            try:
+                upstream = await post
+            except asyncio.CancelledError:
+                if not (watchdog.done() and not watchdog.cancelled()):
+                    raise
+                raise Retry(APIError(502, f"Backend {bid} stopped answering (no heartbeat, "
+                                      "no health).", "server_error", None, "backend_unresponsive"),
+                             failover=True) from None
+            finally:
+                watchdog.remove_done_callback(stop_waiting)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise Retry(APIError(502, f"Backend {bid} is unreachable: {exc or type(exc).__name__}.",
+                                  "server_error", None, "backend_unreachable"), failover=True)
+        # From here on the watch ends a silent upstream by closing it: a stream then
+        # ends with an error event, a whole answer is retried elsewhere.
+        abandon = functools.partial(_abandon, upstream=upstream, bid=bid)
+        watchdog.add_done_callback(abandon)
+        b.unanswered_tokens[bid] = max(0.0, b.unanswered_tokens.get(bid, 0.0) - prefill)
+        answered = True
+        if upstream.status in RETRYABLE_STATUS:
+            raise Retry(APIError(upstream.status, f"Backend {bid} answered {upstream.status}.",
+                                  "server_error", None, "backend_unavailable"), failover=True)
+        if upstream.status == 429:
+            retry_after = float(upstream.headers.get("Retry-After", "1") or 1)
+            raise Retry(overloaded("Every backend serving this model is at capacity.",
+                                    retry_after), failover=False)
+        record_decision(state, model, decision, upstream)
+        record_stats(state, model, decision, upstream)
+        headers = route_headers(decision)
+        for name in ("x-kvroute-cached-tokens", "x-kvroute-prompt-tokens", "Retry-After"):
+            if name in upstream.headers:
+                headers[name] = upstream.headers[name]
+        ctype = upstream.headers.get("Content-Type", "application/json")
+        state.metrics.requests.labels(model, bid, str(upstream.status)).inc()
+        if ctype.startswith("text/event-stream"):
+            if relay is not None:
+                return await relay.stream(request, upstream, headers, bid)
+            return await relay_stream(request, upstream, headers, bid)
+        try:
+            data = await upstream.read()
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            # Nothing reached the client yet: retry it elsewhere.
+            raise Retry(APIError(502, f"Backend {bid} failed while answering: {exc}.",
+                                  "server_error", None, "backend_failed"), failover=True)
+        if relay is not None:
+            return await relay.whole(upstream.status, data, headers)
+        return web.Response(body=data, status=upstream.status, headers=headers,
+                            content_type=ctype.split(";")[0])
+    finally:
+        if abandon is not None:
+            watchdog.remove_done_callback(abandon)
+        if not answered:
+            b.unanswered_tokens[bid] = max(0.0, b.unanswered_tokens.get(bid, 0.0) - prefill)
+        b.inflight[bid] = max(0, b.inflight.get(bid, 0) - 1)
+        state.metrics.inflight.labels(bid).set(b.inflight[bid])
+        if upstream is not None:
+            # close(), not release(): on a client disconnect the backend must see
+            # its connection drop so that it stops decoding.
+            upstream.close()
+
+
+
+def _stop_waiting(watch: asyncio.Future, *, post: asyncio.Future) -> None:
+    if not watch.cancelled():
+        post.cancel()
+
+
+def _abandon(watch: asyncio.Future, *, upstream, bid: str) -> None:
+    if not watch.cancelled():
+        log.warning("backend %s stopped answering (no heartbeat, no health); abandoning its answer", bid)
+        upstream.close()
+
+
+def record_decision(state: State, model: str, decision: Decision, upstream) -> None:
+    m = state.metrics
+    bid = decision.candidate.backend_id
+    m.decisions.labels(model, bid, decision.reason).inc()
+    m.predicted_tokens.labels(model, bid).inc(decision.predicted_tokens)
+    cached = upstream.headers.get("x-kvroute-cached-tokens")
+    prompt = upstream.headers.get("x-kvroute-prompt-tokens")
+    if cached and cached.isdigit():
+        m.actual_tokens.labels(model, bid).inc(int(cached))
+    if prompt and prompt.isdigit():
+        m.prompt_tokens.labels(model, bid).inc(int(prompt))
+
+
+def _header_int(upstream, name: str) -> int | None:
+    value = upstream.headers.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
+def record_stats(state: State, model: str, decision: Decision, upstream) -> None:
+    c = decision.candidate
+    cached = _header_int(upstream, "x-kvroute-cached-tokens")
+    try:
+        ttft_ms = float(upstream.headers["x-kvroute-ttft-ms"])
+    except (KeyError, ValueError):
+        ttft_ms = None
+    record = state.backends.records.get(c.backend_id)
+    tps = (record.prefill_tps if record else 0.0) or c.load.prefill_tps
+    state.stats.record(
+        model=model, backend=c.backend_id, reason=decision.reason, prefix_blocks=c.depth,
+        predicted_tokens=decision.predicted_tokens, status=upstream.status,
+        prompt_tokens=_header_int(upstream, "x-kvroute-prompt-tokens"), cached_tokens=cached,
+        ttft_ms=ttft_ms, prefill_tps=tps,
+    )
+    m = state.metrics
+    if cached and tps > 0:
+        m.seconds_saved.labels(model, c.backend_id).inc(cached / tps)
+    if ttft_ms is not None and upstream.status < 400:
+        hit = is_cache_hit(cached or 0, _header_int(upstream, "x-kvroute-prompt-tokens") or 0)
+        m.ttft.labels(model, "true" if hit else "false").observe(ttft_ms / 1000)
+
+
+async def relay_stream(request: web.Request, upstream, headers: dict, bid: str) -> web.StreamResponse:
+    resp = web.StreamResponse(status=upstream.status, headers={
+        **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    chunks = upstream.content.iter_any().__aiter__()
+    try:
+        await resp.prepare(request)
+        while True:
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                # After the first byte there is no retry: end the stream with an error event.
+                log.warning("backend %s failed mid-stream: %s", bid, exc)
+                err = APIError(502, f"Backend {bid} failed mid-stream.", "server_error", None,
+                               "backend_failed")
+                await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\ndata: [DONE]\n\n")
+                break
+            await resp.write(chunk)
+        await resp.write_eof()
+    except ConnectionError:
+        # Writing to the client failed: it went away (aiohttp's reset error is also a
+        # ClientConnectionError, hence the separate try for upstream reads above). Not a
+        # backend failure; closing upstream, in forward()'s finally, stops its decoding.
+        log.debug("client of a stream from %s went away", bid)
+    return resp
+

@@ -1,0 +1,72 @@
+"""The proxy's configuration and its per-process state, shared by every request handler."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from kvroute.registry import Registry
+
+from .fleet import Backends
+from .metrics import ProxyMetrics
+from .policy import RoutingPolicy
+from .recent import RecentChoices
+from .stats import Stats
+
+STATE_KEY = web.AppKey("state", object)
+
+
+@dataclass(kw_only=True)
+class ProxyConfig:
+    """`kvroute proxy`'s settings (names, defaults, help: kvroute/config.py), then tunables."""
+
+    redis_url: str
+    host: str
+    port: int
+    secret: str
+    policy: str
+    api_keys: dict[str, str | None]  # key -> cache scope
+    internal_token: str
+    max_body_bytes: int
+    request_timeout: float
+    block_bytes: int
+    lookup_timeout: float  # seconds (the flag is in ms)
+    locality_slack: float
+    connect_timeout: float = 2.0
+    pending_ttl_ms: int = 3000
+    suspect_seconds: float = 5.0
+    refresh_period: float = 1.0
+    forget_after: float = 10.0  # seconds a backend absent from the registry stays a fallback
+    probe_timeout: float = 1.0  # /health deadline when checking a backend whose record lapsed
+    response_ttl: float = 86400.0  # seconds a stored /v1/responses answer can be continued from
+
+
+
+@dataclass
+class State:
+    config: ProxyConfig
+    registry: Registry
+    policy: RoutingPolicy
+    metrics: ProxyMetrics
+    backends: Backends
+    recent: RecentChoices = field(default_factory=RecentChoices)
+    stats: Stats = field(default_factory=Stats)
+    session: aiohttp.ClientSession | None = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    background: set = field(default_factory=set)
+
+
+def state_of(request: web.Request) -> State:
+    return request.app[STATE_KEY]
+
+
+
+def spawn(state: State, coro) -> None:
+    # Keep a reference: the loop holds tasks weakly, and a collected task never runs.
+    task = asyncio.ensure_future(coro)
+    state.background.add(task)
+    task.add_done_callback(state.background.discard)
+
