@@ -25,12 +25,13 @@ from aiohttp import web
 from kvroute import openapi, prefix
 from kvroute.process import start_site, wait_for_stop
 from kvroute.errors import APIError, bad_request, error_middleware, not_found
-from kvroute.registry import BackendRecord, Publisher, Registry, new_instance_id
+from kvroute.registry import BackendRecord, Registry, new_instance_id
 from kvroute.wire import (COUNT_TOKENS_PATH, ChatRequest, CompletionRequest, parse_chat,
                           parse_completion, parse_json)
 
 from .engine import Delta, Engine, Finish, Job
 from .metrics import BackendMetrics
+from .publisher import Publisher
 from .responses import ChatBuilder, CompletionBuilder
 from .store import Store
 
@@ -599,13 +600,7 @@ def start_publisher(state: State) -> Publisher:
     registry = Registry(state.config.redis_url)
     publisher = Publisher(registry, lambda: _record(state), state.store.snapshot)
 
-    def publish(event) -> None:  # on the engine thread: the publisher only enqueues
-        if event.kind == "insert":
-            publisher.on_insert(event.model, event.keys)
-        else:
-            publisher.on_evict(event.model, event.keys)
-
-    state.store.listeners.append(publish)
+    state.store.listeners.append(publisher.on_store_event)
     m = state.metrics
     m.l(m.registry_failures).set_function(lambda: publisher.failures)
     m.l(m.registry_connected).set_function(lambda: float(publisher.connected))

@@ -56,7 +56,7 @@ from harness import free_port, get_json, request, wait_until  # noqa: E402
 
 from kvroute.demo_model import DEMO_REPLY  # noqa: E402
 from kvroute.redis_server import RedisServer  # noqa: E402
-from kvroute.registry import _model_tag  # noqa: E402  (the one place key names live)
+from kvroute.keys import model_tag  # noqa: E402  (the one place key names live)
 
 MODEL = "kvroute-demo"
 SECRET = "reliability"
@@ -325,7 +325,7 @@ def registry_view(dep: Deployment) -> dict[str, dict]:
                             len(entries), h["cache"]["evictions"])
         return out
 
-    tag = _model_tag(MODEL)
+    tag = model_tag(MODEL)
     before = stores()
     r = redis_py.Redis.from_url(dep.redis.url, socket_timeout=5)
     try:

@@ -1,4 +1,4 @@
-"""The Redis registry and publisher, against a real redis-server started per test."""
+"""The Redis registry client, against a real redis-server started per test."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import asyncio
 import random
 import shutil
 import subprocess
-import threading
 import time
 
 import pytest
@@ -16,7 +15,6 @@ from kvroute.prefix import chat_chain, make_salt
 from kvroute.redis_server import RedisServer, free_port
 from kvroute.registry import (
     BackendRecord,
-    Publisher,
     Registry,
     RegistryUnavailable,
     new_instance_id,
@@ -71,30 +69,6 @@ def conv(n_turns: int, text: str = "some conversation text ") -> dict:
 
 def chain_of(body) -> list[int]:
     return chat_chain(body, model=MODEL, salt=SALT)
-
-
-class Store:
-    """A minimal cache store: whole chains, refcounting left to the caller of evict()."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.chains: dict[str, list[list[int]]] = {}
-        self.publisher: Publisher | None = None
-
-    def insert(self, model: str, chain: list[int]) -> None:
-        with self.lock:
-            self.chains.setdefault(model, []).append(list(chain))
-        self.publisher.on_insert(model, chain)  # after the store changed: the contract
-
-    def evict(self, model: str, chain: list[int], released: list[int]) -> None:
-        """Drop `chain`; `released` are its keys no other chain holds."""
-        with self.lock:
-            self.chains[model].remove(list(chain))
-        self.publisher.on_evict(model, released)
-
-    def snapshot(self) -> dict[str, list[list[int]]]:
-        with self.lock:
-            return {m: [list(c) for c in cs] for m, cs in self.chains.items()}
 
 
 # -- lookup ---------------------------------------------------------------------
@@ -453,159 +427,7 @@ def test_redis_holds_no_prompt_text(server):
     run(main())
 
 
-# -- publisher ------------------------------------------------------------------
-
-
-def _publisher(reg: Registry, rec: BackendRecord, store: Store, **kw) -> Publisher:
-    kw.setdefault("period", 0.1)
-    kw.setdefault("backoff_cap", 0.4)
-    pub = Publisher(reg, lambda: rec, store.snapshot, **kw)
-    store.publisher = pub
-    return pub
-
-
-async def _depth(reg: Registry, chain: list[int], backend_id: str = "b1") -> int | None:
-    found = await reg.lookup(MODEL, chain)
-    if found is None or backend_id not in found:
-        return None
-    return found[backend_id].depth
-
-
-def test_publisher_publishes_inserts_and_evictions_in_order(server):
-    async def main():
-        reg = Registry(server.url, record_ttl=1.0)
-        rec = record("b1")
-        store = Store()
-        first = chain_of(conv(2))
-        store.chains[MODEL] = [first]  # already in the store at start: published by the first sync
-        pub = _publisher(reg, rec, store)
-        await pub.start()
-        await poll(lambda: _eq(_depth(reg, first), len(first)), what="snapshot published")
-
-        # Inserts from the engine thread; then an eviction of the tail, in that order.
-        second = chain_of(conv(6))
-        t = threading.Thread(target=store.insert, args=(MODEL, second))
-        t.start()
-        t.join()
-        await poll(lambda: _eq(_depth(reg, second), len(second)), what="insert published")
-        pub.on_evict(MODEL, second[len(first):])
-        await poll(lambda: _eq(_depth(reg, second), len(first)), what="eviction published")
-
-        await pub.stop(withdraw=True)
-        assert await reg.lookup(MODEL, second) == {}
-        await reg.close()
-
-    run(main())
-
-
-async def _eq(aw, expected) -> bool:
-    return (await aw) == expected
-
-
-def test_publisher_readvertises_after_redis_restarts_empty(server):
-    async def main():
-        reg = Registry(server.url, record_ttl=1.0, retry_after=0.05)
-        rec = record("b1")
-        store = Store()
-        pub = _publisher(reg, rec, store)
-        await pub.start()
-        chain = chain_of(conv(4))
-        store.insert(MODEL, chain)
-        await poll(lambda: _eq(_depth(reg, chain), len(chain)), what="first publish")
-        resyncs = pub.resyncs
-
-        await asyncio.to_thread(server.restart)  # same port, empty
-        # No new insert: the publisher notices and re-advertises its snapshot by itself.
-        await poll(lambda: _eq(_depth(reg, chain), len(chain)), what="re-advertise after restart")
-        assert pub.resyncs > resyncs
-        await pub.stop()
-        await reg.close()
-
-    run(main())
-
-
-def test_publisher_keeps_running_while_redis_is_down_and_recovers(server):
-    async def main():
-        reg = Registry(server.url, record_ttl=1.0, op_timeout=0.3, retry_after=0.05)
-        rec = record("b1")
-        store = Store()
-        pub = _publisher(reg, rec, store)
-        await pub.start()
-        before = chain_of(conv(2))
-        store.insert(MODEL, before)
-        await poll(lambda: _eq(_depth(reg, before), len(before)), what="first publish")
-
-        await asyncio.to_thread(server.stop)
-
-        async def retried():
-            return not pub.connected and pub.failures >= 3
-
-        await poll(retried, deadline=5.0, what="publisher to retry while Redis is down")
-        during = chain_of({"messages": [{"role": "user", "content": "inserted while Redis was down"}]})
-        store.insert(MODEL, during)
-        assert not pub._task.done()
-
-        await asyncio.to_thread(server.start)  # same port, empty
-        await poll(lambda: _eq(_depth(reg, before), len(before)), what="old entries re-advertised")
-        await poll(lambda: _eq(_depth(reg, during), len(during)), what="outage insert published")
-        assert pub.connected
-        await pub.stop()
-        await reg.close()
-
-    run(main())
-
-
-def test_publisher_stop_when_redis_is_down_does_not_hang(server):
-    async def main():
-        reg = Registry(server.url, op_timeout=0.3)
-        store = Store()
-        pub = _publisher(reg, record("b1"), store)
-        await pub.start()
-        await poll(lambda: _true(pub.connected), what="connected")
-        await asyncio.to_thread(server.stop)
-        t0 = time.monotonic()
-        await pub.stop(withdraw=True)
-        assert time.monotonic() - t0 < 2.0
-        await reg.close()
-
-    run(main())
-
-
-async def _true(value) -> bool:
-    return bool(value)
-
-
 # -- regressions found by bench/reliability.py --------------------------------------------
-
-
-def test_regression_eviction_while_redis_is_unreachable_is_withdrawn(server):
-    """A resync after an outage dropped the evictions queued meanwhile without
-    withdrawing them: Redis kept advertising keys the store no longer held."""
-    async def main():
-        reg = Registry(server.url, record_ttl=1.0, op_timeout=0.3, retry_after=0.05)
-        store = Store()
-        pub = _publisher(reg, record("b1"), store)
-        await pub.start()
-        kept, gone = chain_of(conv(2, "kept text ")), chain_of(conv(2, "evicted text "))
-        store.insert(MODEL, kept)
-        store.insert(MODEL, gone)
-        await poll(lambda: _eq(_depth(reg, gone), len(gone)), what="both published")
-        shared = next(i for i, (a, b) in enumerate(zip(kept, gone)) if a != b)
-        failures = pub.failures
-        server.pause()  # hung: connections stay open, nothing answers
-        try:
-            await poll(lambda: _true(pub.failures > failures), what="the publisher to see the outage")
-            store.evict(MODEL, gone, gone[shared:])
-        finally:
-            server.resume()
-        resyncs = pub.resyncs
-        await poll(lambda: _true(pub.resyncs > resyncs and pub.connected), what="a resync")
-        await poll(lambda: _eq(_depth(reg, gone), shared), what="the evicted keys withdrawn")
-        assert await _depth(reg, kept) == len(kept)
-        await pub.stop()
-        await reg.close()
-
-    run(main())
 
 
 def test_regression_withdrawn_keys_leave_the_backend_index(server):

@@ -1,0 +1,79 @@
+"""Redis key names of the registry: the one place they are spelled.
+
+Key layout (`<m>` is the model id with `{`, `}`, `%`, blanks and non-ASCII percent-encoded;
+`<hex>` is a prefix key as 16 lowercase hex digits; `<bid>` a backend id):
+
+    kvr:{m:<m>}:k:<hex>      SET   members "<bid>|<instance_id>" that hold the key;
+                                   EXPIRE key_ttl, refreshed on every (re)advertise
+    kvr:{m:<m>}:p:<hex>      ZSET  routing marks: <bid> -> expiry (server ms)
+    kvr:{m:<m>}:rec:<bid>    STR   the backend record (JSON), PX record_ttl: a copy of
+                                   kvr:b:<bid> kept under the model's hash tag so the
+                                   lookup script never leaves the model's slot
+    kvr:{m:<m>}:backends     ZSET  <bid> -> last heartbeat (unix s) of backends serving
+                                   the model; entries older than key_ttl are pruned
+    kvr:{m:<m>}:idx:<bid>    SET   <hex> keys this backend id advertised and has not
+                                   withdrawn, for purges and resyncs; EXPIRE key_ttl
+    kvr:b:<bid>              STR   the backend record (JSON), PX record_ttl
+    kvr:backends             ZSET  <bid> -> last heartbeat, for live_backends()
+    kvr:resp:<tag>:<id>      STR   a stored /v1/responses answer (its conversation,
+                                   encrypted by the proxy), PX its TTL; <tag> is a
+                                   keyed hash of the API key's scope, <id> resp_<hex>
+
+Everything a model's lookup touches shares the hash tag `{m:<m>}`, so one model
+lives in one Redis Cluster slot. The scripts declare the model's `backends` key
+(so a cluster client routes them to the right slot) and derive the other key names
+from a prefix inside the script: they are undeclared but always in that same slot.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from urllib.parse import quote
+
+
+def model_tag(model: str) -> str:
+    if not isinstance(model, str) or not model:
+        raise ValueError("model must be a non-empty string")
+    # Braces would break the hash tag; '%' is escaped so the encoding is injective.
+    return "kvr:{m:" + quote(model, safe="!#$&'()*+,-./:;<=>?@[]^_`|~") + "}:"
+
+
+# Ids appear in key names and set members ("<bid>|<iid>"), and the lookup script finds
+# the instance id in the record JSON by pattern: keep them to a plain alphabet.
+_ID_RE = re.compile(r"[A-Za-z0-9._:@/+-]{1,200}")
+
+
+def check_id(name: str, value: str) -> None:
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
+        raise ValueError(f"{name} must be 1-200 characters of [A-Za-z0-9._:@/+-], got {value!r}")
+
+
+def record_key(backend_id: str) -> str:
+    return f"kvr:b:{backend_id}"
+
+
+ALL_BACKENDS = "kvr:backends"
+
+_RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")
+_SCOPE_TAG_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def response_key(scope_tag: str, response_id: str) -> str:
+    # Both parts come from the proxy's own hashing and ids: checked so no client text
+    # ever becomes (part of) a key name.
+    if not _SCOPE_TAG_RE.fullmatch(scope_tag) or not _RESPONSE_ID_RE.fullmatch(response_id):
+        raise ValueError("malformed response key")
+    return f"kvr:resp:{scope_tag}:{response_id}"
+
+
+def chain_hex(keys: list[int]) -> str:
+    """The chain as one string of 16-hex-digit keys: one argument, split in Lua."""
+    try:
+        return struct.pack(f">{len(keys)}Q", *keys).hex()
+    except struct.error as e:
+        raise ValueError(f"prefix keys must be unsigned 64-bit ints: {e}") from None
+
+
+def member(backend_id: str, instance_id: str) -> str:
+    return f"{backend_id}|{instance_id}"
