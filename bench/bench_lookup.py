@@ -74,7 +74,7 @@ async def setup(reg: Registry, n_backends: int, noise_chains: int, rng: random.R
         rec = BackendRecord(
             backend_id=f"backend-{i:02d}", instance_id=f"inst-{i:02d}-{rng.getrandbits(32):08x}",
             url=f"http://127.0.0.1:{9000 + i}", models=[MODEL], cache_bytes=rng.getrandbits(30),
-            cache_budget=1 << 34, queue_depth=rng.randrange(8), prefill_tps=800.0 + i,
+            cache_budget=1 << 34, waiting=rng.randrange(8), prefill_tps=800.0 + i,
             started_at=time.time(),
         )
         await reg.heartbeat(rec)

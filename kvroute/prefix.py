@@ -226,7 +226,7 @@ def _keys(pairs: list[tuple[int, int]]) -> list[int]:
     return [k for k, _ in pairs]
 
 
-def chat_chain_with_sizes(
+def chat_chain_with_ends(
     body: dict, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES
 ) -> list[tuple[int, int]]:
     """Like chat_chain, with each key paired with the byte offset where its block ends.
@@ -241,10 +241,10 @@ def chat_chain(
     body: dict, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES
 ) -> list[int]:
     """Prefix keys of a chat completion request body (unsigned 64-bit ints)."""
-    return _keys(chat_chain_with_sizes(body, model=model, salt=salt, block_bytes=block_bytes))
+    return _keys(chat_chain_with_ends(body, model=model, salt=salt, block_bytes=block_bytes))
 
 
-def completion_chain_with_sizes(
+def completion_chain_with_ends(
     prompt: str, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES
 ) -> list[tuple[int, int]]:
     return chain_segments(
@@ -256,7 +256,7 @@ def completion_chain(
     prompt: str, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES
 ) -> list[int]:
     """Prefix keys of a /v1/completions prompt."""
-    return _keys(completion_chain_with_sizes(prompt, model=model, salt=salt, block_bytes=block_bytes))
+    return _keys(completion_chain_with_ends(prompt, model=model, salt=salt, block_bytes=block_bytes))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

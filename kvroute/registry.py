@@ -58,17 +58,26 @@ class BackendRecord:
     models: list[str] = field(default_factory=list)
     cache_bytes: int = 0
     cache_budget: int = 0
-    queue_depth: int = 0
+    waiting: int = 0  # requests accepted, not yet admitted to the engine's batch
+    running: int = 0  # requests in the engine's batch: prefilling or decoding
     prefill_tps: float = 0.0  # measured prefill tokens/s
     started_at: float = 0.0
     updated_at: float = 0.0
 
+    @property
+    def queue_depth(self) -> int:
+        """Everything accepted and not finished (the backend's queue limit counts this)."""
+        return self.waiting + self.running
+
     def to_json(self) -> bytes:
-        return orjson.dumps(dataclasses.asdict(self))
+        # queue_depth is still written for proxies that predate waiting/running.
+        return orjson.dumps({**dataclasses.asdict(self), "queue_depth": self.queue_depth})
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> "BackendRecord":
         data = orjson.loads(raw)
+        if "waiting" not in data and "queue_depth" in data:  # from an older backend
+            data["waiting"] = data["queue_depth"]
         # Ignore fields a newer backend may add, so old proxies keep working.
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -309,7 +318,7 @@ class Registry:
             rec = self._records[raw] = BackendRecord.from_json(raw)
         return rec
 
-    async def mark_pending(self, model: str, chain: list[int], backend_id: str, ttl_ms: int = 2000) -> None:
+    async def mark_route(self, model: str, chain: list[int], backend_id: str, ttl_ms: int = 2000) -> None:
         """Mark `chain` as about to be cached on `backend_id` (routing-time hint).
 
         A burst of requests sharing a new prefix then lands on the same backend before
@@ -328,9 +337,9 @@ class Registry:
                 self.lookup_timeout,
             )
         except asyncio.TimeoutError:
-            self._lookup_failed("mark_pending timed out")
+            self._lookup_failed("mark_route timed out")
         except Exception as e:
-            self._lookup_failed(f"mark_pending: {type(e).__name__}: {e}")
+            self._lookup_failed(f"mark_route: {type(e).__name__}: {e}")
 
     async def put_response(self, scope_tag: str, response_id: str, blob: bytes, ttl: float) -> None:
         """Keep a stored response (opaque bytes) for `ttl` seconds. Raises RegistryUnavailable."""

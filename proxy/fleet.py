@@ -90,6 +90,7 @@ def describe(state: State) -> list[dict]:
     b = state.backends
     return [
         {"id": r.backend_id, "url": r.url, "models": r.models, "queue_depth": r.queue_depth,
+         "waiting": r.waiting, "running": r.running,
          "inflight": b.inflight.get(r.backend_id, 0), "suspect": b.is_suspect(r.backend_id),
          "prefill_tps": r.prefill_tps, "cache_bytes": r.cache_bytes, "cache_budget": r.cache_budget}
         for r in sorted(b.records.values(), key=lambda r: r.backend_id)

@@ -37,8 +37,13 @@ class Load:
 
     unanswered_tokens: float = 0.0  # prefill tokens this proxy sent there, not yet answered
     inflight: int = 0  # requests this proxy has open there
-    reported_queue: int = 0  # the backend's own queue (all proxies): waiting + decoding
+    waiting: int = 0  # backend-reported (all proxies): accepted, not yet in its batch
+    running: int = 0  # backend-reported (all proxies): in its batch, prefilling or decoding
     prefill_tps: float = 0.0  # backend-measured; 0 = unknown
+
+    @property
+    def reported_queue(self) -> int:
+        return self.waiting + self.running
 
 
 @dataclass(frozen=True)

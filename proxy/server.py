@@ -54,11 +54,11 @@ def _chain(config: ProxyConfig, path: str, body: dict, model: str, scope: str | 
     kw = {"model": model, "salt": salt, "block_bytes": config.block_bytes}
     try:
         if path.endswith("/chat/completions"):
-            return prefix.chat_chain_with_sizes(body, **kw)
+            return prefix.chat_chain_with_ends(body, **kw)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
-        return prefix.completion_chain_with_sizes(prompt, **kw)
+        return prefix.completion_chain_with_ends(prompt, **kw)
     except ValueError as exc:
         # The backend would refuse it too; answer without a round trip.
         raise bad_request(f"Invalid request: {exc}.")
@@ -95,7 +95,7 @@ def _candidate(b: Backends, r: BackendRecord, advertised_depth: int = 0,
         advertised_depth=advertised_depth,
         expected_depth=expected_depth,
         load=Load(unanswered_tokens=b.unanswered_tokens.get(bid, 0.0),
-                  inflight=b.inflight.get(bid, 0), reported_queue=r.queue_depth,
+                  inflight=b.inflight.get(bid, 0), waiting=r.waiting, running=r.running,
                   prefill_tps=r.prefill_tps),
         suspect=b.is_suspect(bid),
     )
@@ -112,7 +112,7 @@ def _no_backend(state: State, model: str) -> APIError:
 async def ask_backend(request: web.Request, model: str, path: str, body: dict) -> tuple[int, bytes]:
     """One question about a prompt (not a generation: a token count) to a live backend
     serving `model`, least loaded first, the next one if it cannot be reached. No cache
-    routing: nothing is prefilled, so no pending mark, decision or stats either."""
+    routing: nothing is prefilled, so no routing mark, decision or stats either."""
     state = state_of(request)
     b = state.backends
     records = sorted(b.serving(model), key=lambda r: (b.is_suspect(r.backend_id),
@@ -195,10 +195,10 @@ async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | 
         c = decision.candidate
         tried.add(c.backend_id)
         if decision.mark:
-            state.recent.remember(model, keys, c.backend_id, state.config.pending_ttl_ms / 1000)
+            state.recent.remember(model, keys, c.backend_id, state.config.mark_ttl_ms / 1000)
             if known:
-                spawn(state, state.registry.mark_pending(model, keys, c.backend_id,
-                                                          state.config.pending_ttl_ms))
+                spawn(state, state.registry.mark_route(model, keys, c.backend_id,
+                                                          state.config.mark_ttl_ms))
         state.metrics.overhead.observe(time.perf_counter() - t_start)
         try:
             return await forward(request, state, raw, model, scope, decision, path, relay)

@@ -36,7 +36,7 @@ class ProxyConfig:
     lookup_timeout: float  # seconds (the flag is in ms)
     locality_slack: float
     connect_timeout: float = 2.0
-    pending_ttl_ms: int = 3000
+    mark_ttl_ms: int = 3000
     suspect_seconds: float = 5.0
     refresh_period: float = 1.0
     forget_after: float = 10.0  # seconds a backend absent from the registry stays a fallback

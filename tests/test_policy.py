@@ -20,7 +20,7 @@ REQUEST = ENDS[-1]
 def cand(bid: str, advertised: int = 0, expected: int = 0, *, inflight: int = 0, queue: int = 0,
          unanswered: float = 0.0, tps: float = 1000.0, suspect: bool = False) -> Candidate:
     return Candidate(bid, f"http://{bid}", advertised, expected,
-                     Load(unanswered, inflight, queue, tps), suspect)
+                     Load(unanswered, inflight, waiting=queue, prefill_tps=tps), suspect=suspect)
 
 
 def ctx(*cands: Candidate, known: bool = True) -> RouteContext:

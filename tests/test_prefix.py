@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 from kvroute.prefix import (
     DEFAULT_BLOCK_BYTES,
     chat_chain,
-    chat_chain_with_sizes,
+    chat_chain_with_ends,
     chat_segments,
     common_prefix,
     completion_chain,
-    completion_chain_with_sizes,
+    completion_chain_with_ends,
     make_salt,
 )
 
@@ -54,14 +54,14 @@ def test_diverges_exactly_at_first_differing_block():
     changed = long_text[:3000] + "X" + long_text[3001:]
     b = conv(changed)
     ca, cb = chain(a), chain(b)
-    # Find the block that holds byte 3000 of the user message: walk the sizes.
-    sizes = chat_chain_with_sizes(a, model=MODEL, salt=SALT)
+    # Find the block that holds byte 3000 of the user message: walk the ends.
+    ends = chat_chain_with_ends(a, model=MODEL, salt=SALT)
     segs = chat_segments(a, model=MODEL, salt=SALT)
     user_seg_start = sum(len(s) for s in segs[:-1])
     # The content field starts after tag, role field, name field and its own length prefix.
     content_off = user_seg_start + 1 + (4 + len("user")) + 4 + 4
     changed_at = content_off + 3000
-    first_diff = next(i for i, (_, end) in enumerate(sizes) if end > changed_at)
+    first_diff = next(i for i, (_, end) in enumerate(ends) if end > changed_at)
     assert common_prefix(ca, cb) == first_diff
     assert len(ca) == len(cb)
     # Every key from the differing block on is different.
@@ -80,7 +80,7 @@ def test_message_boundaries_are_block_boundaries():
 
 def test_block_sizes_and_offsets():
     body = conv("x" * 1000)
-    pairs = chat_chain_with_sizes(body, model=MODEL, salt=SALT, block_bytes=64)
+    pairs = chat_chain_with_ends(body, model=MODEL, salt=SALT, block_bytes=64)
     segs = chat_segments(body, model=MODEL, salt=SALT)
     total = sum(len(s) for s in segs)
     ends = [e for _, e in pairs]
@@ -176,7 +176,7 @@ def test_completion_chain():
     assert 1 <= common_prefix(a, b) < len(a)
     # A completion and a chat request share only the header block (salt and model).
     assert common_prefix(a, chain({"messages": [{"role": "user", "content": prompt}]})) == 1
-    pairs = completion_chain_with_sizes(prompt, model=MODEL, salt=SALT, block_bytes=100)
+    pairs = completion_chain_with_ends(prompt, model=MODEL, salt=SALT, block_bytes=100)
     assert [k for k, _ in pairs] == completion_chain(prompt, model=MODEL, salt=SALT, block_bytes=100)
 
 

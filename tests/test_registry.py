@@ -54,7 +54,7 @@ def record(backend_id="b1", instance_id=None, models=(MODEL,)) -> BackendRecord:
         models=list(models),
         cache_bytes=1 << 20,
         cache_budget=1 << 30,
-        queue_depth=1,
+        waiting=1,
         prefill_tps=1234.5,
         started_at=time.time(),
     )
@@ -157,7 +157,7 @@ def test_lookup_matches_a_key_by_key_walk_with_holes_and_marks(server):
                 if rng.random() < 0.4:  # pending marks over a range, possibly bridging holes
                     lo = rng.randrange(len(chain))
                     hi = rng.randrange(lo, len(chain)) + 1
-                    await reg.mark_pending(MODEL, chain[lo:hi], b, ttl_ms=60_000)
+                    await reg.mark_route(MODEL, chain[lo:hi], b, ttl_ms=60_000)
                     marked |= {(b, k) for k in chain[lo:hi]}
             # A dead instance of b0 holding everything must not count.
             await reg.advertise("b0", "dead-instance", MODEL, chain)
@@ -265,13 +265,13 @@ def test_pending_marks_count_and_expire(server):
         await reg.heartbeat(r2)
         chain = chain_of(conv(4))
         await reg.advertise("b1", r1.instance_id, MODEL, chain[:2])
-        await reg.mark_pending(MODEL, chain, "b1", ttl_ms=400)
-        await reg.mark_pending(MODEL, chain[:3], "b2", ttl_ms=400)
+        await reg.mark_route(MODEL, chain, "b1", ttl_ms=400)
+        await reg.mark_route(MODEL, chain[:3], "b2", ttl_ms=400)
         found = await reg.lookup(MODEL, chain)
         assert (found["b1"].depth, found["b1"].marked_depth) == (2, len(chain))
         assert (found["b2"].depth, found["b2"].marked_depth) == (0, 3)
         # A mark for a backend that is not live does not make it appear.
-        await reg.mark_pending(MODEL, chain, "ghost", ttl_ms=400)
+        await reg.mark_route(MODEL, chain, "ghost", ttl_ms=400)
         assert "ghost" not in await reg.lookup(MODEL, chain)
 
         async def expired():
@@ -398,7 +398,7 @@ def test_redis_holds_no_prompt_text(server):
         r1 = record("b1")
         await reg.heartbeat(r1)
         await reg.advertise("b1", r1.instance_id, MODEL, chain)
-        await reg.mark_pending(MODEL, chain, "b1")
+        await reg.mark_route(MODEL, chain, "b1")
         assert (await reg.lookup(MODEL, chain))["b1"].depth == len(chain)
 
         raw = aioredis.from_url(server.url)
