@@ -1,6 +1,7 @@
 """Keeps the Redis registry in sync with one backend's cache store (backend/store.py).
 
-Runs in the backend's event loop; the store notifies it from the engine thread.
+Runs in the backend's event loop; the store notifies it from the engine thread, so its
+callbacks only enqueue (docs/DESIGN.md invariant 1).
 """
 
 from __future__ import annotations

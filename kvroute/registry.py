@@ -6,11 +6,13 @@ there), its Lua scripts live in kvroute/lua/*.lua.
 Liveness: an advertisement counts only while the record of the same backend id
 *and instance id* exists. A SIGKILLed backend stops counting when its record's TTL
 lapses; a restarted backend (new instance id) never inherits old advertisements,
-which simply expire. Redis holds hashes and ids, never prompt text.
+which simply expire (docs/DESIGN.md invariant 5). Redis holds hashes and ids, never
+prompt text (docs/DESIGN.md invariant 3).
 
 Redis failures never reach the request path: `lookup` returns None ("unknown") within
 its deadline; writes raise `RegistryUnavailable`, which the backend's publisher (backend/publisher.py)
-handles by retrying with backoff and re-publishing its whole store. Requires Redis >= 6.2.
+handles by retrying with backoff and re-publishing its whole store (docs/DESIGN.md
+invariant 4). Requires Redis >= 6.2.
 """
 
 from __future__ import annotations

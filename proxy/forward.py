@@ -3,7 +3,7 @@ errors that let the router fail over to the next backend (`Retry`).
 
 The body passes through unchanged and the answer's bytes are relayed as they arrive.
 A client disconnect cancels the handler, which closes the upstream connection, which
-makes the backend stop decoding.
+makes the backend stop decoding (docs/DESIGN.md invariants 2 and 7).
 """
 
 from __future__ import annotations

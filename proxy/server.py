@@ -50,6 +50,7 @@ _INLINE_CHAIN_BYTES = 256 << 10
 
 
 def _chain(config: ProxyConfig, path: str, body: dict, model: str, scope: str | None):
+    # From the body alone, no tokenizer (docs/DESIGN.md invariant 6).
     salt = prefix.make_salt(config.secret, scope)
     kw = {"model": model, "salt": salt, "block_bytes": config.block_bytes}
     try:
