@@ -1,18 +1,45 @@
 """The OpenAPI 3.1 description of kvroute's HTTP surface, served at /openapi.json.
 
-One description for both processes: the proxy and the backend accept the same
-chat and completion bodies (the proxy passes them through unchanged); each serves the
-operations it has. Schemas here mirror `kvroute/wire.py`, which is what really
-validates: keep the two in step (tests fuzz the servers from this description). The
-proxy's agent APIs (/v1/responses, /v1/messages) mirror `proxy/responses_api.py` and
-`proxy/messages_api.py` the same way: whatever these schemas call invalid, those
-refuse with a 4xx.
+One description for both processes: the proxy and the backend accept the same chat and
+completion bodies (the proxy passes them through unchanged); each serves the operations
+it has. Request bodies are not written here: their schemas are generated from the
+pydantic models that validate them (kvroute/wire.py, responses_wire.py,
+messages_wire.py), so the description cannot drift from what the servers enforce.
+Answers (which kvroute writes, not validates) are described here by hand.
 """
 
 from __future__ import annotations
 
+from pydantic.json_schema import models_json_schema
+
 from . import __version__
-from .wire import COUNT_TOKENS_PATH, MAX_COMPLETION_LOGPROBS, MAX_STOP, MAX_TOP_LOGPROBS, ROLES
+from .messages_wire import CountTokensBody, MessagesBody
+from .responses_wire import ResponsesBody
+from .validation import Body
+from .wire import COUNT_TOKENS_PATH, ChatCompletionBody, CompletionBody
+
+_REF = "#/components/schemas/{model}"
+_BODIES: dict[str, tuple[type[Body], ...]] = {
+    "backend": (ChatCompletionBody, CompletionBody),
+    "proxy": (ChatCompletionBody, CompletionBody, ResponsesBody, MessagesBody, CountTokensBody),
+}
+
+
+def request_schemas(role: str) -> tuple[dict[str, dict], dict[str, dict]]:
+    """({model name: its request body schema}, every schema they refer to), with
+    references into the description's components."""
+    refs, defs = models_json_schema([(m, "validation") for m in _BODIES[role]],
+                                    ref_template=_REF)
+    return {m.__name__: refs[(m, "validation")] for m in _BODIES[role]}, defs["$defs"]
+
+
+# Self-contained schemas of the bodies (their own $defs), for validating a body by
+# JSON Schema alone.
+CHAT_REQUEST = ChatCompletionBody.model_json_schema()
+COMPLETION_REQUEST = CompletionBody.model_json_schema()
+RESPONSES_REQUEST = ResponsesBody.model_json_schema()
+MESSAGES_REQUEST = MessagesBody.model_json_schema()
+COUNT_TOKENS_REQUEST = CountTokensBody.model_json_schema()
 
 _ERROR = {
     "type": "object",
@@ -31,134 +58,6 @@ _ERROR = {
     },
 }
 
-
-def _nullable(properties: dict) -> dict:
-    """wire.py reads an optional field sent as null as if it were absent."""
-    return {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in properties.items()}
-
-
-def _requires(name: str, schema: dict, then: dict) -> dict:
-    """When `name` is present and matches `schema` (not null), `then` applies."""
-    return {"if": {"required": [name], "properties": {name: schema}}, "then": then}
-
-
-_TEXT_PART = {
-    "type": "object",
-    "required": ["type", "text"],
-    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-}
-
-_TOOL_CALL = {
-    "type": "object",
-    "required": ["function"],
-    "properties": {
-        **_nullable({"id": {"type": "string"}}),
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {"name": {"type": "string", "minLength": 1},
-                           "arguments": {"type": ["string", "object"]}},
-        },
-    },
-}
-
-_MESSAGE = {
-    "type": "object",
-    "required": ["role"],
-    "properties": {
-        "role": {"enum": list(ROLES)},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART},
-                              {"type": "null"}]},
-        **_nullable({"name": {"type": "string"},
-                     "tool_calls": {"type": "array", "items": _TOOL_CALL},
-                     "tool_call_id": {"type": "string"}}),
-    },
-    "allOf": [
-        {"if": {"properties": {"role": {"const": "assistant"}}},
-         "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}},
-        {"if": {"properties": {"role": {"const": "tool"}}},
-         "then": {"required": ["tool_call_id"],
-                  "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}},
-    ],
-}
-
-_TOOL = {
-    "type": "object",
-    "required": ["function"],
-    "properties": {
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": {"type": "string", "minLength": 1},
-                "description": {"type": "string"},
-                "parameters": {"type": "object"},
-            },
-        },
-    },
-}
-
-_SAMPLING = _nullable({
-    "max_tokens": {"type": "integer", "minimum": 1},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "seed": {"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 64) - 1},
-    "stop": {"anyOf": [{"type": "string"},
-                       {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP}]},
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
-                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
-    "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "n": {"const": 1},
-    "user": {"type": "string"},
-})
-
-_STREAM_OPTIONS_NEED_STREAM = _requires("stream_options", {"type": "object"},
-                                        {"required": ["stream"],
-                                         "properties": {"stream": {"const": True}}})
-
-CHAT_REQUEST = {
-    "type": "object",
-    "required": ["model", "messages"],
-    "properties": {
-        "model": {"type": "string", "minLength": 1},
-        "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
-        **_nullable({
-            "tools": {"type": "array", "items": _TOOL},
-            "tool_choice": {"enum": ["auto", "none"]},
-            "max_completion_tokens": {"type": "integer", "minimum": 1},
-            "logprobs": {"type": "boolean"},
-            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
-            "response_format": {"type": "object", "required": ["type"],
-                                "properties": {"type": {"const": "text"}}},
-        }),
-        **_SAMPLING,
-    },
-    "allOf": [
-        _STREAM_OPTIONS_NEED_STREAM,
-        _requires("top_logprobs", {"type": "integer"},
-                  {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}),
-    ],
-}
-
-COMPLETION_REQUEST = {
-    "type": "object",
-    "required": ["model", "prompt"],
-    "properties": {
-        "model": {"type": "string", "minLength": 1},
-        "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "items": {"type": "string", "minLength": 1},
-                              "minItems": 1, "maxItems": 1}]},
-        **_nullable({"logprobs": {"type": "integer", "minimum": 0,
-                                  "maximum": MAX_COMPLETION_LOGPROBS}}),
-        **_SAMPLING,
-    },
-    "allOf": [_STREAM_OPTIONS_NEED_STREAM],
-}
 
 _USAGE = {
     "type": "object",
@@ -234,8 +133,6 @@ def _generate(summary: str, schema: dict, proxy: bool) -> dict:
 
 # -- the agent APIs (proxy only) -------------------------------------------------------
 
-_STR1 = {"type": "string", "minLength": 1}
-
 # Anthropic's error envelope, which every error under /v1/messages takes.
 ANTHROPIC_ERROR = {
     "type": "object",
@@ -246,130 +143,6 @@ ANTHROPIC_ERROR = {
                   "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
     },
 }
-
-_RESPONSE_TEXT = {"anyOf": [
-    {"type": "string"},
-    {"type": "array", "items": {
-        "type": "object", "required": ["type", "text"],
-        "properties": {"type": {"enum": ["input_text", "output_text", "text"]},
-                       "text": {"type": "string"}}}},
-]}
-
-_RESPONSE_ITEM = {"anyOf": [
-    {"type": "object", "required": ["role", "content"],
-     "properties": {"type": {"enum": ["message", None]},
-                    "role": {"enum": ["user", "assistant", "system", "developer"]},
-                    "content": _RESPONSE_TEXT}},
-    {"type": "object", "required": ["type", "call_id", "name", "arguments"],
-     "properties": {"type": {"const": "function_call"}, "call_id": _STR1, "name": _STR1,
-                    "arguments": {"type": "string"}}},
-    {"type": "object", "required": ["type", "call_id", "output"],
-     "properties": {"type": {"const": "function_call_output"}, "call_id": _STR1,
-                    "output": _RESPONSE_TEXT}},
-    # Accepted and dropped: nothing in it is renderable (proxy/responses_api.py).
-    {"type": "object", "required": ["type"], "properties": {"type": {"const": "reasoning"}}},
-]}
-
-RESPONSES_REQUEST = {
-    "type": "object",
-    "required": ["model", "input"],
-    "properties": {
-        "model": _STR1,
-        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": _RESPONSE_ITEM}]},
-        **_nullable({
-            "instructions": {"type": "string"},
-            "previous_response_id": {"type": "string"},
-            "tools": {"type": "array", "items": {
-                "type": "object", "required": ["type", "name"],
-                "properties": {"type": {"const": "function"}, "name": _STR1,
-                               **_nullable({"description": {"type": "string"},
-                                            "parameters": {"type": "object"},
-                                            "strict": {"type": "boolean"}})}}},
-            "tool_choice": {"enum": ["auto", "none"]},
-            "parallel_tool_calls": {"type": "boolean"},
-            "max_output_tokens": {"type": "integer", "minimum": 1},
-            "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-            "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-            "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
-                                                     "maxItems": MAX_STOP}]},
-            "stream": {"type": "boolean"},
-            "store": {"type": "boolean"},
-            "metadata": {"type": "object"},
-            "user": {"type": "string"},
-            "background": {"const": False},
-            "text": {"type": "object", "properties": {"format": {"anyOf": [
-                {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
-                {"type": "null"}]}}},
-            "top_logprobs": {"const": 0},
-            "truncation": {"enum": ["auto", "disabled"]},
-            "include": {"type": "array", "items": {"type": "string"}},
-            "reasoning": {"type": "object"},
-            "prompt_cache_key": {"type": "string"},
-            "service_tier": {"type": "string"},
-        }),
-        "conversation": {"type": "null"},
-        "prompt": {"type": "null"},
-    },
-}
-
-_TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
-               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-
-_MESSAGE_BLOCK = {"anyOf": [
-    _TEXT_BLOCK,
-    {"type": "object", "required": ["type", "id", "name", "input"],
-     "properties": {"type": {"const": "tool_use"}, "id": _STR1, "name": _STR1,
-                    "input": {"type": "object"}}},
-    {"type": "object", "required": ["type", "tool_use_id"],
-     "properties": {"type": {"const": "tool_result"}, "tool_use_id": _STR1,
-                    **_nullable({"content": {"anyOf": [{"type": "string"},
-                                                       {"type": "array", "items": _TEXT_BLOCK}]},
-                                 "is_error": {"type": "boolean"}})}},
-    {"type": "object", "required": ["type"],
-     "properties": {"type": {"enum": ["thinking", "redacted_thinking"]}}},
-]}
-
-_MESSAGES_COMMON = {
-    "model": _STR1,
-    "messages": {"type": "array", "minItems": 1, "items": {
-        "type": "object", "required": ["role", "content"],
-        "properties": {"role": {"enum": ["user", "assistant"]},
-                       "content": {"anyOf": [{"type": "string"},
-                                             {"type": "array", "items": _MESSAGE_BLOCK}]}}}},
-    **_nullable({
-        "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
-        "tools": {"type": "array", "items": {
-            "type": "object", "required": ["name", "input_schema"],
-            "properties": {"name": _STR1, "input_schema": {"type": "object"},
-                           **_nullable({"type": {"const": "custom"},
-                                        "description": {"type": "string"}})}}},
-        "tool_choice": {"type": "object", "required": ["type"],
-                        "properties": {"type": {"enum": ["auto", "none"]},
-                                       **_nullable({"disable_parallel_tool_use":
-                                                    {"type": "boolean"}})}},
-        "thinking": {"type": "object"},
-        "metadata": {"type": "object", "properties": _nullable({"user_id": {"type": "string"}})},
-    }),
-}
-
-MESSAGES_REQUEST = {
-    "type": "object",
-    "required": ["model", "max_tokens", "messages"],
-    "properties": {
-        **_MESSAGES_COMMON,
-        "max_tokens": {"type": "integer", "minimum": 1},
-        **_nullable({
-            "stop_sequences": {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP},
-            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
-            "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-            "stream": {"type": "boolean"},
-        }),
-        "top_k": {"type": "null"},
-    },
-}
-
-COUNT_TOKENS_REQUEST = {"type": "object", "required": ["model", "messages"],
-                        "properties": _MESSAGES_COMMON}
 
 _RESPONSE_OBJECT = {
     "type": "object",
@@ -432,9 +205,10 @@ def _get(summary: str, ctype: str = "application/json") -> dict:
 def spec(role: str) -> dict:
     """role: "proxy" or "backend"."""
     proxy = role == "proxy"
+    body, defs = request_schemas(role)
     paths = {
-        "/v1/chat/completions": _generate("Chat completion", CHAT_REQUEST, proxy),
-        "/v1/completions": _generate("Text completion", COMPLETION_REQUEST, proxy),
+        "/v1/chat/completions": _generate("Chat completion", body["ChatCompletionBody"], proxy),
+        "/v1/completions": _generate("Text completion", body["CompletionBody"], proxy),
         "/v1/models": _get("Models served"),
         "/health": _get("Liveness and state"),
         "/metrics": _get("Prometheus metrics", "text/plain"),
@@ -442,13 +216,13 @@ def spec(role: str) -> dict:
     }
     if proxy:
         paths["/v1/responses"] = _agent(
-            "OpenAI Responses API, routed and cached like chat", RESPONSES_REQUEST,
+            "OpenAI Responses API, routed and cached like chat", body["ResponsesBody"],
             _RESPONSE_OBJECT, _ERROR)
         paths["/v1/messages"] = _agent(
-            "Anthropic Messages API, routed and cached like chat", MESSAGES_REQUEST,
+            "Anthropic Messages API, routed and cached like chat", body["MessagesBody"],
             _MESSAGE_OBJECT, ANTHROPIC_ERROR)
         paths["/v1/messages/count_tokens"] = _agent(
-            "Anthropic token count, by a backend's chat template", COUNT_TOKENS_REQUEST,
+            "Anthropic token count, by a backend's chat template", body["CountTokensBody"],
             {"type": "object", "required": ["input_tokens"],
              "properties": {"input_tokens": {"type": "integer"}}}, ANTHROPIC_ERROR, stream=False)
         paths["/stats"] = _get("Cache and routing figures (the dashboard's data)")
@@ -457,8 +231,8 @@ def spec(role: str) -> dict:
         paths["/debug/cache"] = _get("Prompt-cache entries (counts and digests, never text)")
         paths[COUNT_TOKENS_PATH] = {"post": {
             "summary": "Internal: the prompt tokens of a chat body (the proxy's count_tokens)",
-            "requestBody": {"required": True,
-                            "content": {"application/json": {"schema": CHAT_REQUEST}}},
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": body["ChatCompletionBody"]}}},
             "responses": {"200": {"description": "The count", "content": {"application/json": {
                 "schema": {"type": "object", "required": ["prompt_tokens"],
                            "properties": {"prompt_tokens": {"type": "integer"}}}}}},
@@ -470,11 +244,8 @@ def spec(role: str) -> dict:
                  "description": "OpenAI-compatible endpoints with KV-cache-aware routing."},
         "paths": paths,
         "components": {
-            "schemas": {"Error": _ERROR, "ChatRequest": CHAT_REQUEST,
-                        "CompletionRequest": COMPLETION_REQUEST,
-                        **({"ResponsesRequest": RESPONSES_REQUEST,
-                            "MessagesRequest": MESSAGES_REQUEST,
-                            "AnthropicError": ANTHROPIC_ERROR} if proxy else {})},
+            "schemas": {"Error": _ERROR, **({"AnthropicError": ANTHROPIC_ERROR} if proxy else {}),
+                        **defs},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                 **({"x-api-key": {"type": "apiKey", "in": "header",
                                                   "name": "x-api-key"}} if proxy else {})},

@@ -24,21 +24,19 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvroute.errors import APIError, bad_request
+from kvroute import messages_wire as mw
+from kvroute.errors import APIError
+from kvroute.validation import validate
 from kvroute.wire import COUNT_TOKENS_PATH
 
 from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
-                        chat_chunks, chunk_parts, json_response, new_id, nonempty_str, number,
-                        off_loop_if_large, opt, positive_int, read_json, required, string_list,
-                        tool_call_parts, type_error, unsupported, upstream_error)
+                        chat_chunks, chunk_parts, json_response, new_id, off_loop_if_large,
+                        read_json, tool_call_parts, upstream_error)
 
 PATH = "/v1/messages"
 COUNT_PATH = "/v1/messages/count_tokens"
 # Several text blocks of one turn (Claude Code sends a few) read as paragraphs.
 BLOCK_SEPARATOR = "\n\n"
-MAX_STOP_SEQUENCES = 4  # the backend's limit on stop strings
-UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload",
-                      "server_tool_use", "web_search_tool_result")
 
 
 @dataclass
@@ -57,57 +55,19 @@ class MessagesRequest:
 # -- request -------------------------------------------------------------------------
 
 
-def _blocks(content: Any, param: str) -> list[dict]:
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if not isinstance(content, list):
-        raise type_error(param, "a string or a list of content blocks", content)
-    for i, block in enumerate(content):
-        if not isinstance(block, dict):
-            raise type_error(f"{param}[{i}]", "an object", block)
-    return content
+def _joined(content: str | list[mw.TextBlock]) -> str:
+    return content if isinstance(content, str) else BLOCK_SEPARATOR.join(b.text for b in content)
 
 
-def _text_block(block: dict, p: str) -> str:
-    return required(block, "text", (str,), "a string", f"{p}.text")
-
-
-def _unsupported_block(kind: Any, p: str) -> APIError:
-    if kind in UNSUPPORTED_BLOCKS:
-        return bad_request(f"Content block type {kind!r} is not supported; kvroute serves text "
-                           "models (text, tool_use and tool_result blocks).", param=f"{p}.type",
-                           code="unsupported_content")
-    return bad_request(f"Unknown content block type {kind!r}.", param=f"{p}.type",
-                       code="invalid_value")
-
-
-def _system(body: dict) -> str | None:
-    system = body.get("system")
-    if system is None:
-        return None
-    texts = []
-    for i, block in enumerate(_blocks(system, "system")):
-        if block.get("type") != "text":
-            raise bad_request("'system' blocks must be text blocks.", param=f"system[{i}].type",
-                              code="invalid_value")
-        texts.append(_text_block(block, f"system[{i}]"))
-    return BLOCK_SEPARATOR.join(texts)
-
-
-def _tool_result_text(block: dict, p: str) -> str:
-    is_error = opt(block, "is_error", (bool,), "a boolean", f"{p}.is_error")
-    content = block.get("content")
-    texts = []
-    for i, part in enumerate(_blocks(content, f"{p}.content") if content is not None else []):
-        if part.get("type") != "text":
-            raise _unsupported_block(part.get("type"), f"{p}.content[{i}]")
-        texts.append(_text_block(part, f"{p}.content[{i}]"))
-    text = BLOCK_SEPARATOR.join(texts)
+def _tool_result_text(block: mw.ToolResultBlock) -> str:
+    text = _joined(block.content) if block.content is not None else ""
     # Chat has no error flag on a tool message: say it in the text the model reads.
-    return "Error: " + text if is_error else text
+    return "Error: " + text if block.is_error else text
 
 
-def _user(content: list[dict], param: str) -> list[dict]:
+def _user(content: str | list) -> list[dict]:
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
     out: list[dict] = []
     texts: list[str] = []
 
@@ -116,40 +76,25 @@ def _user(content: list[dict], param: str) -> list[dict]:
             out.append({"role": "user", "content": BLOCK_SEPARATOR.join(texts)})
             texts.clear()
 
-    for j, block in enumerate(content):
-        p = f"{param}[{j}]"
-        kind = block.get("type")
-        if kind == "text":
-            texts.append(_text_block(block, p))
-        elif kind == "tool_result":
-            flush()
-            out.append({"role": "tool",
-                        "tool_call_id": nonempty_str(block, "tool_use_id", f"{p}.tool_use_id"),
-                        "content": _tool_result_text(block, p)})
+    for block in content:
+        if isinstance(block, mw.TextBlock):
+            texts.append(block.text)
         else:
-            raise _unsupported_block(kind, p)
+            flush()
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                        "content": _tool_result_text(block)})
     flush()
     return out or [{"role": "user", "content": ""}]
 
 
-def _assistant(content: list[dict], param: str) -> dict:
-    texts: list[str] = []
-    calls: list[dict] = []
-    for j, block in enumerate(content):
-        p = f"{param}[{j}]"
-        kind = block.get("type")
-        if kind == "text":
-            texts.append(_text_block(block, p))
-        elif kind == "tool_use":
-            tool_input = required(block, "input", (dict,), "an object", f"{p}.input")
-            calls.append({"id": nonempty_str(block, "id", f"{p}.id"), "type": "function",
-                          "function": {"name": nonempty_str(block, "name", f"{p}.name"),
-                                       "arguments": orjson.dumps(tool_input).decode()}})
-        elif kind in ("thinking", "redacted_thinking"):
-            # Anthropic ignores earlier turns' thinking too; kvroute's models send none.
-            continue
-        else:
-            raise _unsupported_block(kind, p)
+def _assistant(content: str | list) -> dict:
+    if isinstance(content, str):
+        content = [mw.TextBlock(type="text", text=content)]
+    texts = [b.text for b in content if isinstance(b, mw.TextBlock)]
+    # Thinking blocks are dropped: Anthropic ignores earlier turns' thinking too.
+    calls = [{"id": b.id, "type": "function",
+              "function": {"name": b.name, "arguments": orjson.dumps(b.input).decode()}}
+             for b in content if isinstance(b, mw.ToolUseBlock)]
     # As the backend advertises a reply: content null when empty, calls after the text.
     msg: dict = {"role": "assistant", "content": BLOCK_SEPARATOR.join(texts) or None}
     if calls:
@@ -157,101 +102,38 @@ def _assistant(content: list[dict], param: str) -> dict:
     return msg
 
 
-def _messages(body: dict) -> list[dict]:
-    messages = required(body, "messages", (list,), "a list of messages")
-    if not messages:
-        raise bad_request("'messages' must not be empty.", param="messages", code="invalid_value")
-    out: list[dict] = []
-    for i, msg in enumerate(messages):
-        p = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise type_error(p, "an object", msg)
-        role = msg.get("role")
-        if role not in ("user", "assistant"):
-            raise bad_request(f"Invalid role {role!r} in {p}; expected 'user' or 'assistant' "
-                              "(the system prompt goes in 'system').", param=f"{p}.role",
-                              code="invalid_value")
-        if "content" not in msg:
-            raise bad_request(f"'{p}.content' is required.", param=f"{p}.content",
-                              code="missing_required_parameter")
-        blocks = _blocks(msg["content"], f"{p}.content")
-        if role == "user":
-            out += _user(blocks, f"{p}.content")
+def _messages(req: mw.CountTokensBody) -> list[dict]:
+    out = [{"role": "system", "content": _joined(req.system)}] if req.system is not None else []
+    for msg in req.messages:
+        if msg.role == "user":
+            out += _user(msg.content)
         else:
-            out.append(_assistant(blocks, f"{p}.content"))
-    if messages[-1].get("role") == "assistant":
-        # A chat template closes every assistant turn and opens a new one: continuing a
-        # partial reply (prefill) cannot be expressed.
-        raise bad_request("The last message must be a user message: continuing an assistant "
-                          "message (prefill) is not supported.",
-                          param=f"messages[{len(messages) - 1}]", code="unsupported_parameter")
+            out.append(_assistant(msg.content))
     return out
 
 
-def _tools(body: dict) -> list[dict] | None:
-    tools = opt(body, "tools", (list,), "a list of tools")
-    if not tools:
+def _tools(req: mw.CountTokensBody) -> list[dict] | None:
+    if not req.tools:
         return None
     out = []
-    for i, tool in enumerate(tools):
-        p = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise type_error(p, "an object", tool)
-        if tool.get("type") not in (None, "custom"):
-            raise bad_request(f"Tool type {tool.get('type')!r} is not supported; only client "
-                              "tools (name, description, input_schema) are.", param=f"{p}.type",
-                              code="unsupported_parameter")
-        fn: dict = {"name": nonempty_str(tool, "name", f"{p}.name")}
-        description = opt(tool, "description", (str,), "a string", f"{p}.description")
-        if description is not None:
-            fn["description"] = description
-        fn["parameters"] = required(tool, "input_schema", (dict,), "an object",
-                                    f"{p}.input_schema")
+    for tool in req.tools:
+        fn: dict = {"name": tool.name}
+        if tool.description is not None:
+            fn["description"] = tool.description
+        fn["parameters"] = tool.input_schema
         out.append({"type": "function", "function": fn})
     return out
 
 
-def _tool_choice(body: dict) -> str:
-    choice = opt(body, "tool_choice", (dict,), "an object")
-    if choice is None:
-        return "auto"
-    opt(choice, "disable_parallel_tool_use", (bool,), "a boolean",
-        "tool_choice.disable_parallel_tool_use")
-    kind = choice.get("type")
-    if kind in ("auto", "none"):
-        return kind
-    if kind in ("any", "tool"):
-        raise unsupported("tool_choice", "Only tool_choice 'auto' and 'none' are supported.")
-    raise bad_request("'tool_choice.type' must be 'auto', 'any', 'tool' or 'none'.",
-                      param="tool_choice.type", code="invalid_value")
-
-
 def parse(body: dict, count_only: bool = False) -> MessagesRequest:
-    model = nonempty_str(body, "model")
-    system = _system(body)
-    messages = ([{"role": "system", "content": system}] if system is not None else []) + \
-        _messages(body)
-    tools = _tools(body)
-    tool_choice = _tool_choice(body)
-    # Accepted, without effect: no thinking blocks are produced, metadata is not kept.
-    opt(body, "thinking", (dict,), "an object")
-    metadata = opt(body, "metadata", (dict,), "an object")
-    opt(metadata or {}, "user_id", (str,), "a string", "metadata.user_id")
-    if count_only:
-        return MessagesRequest(model=model, messages=messages, tools=tools, tool_choice=tool_choice)
-    if opt(body, "top_k", (int,), "an integer") is not None:
-        raise unsupported("top_k", "'top_k' is not supported; use temperature or top_p.")
-    stops = string_list(body, "stop_sequences") or []
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise bad_request(f"'stop_sequences' accepts at most {MAX_STOP_SEQUENCES} sequences here, "
-                          f"got {len(stops)}.", param="stop_sequences", code="invalid_value")
-    return MessagesRequest(
-        model=model, messages=messages,
-        max_tokens=positive_int(body, "max_tokens", required_=True),
-        tools=tools, tool_choice=tool_choice, stop_sequences=stops,
-        temperature=number(body, "temperature", 0, 1), top_p=number(body, "top_p", 0, 1),
-        stream=opt(body, "stream", (bool,), "a boolean", default=False),
-    )
+    req = validate(mw.CountTokensBody if count_only else mw.MessagesBody, body)
+    out = MessagesRequest(model=req.model, messages=_messages(req), tools=_tools(req),
+                          tool_choice=req.tool_choice.type if req.tool_choice else "auto")
+    if isinstance(req, mw.MessagesBody):
+        out.max_tokens = req.max_tokens
+        out.stop_sequences = req.stop_sequences or []
+        out.temperature, out.top_p, out.stream = req.temperature, req.top_p, bool(req.stream)
+    return out
 
 
 def chat_body(req: MessagesRequest) -> dict:

@@ -22,16 +22,15 @@ from typing import Any
 
 from aiohttp import web
 
+from kvroute import responses_wire as rw
 from kvroute.errors import bad_request, not_found
+from kvroute.validation import validate
 
 from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
-                        chat_chunks, chunk_parts, json_response, new_id, nonempty_str, number,
-                        off_loop_if_large, opt, positive_int, read_json, required,
-                        tool_call_parts, type_error, unsupported, upstream_error)
+                        chat_chunks, chunk_parts, json_response, new_id, off_loop_if_large,
+                        read_json, tool_call_parts, upstream_error)
 
 PATH = "/v1/responses"
-ROLES = ("user", "assistant", "system", "developer")
-TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 @dataclass
@@ -57,54 +56,21 @@ class ResponsesRequest:
 # -- request -------------------------------------------------------------------------
 
 
-def _text(content: Any, param: str) -> str:
+def _text(content: rw.Text) -> str:
     """A string, or the text parts of a list joined as chat joins its content parts."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise type_error(param, "a string or a list of content parts", content)
-    texts = []
-    for i, part in enumerate(content):
-        p = f"{param}[{i}]"
-        if not isinstance(part, dict):
-            raise type_error(p, "an object", part)
-        kind = part.get("type")
-        if kind not in TEXT_PARTS:
-            raise bad_request(f"Content part type {kind!r} is not supported; only text parts "
-                              f"({', '.join(TEXT_PARTS)}) are.", param=f"{p}.type",
-                              code="unsupported_content")
-        texts.append(required(part, "text", (str,), "a string", f"{p}.text"))
-    return "".join(texts)
+    return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def _function_call(item: dict, p: str) -> dict:
-    args = required(item, "arguments", (str,), "a JSON string", f"{p}.arguments")
-    return {"id": nonempty_str(item, "call_id", f"{p}.call_id"), "type": "function",
-            "function": {"name": nonempty_str(item, "name", f"{p}.name"), "arguments": args}}
-
-
-def _input_messages(value: Any) -> list[dict]:
+def _input_messages(value: str | list) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    if not isinstance(value, list):
-        raise type_error("input", "a string or a list of input items", value)
     out: list[dict] = []
-    for i, item in enumerate(value):
-        p = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise type_error(p, "an object", item)
-        kind = opt(item, "type", (str,), "a string", f"{p}.type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ROLES:
-                raise bad_request(f"Invalid role {role!r} in {p}; expected one of "
-                                  f"{', '.join(ROLES)}.", param=f"{p}.role", code="invalid_value")
-            if "content" not in item:
-                raise bad_request(f"'{p}.content' is required.", param=f"{p}.content",
-                                  code="missing_required_parameter")
-            out.append({"role": role, "content": _text(item["content"], f"{p}.content")})
-        elif kind == "function_call":
-            call = _function_call(item, p)
+    for item in value:
+        if isinstance(item, rw.MessageItem):
+            out.append({"role": item.role, "content": _text(item.content)})
+        elif isinstance(item, rw.FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             prev = out[-1] if out else None
             if prev is not None and prev["role"] == "assistant":
                 # The calls of one reply follow its text: together they are the one
@@ -112,118 +78,34 @@ def _input_messages(value: Any) -> list[dict]:
                 prev.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            if "output" not in item:
-                raise bad_request(f"'{p}.output' is required.", param=f"{p}.output",
-                                  code="missing_required_parameter")
-            call_id = nonempty_str(item, "call_id", f"{p}.call_id")
-            out.append({"role": "tool", "tool_call_id": call_id,
-                        "content": _text(item["output"], f"{p}.output")})
-        elif kind == "reasoning":
-            # kvroute's models give no reasoning items; one from another provider holds
-            # nothing a chat template can render (summaries, encrypted content).
-            continue
-        else:
-            raise bad_request(f"Input item type {kind!r} is not supported; use message, "
-                              "function_call or function_call_output.", param=f"{p}.type",
-                              code="unsupported_parameter")
+        elif isinstance(item, rw.FunctionCallOutputItem):
+            out.append({"role": "tool", "tool_call_id": item.call_id,
+                        "content": _text(item.output)})
+        # A reasoning item holds nothing a chat template can render: dropped.
     return out
 
 
-def _tools(body: dict) -> tuple[list[dict] | None, list[dict]]:
-    tools = opt(body, "tools", (list,), "a list of tools")
-    if not tools:
-        return None, []
-    out = []
-    for i, tool in enumerate(tools):
-        p = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise type_error(p, "an object", tool)
-        if tool.get("type") != "function":
-            raise bad_request(f"Tool type {tool.get('type')!r} is not supported; only function "
-                              "tools are.", param=f"{p}.type", code="unsupported_parameter")
-        fn: dict = {"name": nonempty_str(tool, "name", f"{p}.name")}
-        description = opt(tool, "description", (str,), "a string", f"{p}.description")
-        if description is not None:
-            fn["description"] = description
-        parameters = opt(tool, "parameters", (dict,), "an object", f"{p}.parameters")
-        if parameters is not None:
-            fn["parameters"] = parameters
-        opt(tool, "strict", (bool,), "a boolean", f"{p}.strict")
-        out.append({"type": "function", "function": fn})
-    return out, tools
-
-
-def _tool_choice(body: dict) -> str:
-    choice = body.get("tool_choice")
-    if choice is None or choice == "auto":
-        return "auto"
-    if choice == "none":
-        return "none"
-    if choice == "required" or isinstance(choice, dict):
-        raise unsupported("tool_choice", "Only tool_choice 'auto' and 'none' are supported.")
-    raise bad_request("'tool_choice' must be 'auto' or 'none'.", param="tool_choice",
-                      code="invalid_value")
-
-
-def _refuse_unsupported(body: dict) -> None:
-    if opt(body, "background", (bool,), "a boolean"):
-        raise unsupported("background", "'background' responses are not supported.")
-    for name in ("conversation", "prompt"):
-        if body.get(name) is not None:
-            raise unsupported(name, f"'{name}' is not supported; send 'input' (and "
-                              "'previous_response_id' to continue a stored response).")
-    text = opt(body, "text", (dict,), "an object")
-    fmt = opt(text or {}, "format", (dict,), "an object", "text.format")
-    if fmt is not None and fmt.get("type") != "text":
-        raise unsupported("text.format", "Only text.format {'type': 'text'} is supported.")
-    if opt(body, "top_logprobs", (int,), "an integer"):
-        raise unsupported("top_logprobs", "'top_logprobs' is not supported on /v1/responses.")
-    truncation = opt(body, "truncation", (str,), "a string")
-    if truncation not in (None, "auto", "disabled"):
-        raise bad_request("'truncation' must be 'auto' or 'disabled'.", param="truncation",
-                          code="invalid_value")
-    include = opt(body, "include", (list,), "a list of strings")
-    if include is not None and not all(isinstance(v, str) for v in include):
-        raise type_error("include", "a list of strings", include)
-    # Accepted, and without effect: kvroute's models do not reason, caching is automatic.
-    opt(body, "reasoning", (dict,), "an object")
-    opt(body, "prompt_cache_key", (str,), "a string")
-    opt(body, "service_tier", (str,), "a string")
-
-
-def _stop(body: dict) -> str | list[str] | None:
-    stop = body.get("stop")
-    if stop is None or isinstance(stop, str):
-        return stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise type_error("stop", "a string or a list of strings", stop)
-    return stop  # its length is checked by the backend, as for chat
+def _chat_tool(tool: rw.FunctionTool) -> dict:
+    fn: dict = {"name": tool.name}
+    if tool.description is not None:
+        fn["description"] = tool.description
+    if tool.parameters is not None:
+        fn["parameters"] = tool.parameters
+    return {"type": "function", "function": fn}
 
 
 def parse(body: dict) -> ResponsesRequest:
-    model = nonempty_str(body, "model")
-    _refuse_unsupported(body)
-    if "input" not in body or body["input"] is None:
-        raise bad_request("'input' is required.", param="input", code="missing_required_parameter")
-    items = _input_messages(body["input"])
-    tools, echo = _tools(body)
-    previous = opt(body, "previous_response_id", (str,), "a string")
-    metadata = opt(body, "metadata", (dict,), "an object", default={})
+    req = validate(rw.ResponsesBody, body)
     return ResponsesRequest(
-        model=model, input=items,
-        instructions=opt(body, "instructions", (str,), "a string"),
-        tools=tools, tools_echo=echo, tool_choice=_tool_choice(body),
-        parallel_tool_calls=opt(body, "parallel_tool_calls", (bool,), "a boolean", default=True),
-        stream=opt(body, "stream", (bool,), "a boolean", default=False),
-        store=opt(body, "store", (bool,), "a boolean", default=True),
-        previous_response_id=previous,
-        max_output_tokens=positive_int(body, "max_output_tokens"),
-        temperature=number(body, "temperature", 0, 2),
-        top_p=number(body, "top_p", 0, 1),
-        stop=_stop(body),
-        metadata=metadata,
-        user=opt(body, "user", (str,), "a string"),
+        model=req.model, input=_input_messages(req.input), instructions=req.instructions,
+        tools=[_chat_tool(t) for t in req.tools] if req.tools else None,
+        tools_echo=body["tools"] if req.tools else [],  # as sent
+        tool_choice=req.tool_choice or "auto",
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        stream=bool(req.stream), store=req.store is not False,
+        previous_response_id=req.previous_response_id,
+        max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+        stop=req.stop, metadata=req.metadata or {}, user=req.user,
     )
 
 

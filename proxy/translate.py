@@ -5,9 +5,8 @@ canonical chat-completions body, hands it to the proxy's chat routing (`Gateway.
 route_chat`: same prefix chain, lookup and forwarding as /v1/chat/completions), and
 gives it a `Relay` that turns the backend's chat answer, whole or streamed, back into
 its own API. This module holds the pieces both translations need: the gateway the
-proxy provides, reading the backend's SSE chunks, writing SSE events, typed field
-checks that raise `APIError` naming the parameter, and the reply accumulated from
-chat chunks.
+proxy provides, reading the backend's SSE chunks, writing SSE events, and the reply accumulated from chat chunks. (What each API accepts is its model in
+kvroute/responses_wire.py and kvroute/messages_wire.py.)
 
 It imports nothing from `proxy.server`: the server builds the `Gateway` and puts it in
 the app, so the translations depend on the routing only through that object.
@@ -25,7 +24,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvroute.errors import APIError, bad_request
+from kvroute.errors import APIError
 from kvroute.wire import parse_json
 
 log = logging.getLogger("kvroute.proxy.translate")
@@ -77,71 +76,6 @@ async def off_loop_if_large(size: int, fn: Callable, *args) -> Any:
     if size > INLINE_BYTES:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
-
-
-# -- typed fields ------------------------------------------------------------------
-#
-# An optional field sent as null reads as absent, as in kvroute/wire.py (and the
-# OpenAPI description marks such fields nullable).
-
-
-def type_error(param: str, expected: str, value: Any) -> APIError:
-    return bad_request(f"Invalid type for '{param}': expected {expected}, got "
-                       f"{type(value).__name__}.", param=param, code="invalid_type")
-
-
-def unsupported(param: str, message: str) -> APIError:
-    return bad_request(message, param=param, code="unsupported_parameter")
-
-
-def opt(obj: dict, name: str, kinds: tuple, expected: str, param: str | None = None,
-        default: Any = None) -> Any:
-    value = obj.get(name)
-    if value is None:
-        return default
-    # bool is an int subclass: True must not pass as a number.
-    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-        raise type_error(param or name, expected, value)
-    return value
-
-
-def required(obj: dict, name: str, kinds: tuple, expected: str, param: str | None = None) -> Any:
-    value = opt(obj, name, kinds, expected, param)
-    if value is None:
-        raise bad_request(f"'{param or name}' is required.", param=param or name,
-                          code="missing_required_parameter")
-    return value
-
-
-def nonempty_str(obj: dict, name: str, param: str | None = None) -> str:
-    value = required(obj, name, (str,), "a string", param)
-    if not value:
-        raise bad_request(f"'{param or name}' must not be empty.", param=param or name,
-                          code="invalid_value")
-    return value
-
-
-def number(obj: dict, name: str, lo: float, hi: float) -> float | None:
-    value = opt(obj, name, (int, float), "a number")
-    if value is not None and not lo <= value <= hi:
-        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {value}.", param=name,
-                          code="invalid_value")
-    return value
-
-
-def positive_int(obj: dict, name: str, required_: bool = False) -> int | None:
-    value = (required if required_ else opt)(obj, name, (int,), "an integer")
-    if value is not None and value < 1:
-        raise bad_request(f"'{name}' must be at least 1, got {value}.", param=name,
-                          code="invalid_value")
-    return value
-
-
-def string_list(obj: dict, name: str) -> list[str] | None:
-    value = opt(obj, name, (list,), "a list of strings")
-    if value is not None and not all(isinstance(v, str) for v in value):
-        raise type_error(name, "a list of strings", value)
-    return value
 
 
 # -- the backend's answer --------------------------------------------------------------
