@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, Tag
 
-from .validation import Body, refusing, tagged_by
+from .validation import Body, only, refusing, tagged_by
 from .wire import NonEmpty, Stop
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -112,10 +112,10 @@ class ResponsesBody(Body):
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
-    background: Annotated[Literal[False], refusing(
+    background: Annotated[only(False), refusing(
         "'background' responses are not supported.")] | None = None
     text: TextConfig | None = None
-    top_logprobs: Annotated[Literal[0], refusing(
+    top_logprobs: Annotated[only(0), refusing(
         "'top_logprobs' is not supported on /v1/responses.")] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None

@@ -14,9 +14,10 @@ checks the two against each other.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Discriminator, ValidationError, WrapValidator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, ValidationError,
+                      WithJsonSchema, WrapValidator)
 from pydantic_core import PydanticCustomError
 
 from .errors import APIError, bad_request
@@ -36,6 +37,21 @@ def invalid(param: str, message: str, code: str = "invalid_value") -> PydanticCu
     """An error of a rule over several fields, raised from a model validator (whose
     own location is the whole body): `param` names the field to blame."""
     return PydanticCustomError(code, "{message}", {"message": message, "param": param})
+
+
+def only(value: bool | int) -> Any:
+    """The type of a field that takes this one value, compared by type too (a Literal
+    compares with ==: 0 would pass as false, true as 1), described as `const`."""
+    kind = type(value)
+
+    def check(v: Any) -> Any:
+        if v != value:
+            raise ValueError(f"Input should be {value!r}")
+        return v
+
+    json_type = "boolean" if kind is bool else "integer"
+    return Annotated[kind, AfterValidator(check),
+                     WithJsonSchema({"type": json_type, "const": value})]
 
 
 def refusing(message: str, code: str = "unsupported_parameter") -> WrapValidator:

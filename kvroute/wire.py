@@ -16,7 +16,7 @@ import orjson
 from pydantic import Field, StringConstraints, WithJsonSchema, model_validator
 
 from .errors import bad_request
-from .validation import Body, invalid, refusing, validate
+from .validation import Body, invalid, only, refusing, validate
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
@@ -153,9 +153,9 @@ class _Generation(Body):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and unused, but typed as in OpenAI's API
-    n: Annotated[Literal[1], refusing("Only n=1 is supported.")] | None = None
-    best_of: Annotated[Literal[1], refusing("Only best_of=1 is supported.")] | None = None
-    echo: Annotated[Literal[False], refusing("'echo' is not supported.")] | None = None
+    n: Annotated[only(1), refusing("Only n=1 is supported.")] | None = None
+    best_of: Annotated[only(1), refusing("Only best_of=1 is supported.")] | None = None
+    echo: Annotated[only(False), refusing("'echo' is not supported.")] | None = None
     suffix: Annotated[Literal[""], refusing("'suffix' is not supported.")] | None = None
 
     @model_validator(mode="after")
