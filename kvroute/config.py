@@ -8,6 +8,12 @@ A flag beats the environment, which beats the file, which beats the default.
 An unknown key in the file, or a `KVROUTE_*` variable that no command knows, is an
 error that names it: a typo must not silently fall back to a default.
 
+Why one module of about 400 lines: it is the one table of every setting. Several
+settings are shared by commands (the secret, the block size, the body limit, the
+internal token), and one set of rules (precedence, conversion, the unknown-name check)
+reads them all; split by command, a setting's name, default and help would live in
+more than one place again. Most of its length is the tables themselves.
+
 The file (every key optional):
 
     secret = "change-me"                 # salts prefix keys; random per launch if unset
