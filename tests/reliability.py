@@ -23,6 +23,9 @@ the backend process's environment (KVROUTE_INTERNAL_TOKEN, read with psutil),
 which the same user may read; nothing else is started outside `kvroute serve`.
 
     python bench/reliability.py [--quick | --soak SECONDS] [--markdown FILE]
+
+This module lives in the test suite because tests/test_reliability.py runs its quick
+variant with these same checks; bench/reliability.py is the command that runs it.
 """
 
 from __future__ import annotations
@@ -49,14 +52,13 @@ import aiohttp
 import orjson
 import psutil
 
+from harness import free_port, get_json, request, wait_until
+
+from kvroute.demo_model import DEMO_REPLY
+from kvroute.redis_server import RedisServer
+from kvroute.keys import model_tag  # (the one place key names live)
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from harness import free_port, get_json, request, wait_until  # noqa: E402
-
-from kvroute.demo_model import DEMO_REPLY  # noqa: E402
-from kvroute.redis_server import RedisServer  # noqa: E402
-from kvroute.keys import model_tag  # noqa: E402  (the one place key names live)
 
 MODEL = "kvroute-demo"
 SECRET = "reliability"
@@ -1096,7 +1098,3 @@ def main() -> int:
         command = "python bench/reliability.py " + " ".join(sys.argv[1:])
         Path(args.markdown).write_text(markdown(report, command.strip()) + "\n")
     return 0 if report.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

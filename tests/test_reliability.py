@@ -34,10 +34,7 @@ from kvroute.prefix import chat_chain, make_salt
 from kvroute.redis_server import RedisServer
 from kvroute.registry import BackendRecord, Registry, new_instance_id
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-import reliability as rel  # noqa: E402
+import reliability as rel
 
 SOAK = os.environ.get("KVROUTE_SOAK", "") not in ("", "0")
 # Soak: 200 clients in three rounds, SIGSTOP 15 s, Redis unreachable 30 s.
