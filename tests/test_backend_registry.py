@@ -342,7 +342,9 @@ def test_backend_serves_while_redis_is_down_and_republishes_after(shared_backend
         shared_redis.pause()
         result, elapsed = timed_lookup(url, conversation(), PROXY_LOOKUP_TIMEOUT)
         assert result is None
-        assert elapsed < PROXY_LOOKUP_TIMEOUT + 0.1, elapsed
+        # Its deadline (50 ms) bounded it, with a margin for a loaded machine; without
+        # one it would wait on the hung socket.
+        assert elapsed < PROXY_LOOKUP_TIMEOUT + 0.5, elapsed
         hung_msgs = conversation("while redis hangs")
         hung_reply = chat(shared_backend, hung_msgs, timeout=15)
 
@@ -350,7 +352,7 @@ def test_backend_serves_while_redis_is_down_and_republishes_after(shared_backend
         shared_redis.stop()
         result, elapsed = timed_lookup(url, conversation(), PROXY_LOOKUP_TIMEOUT)
         assert result is None
-        assert elapsed < PROXY_LOOKUP_TIMEOUT + 0.1, elapsed
+        assert elapsed < PROXY_LOOKUP_TIMEOUT + 0.5, elapsed
         down_msgs = conversation("while redis is down")
         down_reply = chat(shared_backend, down_msgs, timeout=15)
         assert shared_backend.alive()

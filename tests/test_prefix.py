@@ -241,7 +241,10 @@ def test_128kb_request_chain_is_fast():
         keys = chain(body)
     ms = (time.perf_counter() - t0) / n * 1e3
     print(f"\n128 KB chat request ({size} bytes, {len(keys)} keys of {DEFAULT_BLOCK_BYTES} B): {ms:.3f} ms/chain")
-    assert ms < 20
+    # A bound hundreds of times what it takes (under 1 ms on a 2-core machine): it
+    # catches a change of complexity (a quadratic walk), not a slow moment. The speed
+    # itself is measured by bench/bench_proxy.py, which chains every proxied request.
+    assert ms < 200, ms
 
 
 # -- properties ---------------------------------------------------------------

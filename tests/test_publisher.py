@@ -151,7 +151,7 @@ def test_publisher_stop_when_redis_is_down_does_not_hang(server):
         await asyncio.to_thread(server.stop)
         t0 = time.monotonic()
         await pub.stop(withdraw=True)
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 10.0  # bounded by op_timeout (0.3 s), with margin
         await reg.close()
 
     run(main())
