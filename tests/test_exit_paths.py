@@ -211,6 +211,9 @@ def test_commit_cannot_be_raced(backend, steps):
 
 
 def test_four_streams_decode_in_one_batch_and_a_disconnect_leaves_it(backend):
+    # The backend is shared by the session: start from an empty batch, so the counts
+    # below are these streams'.
+    wait_until(lambda: idle(backend), timeout=60, what="the shared backend to be idle")
     streams = [
         SSEStream(backend.url + "/v1/completions",
                   {"model": backend.model_id, "prompt": f"{uuid.uuid4().hex} {COUNT_PROMPT}",
@@ -220,10 +223,11 @@ def test_four_streams_decode_in_one_batch_and_a_disconnect_leaves_it(backend):
     iters = [s.events() for s in streams]
     for it in iters:
         next(it)
-    wait_until(lambda: backend.health()["engine"]["decoding"] == 4, timeout=10,
+    wait_until(lambda: backend.health()["engine"]["decoding"] == 4, timeout=60,
                what="4 sequences decoding together")
     streams[0].close()
-    wait_until(lambda: backend.health()["engine"]["decoding"] == 3, timeout=10,
+    # Each asks for 7000 tokens, far more than these waits leave time to decode.
+    wait_until(lambda: backend.health()["engine"]["decoding"] == 3, timeout=60,
                what="the disconnected stream to leave the batch")
     # The others keep streaming.
     for it in iters[1:]:

@@ -299,21 +299,28 @@ def test_sigkill_of_the_holding_backend_fails_over_without_client_error(fleet):
     turns = run_turns(proxy, messages, 2)
     holder = turns[-1][0]
     other = "a2" if holder == "a1" else "a1"
-    # A stream in flight on the holder ends with an error event, not a hang.
-    stream = SSEStream(proxy.url + "/v1/completions",
-                       {"model": MODEL_A, "prompt": f"{uuid.uuid4().hex} count 1 2 3",
-                        "max_tokens": 6000},
-                       headers={"Authorization": f"Bearer {KEY}"})
-    events = stream.events()
-    next(events)
-    victim_of_stream = stream.headers["x-kvroute-backend"]
+    # A stream in flight on the holder ends with an error event, not a hang. A fresh
+    # prompt has no cache anywhere and goes to the less loaded backend: a stream that
+    # lands on the other one stays open, adding to its load, until one lands on the holder.
+    others, stream = [], None
+    for _ in range(6):
+        candidate = SSEStream(proxy.url + "/v1/completions",
+                              {"model": MODEL_A, "prompt": f"{uuid.uuid4().hex} count 1 2 3",
+                               "max_tokens": 6000},
+                              headers={"Authorization": f"Bearer {KEY}"})
+        events = candidate.events()
+        next(events)
+        if candidate.headers["x-kvroute-backend"] == holder:
+            stream = candidate
+            break
+        others.append(candidate)
+    for other_stream in others:
+        other_stream.close()
+    assert stream is not None, "no stream landed on the holder"
     fleet["backends"][holder].proc.kill()
     fleet["backends"][holder].proc.wait(5)
-    if victim_of_stream == holder:
-        rest = list(events)
-        assert rest[-1] == "[DONE]" and "error" in rest[-2], rest[-3:]
-    else:
-        stream.close()
+    rest = list(events)
+    assert rest[-1] == "[DONE]" and "error" in rest[-2], rest[-3:]
     t0 = time.monotonic()
     r, headers = chat(proxy, messages)  # no client-visible error
     assert headers["x-kvroute-backend"] == other
