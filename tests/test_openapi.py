@@ -60,7 +60,8 @@ def _described(role: str) -> set[tuple[str, str]]:
 
 def test_every_proxy_route_is_described():
     from kvroute.cli import _fields_of
-    from proxy.server import ProxyConfig, create_app
+    from proxy.server import create_app
+    from proxy.state import ProxyConfig
 
     # The proxy's own settings, as `kvroute proxy` builds them (nothing is started:
     # only the router is read).

@@ -203,7 +203,6 @@ def test_record_ttl_lapse_forgets_backend(server):
         await reg.heartbeat(r2)
         await reg.advertise("b1", r1.instance_id, MODEL, chain)
         assert (await reg.lookup(MODEL, chain))["b1"].depth == len(chain)
-        t0 = time.monotonic()
 
         async def b1_gone():
             await reg.heartbeat(r2)  # b2 stays alive: only b1 (SIGKILLed, say) lapses
