@@ -70,7 +70,15 @@ class AssistantTurn(Body):
     content: Union[str, list[AssistantBlock]]
 
 
-Message = Annotated[Union[UserTurn, AssistantTurn], Field(discriminator="role")]
+def _role(message: Any) -> str | None:
+    return message.get("role") if isinstance(message, dict) else None
+
+
+Message = Annotated[
+    Union[Annotated[UserTurn, Tag("user")], Annotated[AssistantTurn, Tag("assistant")]],
+    tagged_by("role", _role, "Invalid role; expected 'user' or 'assistant' (the system prompt "
+              "goes in 'system').", "invalid_value"),
+]
 
 
 class ClientTool(Body):

@@ -131,13 +131,13 @@ def _param(error: dict, body: Any) -> str:
     if "param" in ctx:
         return ctx["param"]
     loc, node, out = error["loc"], body, ""
+    if "[key]" in loc:  # a bad key of a mapping: the mapping is the parameter
+        loc = loc[:loc.index("[key]") - 1]
     for i, key in enumerate(loc):
         if isinstance(key, int) and isinstance(node, list) and 0 <= key < len(node):
             out += f"[{key}]"
             node = node[key]
         elif isinstance(key, str) and isinstance(node, dict) and (key in node or i == len(loc) - 1):
-            if key == "[key]":
-                break
             out += f".{key}" if out else key
             node = node.get(key)
     # A tagged union's failure is its tag's: the field the tag is read from.
