@@ -9,7 +9,9 @@ core (`taskset`), the load generator and the fake backend on the other.
 For each mode (whole, streaming) it paces requests at --rate per second, first
 straight to the fake backend (the baseline), then through the proxy, and reports
 latency percentiles of both and their difference (the proxy's added latency);
-then it runs closed-loop with --concurrency workers for the peak requests/s.
+then it runs closed-loop with --concurrency workers for the peak requests/s, and
+divides the proxy process's CPU time over that run by the requests it served (CPU
+µs per request: on a machine shared with other work, steadier than latencies).
 
     python bench/bench_proxy.py [--rate 200] [--seconds 10] [--concurrency 32]
 """
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -129,7 +132,7 @@ async def paced(url: str, rate: float, seconds: float, stream: bool) -> list[flo
     return latencies
 
 
-async def closed_loop(url: str, workers: int, seconds: float, stream: bool) -> float:
+async def closed_loop(url: str, workers: int, seconds: float, stream: bool) -> tuple[float, int]:
     bodies = [orjson.dumps({**conversation(i), "stream": stream}) for i in range(16)]
     done = 0
     deadline = time.perf_counter() + seconds
@@ -144,7 +147,7 @@ async def closed_loop(url: str, workers: int, seconds: float, stream: bool) -> f
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(workers)))
         elapsed = time.perf_counter() - t0
-    return done / elapsed
+    return done / elapsed, done
 
 
 def pct(values: list[float], q: float) -> float:
@@ -172,19 +175,23 @@ async def main_async(args) -> None:
         table = Table(title=f"Proxy overhead: paced at {args.rate:.0f} req/s for {args.seconds:.0f} s, "
                       "fake instant backend, proxy on one core")
         for col in ("mode", "direct p50", "direct p99", "proxy p50", "proxy p99",
-                    "added p50 (ms)", "added p99 (ms)", "peak req/s (proxy, 1 core)"):
+                    "added p50 (ms)", "added p99 (ms)", "peak req/s (proxy, 1 core)",
+                    "proxy CPU µs/req"):
             table.add_column(col, justify="right")
         for stream in (False, True):
             path = "/v1/chat/completions"
             await paced(proxy_url + path, args.rate, 2, stream)  # warm-up
             direct = await paced(fake_url + path, args.rate, args.seconds, stream)
             proxied = await paced(proxy_url + path, args.rate, args.seconds, stream)
-            peak = await closed_loop(proxy_url + path, args.concurrency, args.seconds, stream)
+            cpu0 = sum(psutil.Process(proxy.pid).cpu_times()[:2])
+            peak, served = await closed_loop(proxy_url + path, args.concurrency, args.seconds,
+                                             stream)
+            cpu = sum(psutil.Process(proxy.pid).cpu_times()[:2]) - cpu0
             d50, d99, p50, p99 = (pct(direct, .5), pct(direct, .99), pct(proxied, .5),
                                   pct(proxied, .99))
             table.add_row("streaming" if stream else "whole", f"{d50:.2f}", f"{d99:.2f}",
                           f"{p50:.2f}", f"{p99:.2f}", f"{p50 - d50:.2f}", f"{p99 - d99:.2f}",
-                          f"{peak:.0f}")
+                          f"{peak:.0f}", f"{cpu / max(served, 1) * 1e6:.0f}")
         console.print(f"command: python {' '.join(sys.argv)}")
         console.print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, "
                       f"python {platform.python_version()}; latencies in ms, client side")
