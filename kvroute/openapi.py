@@ -4,7 +4,8 @@ One description for both processes: the proxy and the backend accept the same ch
 completion bodies (the proxy passes them through unchanged); each serves the operations
 it has. Request bodies are not written here: their schemas are generated from the
 pydantic models that validate them (kvroute/wire.py, responses_wire.py,
-messages_wire.py), so the description cannot drift from what the servers enforce.
+messages_wire.py), so the description cannot drift from what the servers enforce (the
+few rules a model adds to its schema by hand are checked by tests/test_openapi.py).
 Answers (which kvroute writes, not validates) are described here by hand.
 """
 
