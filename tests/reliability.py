@@ -25,7 +25,9 @@ which the same user may read; nothing else is started outside `kvroute serve`.
     python bench/reliability.py [--quick | --soak SECONDS] [--markdown FILE]
 
 This module lives in the test suite because tests/test_reliability.py runs its quick
-variant with these same checks; bench/reliability.py is the command that runs it.
+variant with these same checks; bench/reliability.py is the command that runs it. It is
+one long module because it is one procedure read top to bottom: the deployment, the
+load, each fault, the checks after each, and the report of them all.
 """
 
 from __future__ import annotations
