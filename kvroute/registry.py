@@ -63,6 +63,18 @@ class BackendRecord:
     waiting: int = 0  # requests accepted, not yet admitted to the engine's batch
     running: int = 0  # requests in the engine's batch: prefilling or decoding
     prefill_tps: float = 0.0  # measured prefill tokens/s
+    # Calibration for the proxy's cost function (proxy/cost.py), measured by the
+    # backend for the model it serves.
+    bytes_per_token: float = 0.0  # canonical request bytes per prompt token
+    decode_steps_per_s: float = 0.0  # batch steps/s; each decoding sequence gains a token
+    reply_tokens: float = 0.0  # mean tokens of a finished reply
+    decoding: int = 0  # sequences decoding now
+    max_batch: int = 0  # sequences one batch holds; 0 = unknown
+    # The prefix-key fingerprint (kvroute.prefix.fingerprint): a proxy matches caches
+    # only on backends whose fingerprint equals its own.
+    prefix_scheme: int = 0
+    block_bytes: int = 0
+    secret_tag: str = ""
     started_at: float = 0.0
     updated_at: float = 0.0
 
