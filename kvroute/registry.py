@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Awaitable, TypeVar
 
 import orjson
-import redis.asyncio as aioredis
+from kvroute import redis_client
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -137,7 +137,7 @@ class Registry:
         op_timeout: float = 1.0,
         retry_after: float = 0.5,
     ):
-        """url: redis:// or rediss:// (username/password and ssl_* query options allowed).
+        """url: see kvroute/redis_client.py (one server, redis+cluster://, redis+sentinel://).
 
         lookup_timeout: deadline of one lookup; past it the answer is "unknown".
         key_ttl: backstop expiry (s) of advertised keys; publishers refresh well before.
@@ -152,7 +152,7 @@ class Registry:
         self.record_ttl = record_ttl
         self.op_timeout = op_timeout
         self.retry_after = retry_after
-        self._redis = aioredis.from_url(
+        self._redis = redis_client.connect(
             url,
             socket_connect_timeout=op_timeout,
             socket_timeout=op_timeout,
