@@ -1,0 +1,43 @@
+"""Cache-aware placement (proxy/placement.py) over costs (proxy/cost.py)."""
+
+from proxy.cost import CostInput, cost
+from proxy.placement import Option, Placer
+
+
+def opt(prompt=1000, matched=0, free=0, load=0, **kw) -> Option:
+    c = cost(CostInput(prompt_tokens=prompt, matched_tokens=matched, prefill_tps=1000, **kw))
+    return Option(c, matched, free, load)
+
+
+def test_new_prefixes_go_where_the_most_cache_is_free():
+    p = Placer()
+    assert p.place([opt(free=100), opt(free=300)]).index == 1
+    # Equal room: rotation, advancing only on such ties, alternates.
+    picks = [p.place([opt(free=5), opt(free=5)]).index for _ in range(4)]
+    assert sorted(picks) == [0, 0, 1, 1]
+
+
+def test_a_cached_prefix_keeps_its_backend_within_slack():
+    p = Placer(slack=1.0)
+    # The holder has some queued work, still cheaper than re-prefilling elsewhere.
+    holder = opt(prompt=2000, matched=1800, queued_tokens=500)
+    assert p.place([opt(prompt=2000, free=10**9), holder]).index == 1
+    # Far too busy: the request goes elsewhere.
+    swamped = opt(prompt=2000, matched=1800, queued_tokens=5000)
+    assert p.place([opt(prompt=2000), swamped]).index == 0
+
+
+def test_a_backend_full_of_decodes_loses_new_prefixes():
+    p = Placer()
+    busy = opt(free=10**9, max_batch=8, decoding=8, decode_steps_per_s=20, reply_tokens=200)
+    idle = opt(free=10, max_batch=8)
+    for _ in range(4):
+        assert p.place([busy, idle]).index == 1
+
+
+def test_small_rate_differences_do_not_decide():
+    # Costs within the tie window count as equal: free cache decides.
+    p = Placer()
+    a = Option(cost(CostInput(prompt_tokens=1000, prefill_tps=1050)), 0, 100, 0)
+    b = Option(cost(CostInput(prompt_tokens=1000, prefill_tps=1000)), 0, 900, 0)
+    assert p.place([a, b]).index == 1
