@@ -227,8 +227,10 @@ def main() -> int:
         fleet = Fleet(Path(tmp), args)
         try:
             fleet.start_backends()
-            for policy in args.policies.split(","):
-                for n in [int(x) for x in args.proxies.split(",")]:
+            # Proxy count outermost and policies next: the runs compared with each other
+            # are close in time on a shared machine.
+            for n in [int(x) for x in args.proxies.split(",")]:
+                for policy in args.policies.split(","):
                     urls = fleet.start_proxies(n, policy)
                     for i, rate in enumerate(float(x) for x in args.rates.split(",")):
                         step = Step(policy, n, rate)
