@@ -13,7 +13,8 @@ from redis.cluster import key_slot
 
 from kvroute.prefix import chat_chain, make_salt
 from kvroute.redis_server import RedisServer
-from kvroute.registry import BackendRecord, Publisher, Registry, new_instance_id
+from backend.publisher import Publisher
+from kvroute.registry import BackendRecord, Registry, new_instance_id
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli not installed")
 
@@ -122,9 +123,9 @@ def test_registry_on_a_three_master_cluster(cluster):
         found = await reg.lookup(models[0], conv(5, models[0]))
         assert found["b1"].depth == len(conv(3, models[0])) and found["b2"].depth == 0
         # A pending mark, read back by the lookup script on the model's master.
-        await reg.mark_pending(models[0], conv(5, models[0]), "b2", 3000)
+        await reg.mark_route(models[0], conv(5, models[0]), "b2", 3000)
         found = await reg.lookup(models[0], conv(5, models[0]))
-        assert found["b2"].pending_depth == len(conv(5, models[0]))
+        assert found["b2"].marked_depth == len(conv(5, models[0]))
         for m in models[1:]:
             assert (await reg.lookup(m, conv(3, m)))["b1"].depth == len(conv(3, m))
         assert [r.backend_id for r in await reg.live_backends()] == ["b1", "b2"]

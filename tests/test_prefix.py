@@ -285,10 +285,10 @@ from kvroute.prefix import PREFIX_SCHEME, fingerprint, request_chain, request_ki
 
 def test_request_chain_is_the_chat_and_completion_chain():
     body = conv("hello " * 80)
-    assert request_chain("chat", body, model=MODEL, salt=SALT) == chat_chain_with_sizes(
+    assert request_chain("chat", body, model=MODEL, salt=SALT) == chat_chain_with_ends(
         body, model=MODEL, salt=SALT)
     assert request_chain("completion", {"prompt": "once"}, model=MODEL, salt=SALT) == \
-        completion_chain_with_sizes("once", model=MODEL, salt=SALT)
+        completion_chain_with_ends("once", model=MODEL, salt=SALT)
     assert request_kind("/v1/chat/completions") == "chat"
     assert request_kind("/v1/completions") == "completion"
 
