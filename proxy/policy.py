@@ -137,11 +137,12 @@ class _Base:
         return (fleet_median([c.load.bytes_per_token for c in ctx.candidates])
                 or self.config.bytes_per_token)
 
-    def unmatched_tokens(self, ctx: RouteContext, c: Candidate) -> float:
-        return max(0, ctx.request_bytes - ctx.matched_bytes(c)) / self.bytes_per_token(ctx)
+    def unmatched_tokens(self, ctx: RouteContext, c: Candidate, bpt: float = 0.0) -> float:
+        return max(0, ctx.request_bytes - ctx.matched_bytes(c)) / (bpt or self.bytes_per_token(ctx))
 
-    def decide(self, ctx: RouteContext, c: Candidate, reason: str, **kw) -> Decision:
-        return Decision(c, reason, self.unmatched_tokens(ctx, c), **kw)
+    def decide(self, ctx: RouteContext, c: Candidate, reason: str, bpt: float = 0.0,
+               **kw) -> Decision:
+        return Decision(c, reason, self.unmatched_tokens(ctx, c, bpt), **kw)
 
     @staticmethod
     def pool(ctx: RouteContext) -> list[Candidate]:
@@ -190,11 +191,16 @@ class CacheAware(_Base):
         self._weights = config.weights()
         self._placer = Placer(slack=config.locality_slack)
 
-    def cost_input(self, ctx: RouteContext, c: Candidate) -> CostInput:
+    def calibration(self, ctx: RouteContext) -> tuple[float, float]:
+        """The model's bytes per token and prefill rate: medians over its backends."""
+        rate = fleet_median([x.load.prefill_tps for x in ctx.candidates])
+        return self.bytes_per_token(ctx), rate or self._weights.default_prefill_tps
+
+    def cost_input(self, ctx: RouteContext, c: Candidate,
+                   calibration: tuple[float, float] | None = None) -> CostInput:
         """What the cost function sees of one candidate (proxy/cost.py)."""
-        bpt = self.bytes_per_token(ctx)
+        bpt, rate = calibration or self.calibration(ctx)
         w = self._weights
-        rate = fleet_median([x.load.prefill_tps for x in ctx.candidates]) or w.default_prefill_tps
         load = c.load
         return CostInput(
             prompt_tokens=ctx.request_bytes / bpt, matched_tokens=ctx.matched_bytes(c) / bpt,
@@ -212,9 +218,10 @@ class CacheAware(_Base):
         if not ctx.registry_known:
             chosen = self.least_loaded(pool)
             return self.decide(ctx, chosen, "no-registry", mark=self._needs_mark(ctx, chosen))
+        calibration = self.calibration(ctx)
         options = []
         for c in pool:
-            x = self.cost_input(ctx, c)
+            x = self.cost_input(ctx, c, calibration)
             options.append(Option(cost(x, self._weights), x.matched_tokens, c.load.free_bytes,
                                   c.load.inflight + c.load.reported_queue))
         placed = self._placer.place(options)
@@ -224,7 +231,7 @@ class CacheAware(_Base):
         else:
             # "pending-hit": the label users see in metrics and the dashboard.
             reason = "pending-hit" if chosen.expected_only else "cache-hit"
-        return self.decide(ctx, chosen, reason, ttft_estimate=option.cost.ttft,
+        return self.decide(ctx, chosen, reason, calibration[0], ttft_estimate=option.cost.ttft,
                            predicted_tokens=int(option.matched_tokens),
                            mark=self._needs_mark(ctx, chosen))
 
