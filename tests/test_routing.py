@@ -140,14 +140,15 @@ def test_new_conversations_spread_and_follow_ups_stick(fleet):
 def test_a_batch_full_of_decodes_loses_new_prefixes(fleet):
     busy = fleet["backends"]["r1"]
     proxy = fleet["proxies"][0]
-    # Fill r1's batch (--max-batch 2) with long decodes, sent to it directly.
+    # Fill r1's batch (--max-batch 2) with long decodes, sent to it directly, and queue
+    # more behind them so that it stays full while the test routes.
     streams = [SSEStream(busy.url + "/v1/chat/completions", {
         # A strong bias on one ordinary token: the demo model never reaches EOS.
         "model": MODEL, "max_tokens": 4000, "logit_bias": {"100": 100},
         "messages": [{"role": "user", "content": f"Write a long story {i}."}]},
-        headers={"x-kvroute-token": TOKEN}) for i in range(2)]
+        headers={"x-kvroute-token": TOKEN}) for i in range(8)]
     try:
-        for s in streams:
+        for s in streams[:2]:
             assert s.status == 200
             next(s.events())
         wait_until(lambda: proxy.backend("r1")["decoding"] == 2, 10,
@@ -157,6 +158,8 @@ def test_a_batch_full_of_decodes_loses_new_prefixes(fleet):
             messages = [{"role": "system", "content": system_prompt()},
                         {"role": "user", "content": "Hello there."}]
             homes.append(chat(proxy, messages)[1]["x-kvroute-backend"])
+        # Still full while they were routed: otherwise this run proves nothing.
+        assert busy.health()["engine"]["decoding"] == 2
         assert homes == ["r2"] * 3, homes
     finally:
         for s in streams:
