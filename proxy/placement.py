@@ -7,9 +7,12 @@
        turn, until its queue costs more than re-prefilling elsewhere.
     3. Spreading: candidates whose estimates are within `tie` of the cheapest
        (max(tie_seconds, tie_share x best)) count as equal. Among equals the one with
-       the most free cache wins, then the least loaded, then a rotation that advances
-       only when it decides. So new conversations started one after another go to the
-       backend with the most room, not to whichever measured itself fastest.
+       the most free cache wins, in steps of `free_step` of its budget (records are up
+       to a heartbeat old, so small differences say nothing), then the least loaded,
+       then a rotation in backend order that advances only when it decides. So new
+       conversations started one after another go to the backend with the most room,
+       and alternate among backends with as much room, not to whichever measured
+       itself fastest.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from .cost import Cost
 class Option:
     cost: Cost
     matched_tokens: float
-    free_bytes: int  # cache budget minus bytes held; 0 when unknown
+    free_share: float  # share of its cache budget that is free; 0 when unknown
     load: int  # requests open or queued there
+    key: str = ""  # the backend id: the rotation's order
 
 
 @dataclass(frozen=True)
@@ -35,10 +39,12 @@ class Placement:
 
 
 class Placer:
-    def __init__(self, slack: float = 1.0, tie_seconds: float = 0.05, tie_share: float = 0.1):
+    def __init__(self, slack: float = 1.0, tie_seconds: float = 0.05, tie_share: float = 0.1,
+                 free_step: float = 0.05):
         self.slack = slack
         self.tie_seconds = tie_seconds
         self.tie_share = tie_share
+        self.free_step = free_step
         self._rotation = 0
 
     def place(self, options: list[Option]) -> Placement:
@@ -61,9 +67,10 @@ class Placer:
         equal = [i for i in indexes if options[i].cost.ttft <= best + window]
         if len(equal) == 1:
             return equal[0], 1
-        top = max((options[i].free_bytes, -options[i].load) for i in equal)
-        equal = [i for i in equal if (options[i].free_bytes, -options[i].load) == top]
+        rank = {i: (int(options[i].free_share / self.free_step), -options[i].load) for i in equal}
+        top = max(rank.values())
+        equal = sorted((i for i in equal if rank[i] == top), key=lambda i: options[i].key)
         if len(equal) == 1:
-            return equal[0], len(equal)
+            return equal[0], 1
         self._rotation += 1
         return equal[self._rotation % len(equal)], len(equal)

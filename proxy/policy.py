@@ -45,7 +45,7 @@ class Load:
     max_batch: int = 0
     decode_steps_per_s: float = 0.0
     reply_tokens: float = 0.0  # mean tokens of a finished reply
-    free_bytes: int = 0  # cache budget minus bytes held
+    free_share: float = 0.0  # share of the cache budget not held
     restore_tokens: float = 0.0  # prompt tokens it can restore from a disk tier
 
     @property
@@ -222,8 +222,8 @@ class CacheAware(_Base):
         options = []
         for c in pool:
             x = self.cost_input(ctx, c, calibration)
-            options.append(Option(cost(x, self._weights), x.matched_tokens, c.load.free_bytes,
-                                  c.load.inflight + c.load.reported_queue))
+            options.append(Option(cost(x, self._weights), x.matched_tokens, c.load.free_share,
+                                  c.load.inflight + c.load.reported_queue, c.backend_id))
         placed = self._placer.place(options)
         chosen, option = pool[placed.index], options[placed.index]
         if not option.matched_tokens:

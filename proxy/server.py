@@ -103,7 +103,8 @@ def _candidate(b: Backends, r: BackendRecord, advertised_depth: int = 0,
                   prefill_tps=r.prefill_tps, bytes_per_token=r.bytes_per_token,
                   decoding=r.decoding, max_batch=r.max_batch,
                   decode_steps_per_s=r.decode_steps_per_s, reply_tokens=r.reply_tokens,
-                  free_bytes=max(0, r.cache_budget - r.cache_bytes)),
+                  free_share=(max(0, r.cache_budget - r.cache_bytes) / r.cache_budget
+                              if r.cache_budget > 0 else 0.0)),
         suspect=b.is_suspect(bid),
     )
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from tokenizers import Tokenizer
 from harness import BackendProcess, SSEStream, free_port, request, wait_until
 
 from kvroute.redis_server import RedisServer
@@ -137,14 +138,16 @@ def test_new_conversations_spread_and_follow_ups_stick(fleet):
         assert 0.7 <= d["predicted_tokens"] / d["cached_tokens"] <= 1.3, d
 
 
-def test_a_batch_full_of_decodes_loses_new_prefixes(fleet):
+def test_a_batch_full_of_decodes_loses_new_prefixes(fleet, text_model):
     busy = fleet["backends"]["r1"]
     proxy = fleet["proxies"][0]
+    # A strong bias on a printable token: the demo model never reaches EOS, and each
+    # token streams out at once.
+    token = Tokenizer.from_file(str(text_model / "tokenizer.json")).encode(" story").ids[0]
     # Fill r1's batch (--max-batch 2) with long decodes, sent to it directly, and queue
     # more behind them so that it stays full while the test routes.
     streams = [SSEStream(busy.url + "/v1/chat/completions", {
-        # A strong bias on one ordinary token: the demo model never reaches EOS.
-        "model": MODEL, "max_tokens": 4000, "logit_bias": {"100": 100},
+        "model": MODEL, "max_tokens": 4000, "logit_bias": {str(token): 100},
         "messages": [{"role": "user", "content": f"Write a long story {i}."}]},
         headers={"x-kvroute-token": TOKEN}) for i in range(8)]
     try:
