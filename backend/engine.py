@@ -195,6 +195,9 @@ class Engine:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_tps = 0.0
+        self.decode_steps_per_s = 0.0  # batch steps/s: each decoding sequence gains a token
+        self.reply_tokens = 0.0  # mean tokens of a finished reply
+        self.decoding = 0  # sequences in the decode phase after the last step
         self.peak_batch = 0
         # Whether entries need checkpoints: some layer cannot always be trimmed.
         self.checkpointing = not always_trimmable(make_prompt_cache(model))
@@ -396,6 +399,10 @@ class Engine:
         if stats.prompt_tokens and stats.prompt_time > 0:
             rate = stats.prompt_tokens / stats.prompt_time
             self.prefill_tps = rate if not self.prefill_tps else 0.8 * self.prefill_tps + 0.2 * rate
+        if stats.generation_steps and stats.decode_time > 0:
+            steps = stats.generation_steps / stats.decode_time
+            old = self.decode_steps_per_s
+            self.decode_steps_per_s = steps if not old else 0.9 * old + 0.1 * steps
         for r in prompt_responses:
             job = self._jobs.get(r.uid)
             if job is None:
@@ -418,7 +425,7 @@ class Engine:
                 if job.uid in self._jobs:
                     self._gen.remove([job.uid])
                     self._fail(job, f"Generation failed: {exc}")
-        decoding = sum(j.phase == "decode" for j in self._jobs.values())
+        decoding = self.decoding = sum(j.phase == "decode" for j in self._jobs.values())
         self.peak_batch = max(self.peak_batch, decoding)
         self._update_gauges()
         self._injected_delay()
@@ -548,6 +555,8 @@ class Engine:
             job.emit(APIError(499, "Client closed the request.", "server_error"))
             return
         reason = {"eos": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}[exit_path]
+        self.reply_tokens = (job.generated if not self.reply_tokens
+                             else 0.9 * self.reply_tokens + 0.1 * job.generated)
         job.emit(Finish(reason, exit_path, len(job.prompt), job.generated, job.cached_tokens, stop))
 
     def _fail(self, job: Job, message: str, status: int = 500) -> None:

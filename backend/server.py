@@ -77,6 +77,8 @@ class State:
     instance_id: str = ""
     publisher: Publisher | None = None
     vocab_size: int = 0  # rows of the logits: logit_bias token ids must index inside them
+    bytes_per_token: float = 0.0  # measured canonical request bytes per prompt token
+    drops_reasoning: str = ""  # see _drops_reasoning
 
 
 def _state(request: web.Request) -> State:
@@ -203,6 +205,10 @@ def _scope(request: web.Request) -> str | None:
     return request.headers.get("x-kvroute-scope") or None
 
 
+def _keys(pairs: list[tuple[int, int]]) -> list[int]:
+    return [k for k, _ in pairs]
+
+
 def _chat_chains(state: State, body: dict, req: ChatRequest, scope: str | None,
                  marks: dict[int, int], prompt: list[int]):
     """The request's prefix keys, the keys of each checkpoint, and a function
@@ -210,34 +216,72 @@ def _chat_chains(state: State, body: dict, req: ChatRequest, scope: str | None,
     salt = prefix.make_salt(state.config.secret, scope)
     kw = {"model": req.model, "salt": salt, "block_bytes": state.config.block_bytes}
     try:
-        chain = prefix.chat_chain(body, **kw)
+        pairs = prefix.request_chain("chat", body, **kw)
     except ValueError as exc:  # what the template ignores but the key scheme refuses
         raise bad_request(f"Invalid request: {exc}.")
+    chain = _keys(pairs)
+    _calibrate(state, pairs, len(prompt))
     n_messages = len(body["messages"])
     checkpoints = {len(prompt) - 1: chain}
     for position, n in marks.items():
-        checkpoints[position] = chain if n == n_messages else prefix.chat_chain(
-            {**body, "messages": body["messages"][:n]}, **kw)
+        checkpoints[position] = chain if n == n_messages else _keys(prefix.request_chain(
+            "chat", {**body, "messages": body["messages"][:n]}, **kw))
+    think = state.drops_reasoning
 
     def extend(text: str, tool_calls: list[dict]) -> list[int]:
+        if think and think in text:
+            # The template renders past replies without their reasoning: next turn's
+            # prompt will not extend what this sequence holds past the prompt.
+            return chain
         # The assistant turn exactly as an OpenAI client will send it back next time.
         reply: dict = {"role": "assistant", "content": text or None}
         if tool_calls:
             reply["tool_calls"] = tool_calls
-        return prefix.chat_chain({**body, "messages": body["messages"] + [reply]}, **kw)
+        return _keys(prefix.request_chain(
+            "chat", {**body, "messages": body["messages"] + [reply]}, **kw))
 
     return chain, checkpoints, extend
 
 
-def _completion_chains(state: State, req: CompletionRequest, scope: str | None, prompt: list[int]):
+def _completion_chains(state: State, body: dict, req: CompletionRequest, scope: str | None,
+                       prompt: list[int]):
     salt = prefix.make_salt(state.config.secret, scope)
     kw = {"model": req.model, "salt": salt, "block_bytes": state.config.block_bytes}
 
     def extend(text: str, tool_calls: list[dict]) -> list[int]:
-        return prefix.completion_chain(req.prompt + text, **kw)
+        return _keys(prefix.request_chain("completion", {"prompt": req.prompt + text}, **kw))
 
-    chain = prefix.completion_chain(req.prompt, **kw)
+    pairs = prefix.request_chain("completion", body, **kw)
+    _calibrate(state, pairs, len(prompt))
+    chain = _keys(pairs)
     return chain, {len(prompt) - 1: chain}, extend
+
+
+def _calibrate(state: State, pairs: list[tuple[int, int]], prompt_tokens: int) -> None:
+    """Measure canonical-stream bytes per prompt token: proxies have no tokenizer
+    and turn request bytes into tokens with it (published in the record)."""
+    if pairs and prompt_tokens > 0:
+        ratio = pairs[-1][1] / prompt_tokens
+        old = state.bytes_per_token
+        state.bytes_per_token = ratio if not old else 0.9 * old + 0.1 * ratio
+
+
+def _drops_reasoning(tokenizer) -> str:
+    """The reasoning start marker when the chat template drops the reasoning of past
+    replies (Qwen3-style), else "": the reply of such a turn is not a prefix of the
+    next turn's prompt, so only the request's own chain may be advertised for it."""
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    if not (isinstance(start, str) and isinstance(end, str) and start and end):
+        return ""
+    probe = "kvroute-probe-reasoning"
+    messages = [{"role": "user", "content": "a"},
+                {"role": "assistant", "content": f"{start}{probe}{end}answer"},
+                {"role": "user", "content": "b"}]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception:
+        return ""
+    return "" if probe in text else start
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -267,11 +311,12 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
-    req = parse_completion(await _read_body(request))
+    body = await _read_body(request)
+    req = parse_completion(body)
     _check_model(state, req.model)
     scope = _scope(request)
     prompt = await asyncio.to_thread(_encode, state, req.prompt)
-    chains = _completion_chains(state, req, scope, prompt)
+    chains = _completion_chains(state, body, req, scope, prompt)
     builder = CompletionBuilder(state.config.model_id, logprobs=req.params.logprobs)
     return await _generate(request, state, req, prompt, builder, None, chains, scope)
 
@@ -556,7 +601,8 @@ def load_state(config: BackendConfig) -> State:
     )
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
     return State(config, engine, tokenizer, metrics_, store, context, time.time(), new_instance_id(),
-                 vocab_size=_vocab_size(model_config, tokenizer))
+                 vocab_size=_vocab_size(model_config, tokenizer),
+                 drops_reasoning=_drops_reasoning(tokenizer))
 
 
 def _evaluate_private_arrays(model) -> None:
@@ -592,6 +638,12 @@ def _record(state: State) -> BackendRecord:
         waiting=state.engine.waiting,
         running=state.engine.queue_depth - state.engine.waiting,
         prefill_tps=state.engine.prefill_tps,
+        bytes_per_token=round(state.bytes_per_token, 3),
+        decode_steps_per_s=round(state.engine.decode_steps_per_s, 2),
+        reply_tokens=round(state.engine.reply_tokens, 1),
+        decoding=state.engine.decoding,
+        max_batch=state.engine.max_batch,
+        **prefix.fingerprint(c.secret, c.block_bytes),
         started_at=state.started,
         updated_at=time.time(),
     )

@@ -7,6 +7,11 @@ record parsing) for 64- and 512-key chains, and the cost of computing the chain 
 a 128 KB chat request. "Redis mean ms" is the script's own run time (INFO commandstats),
 the rest is the client, the event loop and the loopback round trip.
 
+Bursts: N lookups issued at once (as N requests arriving together), coalesced into
+pipelines by `Registry.lookup` vs one EVALSHA call each (what the client did before),
+and, for scale, the same depths computed from an in-process dict of sets (what an
+in-proxy index fed by a stream of insert/evict events would answer from).
+
     python bench/bench_lookup.py [--backends 16] [--iterations 3000]
 """
 
@@ -150,8 +155,10 @@ async def main(args) -> None:
                 stats = await raw.info("commandstats")
                 server_us = stats.get("cmdstat_evalsha", {}).get("usec_per_call", float("nan"))
                 rows.append((f"{n}", label, lat, server_us))
+        bursts = await burst_rows(reg, raw, records, rng)
         await reg.close()
         await raw.aclose()
+    print_bursts(bursts)
 
     table = Table(title=f"Registry.lookup latency ({args.iterations} sequential lookups each, loopback)")
     for col in ("chain keys", "case", "p50 ms", "p99 ms", "max ms", "mean ms", "lookups/s", "Redis mean ms"):
@@ -183,6 +190,70 @@ async def main(args) -> None:
                f"{percentile(times, 0.5) * 1e3:.3f}", f"{percentile(times, 0.99) * 1e3:.3f}",
                f"{statistics.fmean(times) * 1e3:.3f}")
     console.print(t2)
+
+
+async def burst_rows(reg: Registry, raw, records, rng: random.Random) -> list[tuple]:
+    from kvroute.keys import chain_hex, model_tag
+    from kvroute.registry import _SCRIPTS
+
+    chain = random_chain(rng, 64)
+    depths = [rng.randrange(65) for _ in records]
+    for d, rec in zip(depths, records):
+        await reg.advertise(rec.backend_id, rec.instance_id, MODEL, chain[:d])
+    tag = model_tag(MODEL)
+    script = raw.register_script(_SCRIPTS["lookup"])
+    await script(keys=[tag + "backends"], args=[tag, chain_hex(chain)])
+
+    async def timed(aw) -> float | None:
+        """Seconds to an answer; None when the lookup failed or answered "unknown"."""
+        t0 = time.perf_counter()
+        try:
+            ok = await aw is not None
+        except Exception:  # e.g. the client's connection pool is exhausted
+            ok = False
+        return time.perf_counter() - t0 if ok else None
+
+    rows = []
+    for n in (1, 50, 200):
+        for label, make in (
+            ("coalesced (Registry.lookup)", lambda: reg.lookup(MODEL, chain)),
+            ("one EVALSHA each", lambda: script(keys=[tag + "backends"], args=[tag, chain_hex(chain)])),
+        ):
+            lat, walls, failed = [], [], 0
+            for _ in range(max(3, 600 // n)):
+                t0 = time.perf_counter()
+                got = await asyncio.gather(*(timed(make()) for _ in range(n)))
+                walls.append(time.perf_counter() - t0)
+                lat += [x for x in got if x is not None]
+                failed += sum(x is None for x in got)
+            rows.append((n, label, sorted(lat), statistics.median(walls), failed / (len(lat) + failed)))
+    # The in-process alternative: key -> set of holders, walked key by key.
+    index = {k: {r.backend_id for d, r in zip(depths, records) if i < d} for i, k in enumerate(chain)}
+    lat = []
+    for _ in range(3000):
+        t0 = time.perf_counter()
+        alive = {r.backend_id for r in records}
+        found = dict.fromkeys(alive, 0)
+        for i, k in enumerate(chain):
+            alive &= index.get(k, set())
+            if not alive:
+                break
+            for b in alive:
+                found[b] = i + 1
+        lat.append(time.perf_counter() - t0)
+    assert found == {r.backend_id: d for d, r in zip(depths, records)}
+    rows.append((1, "in-process index (dict of sets)", sorted(lat), statistics.median(lat), 0.0))
+    return rows
+
+
+def print_bursts(rows: list[tuple]) -> None:
+    table = Table(title="Lookup bursts: 64-key chain, 16 backends at random depths")
+    for col in ("burst", "how", "p50 ms", "p99 ms", "burst wall ms", "failed"):
+        table.add_column(col, justify="left" if col == "how" else "right")
+    for n, label, lat, wall, failed in rows:
+        table.add_row(str(n), label, f"{percentile(lat, 0.5) * 1e3:.3f}",
+                      f"{percentile(lat, 0.99) * 1e3:.3f}", f"{wall * 1e3:.2f}", f"{failed:.0%}")
+    console.print(table)
 
 
 if __name__ == "__main__":

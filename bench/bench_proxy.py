@@ -91,7 +91,8 @@ def pinned(cmd: list[str], core: int) -> list[str]:
 async def register(redis_url: str, url: str, stop: asyncio.Event) -> None:
     reg = Registry(redis_url)
     record = BackendRecord(backend_id="fake", instance_id=new_instance_id(), url=url,
-                           models=[MODEL], prefill_tps=5000.0)
+                           models=[MODEL], prefill_tps=5000.0,
+                           **prefix.fingerprint(SECRET, prefix.DEFAULT_BLOCK_BYTES))
     salt = prefix.make_salt(SECRET)
     for i in range(16):
         keys = prefix.chat_chain(conversation(i), model=MODEL, salt=salt)

@@ -155,8 +155,8 @@ BACKEND = [
          toml="models.max_prompt_tokens"),
     _opt("default_max_tokens", int, 4096, "completion cap when a request sets none",
          toml="models.default_max_tokens"),
-    _opt("redis_url", str, "", "registry to advertise the cache in (redis:// or rediss://); "
-         "empty: serve alone"),
+    _opt("redis_url", str, "", "registry to advertise the cache in (redis://, rediss://, "
+         "redis+cluster://, redis+sentinel://); empty: serve alone"),
     _SECRET,
     _opt("advertise_url", str, "", "URL proxies use to reach this backend (default http://HOST:PORT)"),
     _TOKEN,
@@ -170,7 +170,8 @@ BACKEND = [
 ]
 
 PROXY = [
-    _opt("redis_url", str, "", "the registry backends advertise in (redis:// or rediss://); required"),
+    _opt("redis_url", str, "", "the registry backends advertise in (redis://, rediss://, "
+         "redis+cluster://, redis+sentinel://); required"),
     _opt("host", str, "127.0.0.1", "bind address"),
     _opt("port", int, 8000, "port"),
     _SECRET,

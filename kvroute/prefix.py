@@ -5,9 +5,10 @@ The proxy and the backend both compute these keys from the request body alone
 byte stream made of segments:
 
     header   salt and model id
-    tools    canonical JSON of the tool list (only when tools are given)
+    tools    canonical JSON of the tool list (only when tools are given and
+             tool_choice is not "none": the template then never sees them)
     message  one segment per message: role, name, text content, tool calls, tool_call_id
-    prompt   for /v1/completions: the prompt text
+    prompt   for /v1/completions: the prompt text (a one-element list counts as its string)
 
 Every field is length-prefixed, so moving bytes from one field or message into the
 next one changes the stream. Each segment is cut into blocks of at most
@@ -18,6 +19,10 @@ first block chained from a seed derived from the salt. A change anywhere changes
 every key from its block on.
 
 Keys are routing hints: the backend matches its cache exactly at token level.
+`request_chain` is the one entry point both sides use, so what the proxy predicts
+and what the backend advertises come from the same code. `fingerprint` names the
+scheme a process uses (version, block size, a tag of the secret): processes whose
+fingerprints differ compute unrelated keys.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import xxhash
 DEFAULT_BLOCK_BYTES = 256
 
 # Bump when the canonical stream changes: old and new keys must never meet.
-_VERSION = b"kvroute-prefix-v1"
+PREFIX_SCHEME = 2
+_VERSION = b"kvroute-prefix-v%d" % PREFIX_SCHEME
 
 _H = xxhash.xxh3_64_intdigest
 _U32 = struct.Struct(">I")
@@ -181,14 +187,18 @@ def chat_segments(body: Any, *, model: str, salt: bytes) -> list[bytes]:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ValueError(f"'tools' must be a list, not {type(tools).__name__}")
-    if tools:
+    # tool_choice "none" renders the prompt without tools (kvroute/wire.py): hash what
+    # the template sees, or the backend's cache never matches the prediction.
+    if tools and body.get("tool_choice") != "none":
         segments.append(_TAG_TOOLS + _field(_canonical_json(tools, "tools")))
     segments.extend(_message_segment(m, i) for i, m in enumerate(messages))
     return segments
 
 
 def completion_segments(prompt: Any, *, model: str, salt: bytes) -> list[bytes]:
-    """The canonical segments of a /v1/completions prompt."""
+    """The canonical segments of a /v1/completions prompt (a string, or a list of one)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # the backend accepts it as that string (kvroute/wire.py)
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string, not {type(prompt).__name__}")
     return [_header_segment(model, salt), _TAG_PROMPT + _field(_text(prompt))]
@@ -257,6 +267,45 @@ def completion_chain(
 ) -> list[int]:
     """Prefix keys of a /v1/completions prompt."""
     return _keys(completion_chain_with_ends(prompt, model=model, salt=salt, block_bytes=block_bytes))
+
+
+def request_chain(
+    kind: str, body: Any, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES
+) -> list[tuple[int, int]]:
+    """(key, end offset) for each block of a request body; `kind` is "chat" (a
+    /v1/chat/completions body) or "completion" (a /v1/completions body).
+
+    The one chain function of the project: the proxy predicts with it, the backend
+    advertises with it. Raises ValueError for a body the scheme cannot hash.
+    """
+    if not isinstance(body, dict):
+        raise ValueError(f"request body must be a JSON object, not {type(body).__name__}")
+    if kind == "chat":
+        segments = chat_segments(body, model=model, salt=salt)
+    elif kind == "completion":
+        segments = completion_segments(body.get("prompt"), model=model, salt=salt)
+    else:
+        raise ValueError(f"unknown request kind {kind!r}")
+    return chain_segments(segments, salt=salt, block_bytes=block_bytes)
+
+
+def request_kind(path: str) -> str:
+    """"chat" or "completion" for a request path."""
+    return "chat" if path.endswith("/chat/completions") else "completion"
+
+
+def secret_tag(secret: str | bytes) -> str:
+    """A short public tag of the deployment secret: equal secrets give equal tags,
+    and the tag reveals nothing usable about the secret (HMAC, truncated)."""
+    if isinstance(secret, str):
+        secret = secret.encode()
+    return hmac.new(secret, _VERSION + b"/fingerprint", hashlib.sha256).hexdigest()[:16]
+
+
+def fingerprint(secret: str | bytes, block_bytes: int) -> dict[str, Any]:
+    """What two processes must share for their chains to meet."""
+    return {"prefix_scheme": PREFIX_SCHEME, "block_bytes": int(block_bytes),
+            "secret_tag": secret_tag(secret)}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

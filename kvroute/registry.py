@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Awaitable, TypeVar
 
 import orjson
-import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from . import redis_client
+from .coalesce import ScriptBatcher, Unanswered
 from .keys import ALL_BACKENDS, chain_hex, check_id, member, model_tag, record_key, response_key
 
 log = logging.getLogger("kvroute.registry")
@@ -63,6 +64,18 @@ class BackendRecord:
     waiting: int = 0  # requests accepted, not yet admitted to the engine's batch
     running: int = 0  # requests in the engine's batch: prefilling or decoding
     prefill_tps: float = 0.0  # measured prefill tokens/s
+    # Calibration for the proxy's cost function (proxy/cost.py), measured by the
+    # backend for the model it serves.
+    bytes_per_token: float = 0.0  # canonical request bytes per prompt token
+    decode_steps_per_s: float = 0.0  # batch steps/s; each decoding sequence gains a token
+    reply_tokens: float = 0.0  # mean tokens of a finished reply
+    decoding: int = 0  # sequences decoding now
+    max_batch: int = 0  # sequences one batch holds; 0 = unknown
+    # The prefix-key fingerprint (kvroute.prefix.fingerprint): a proxy matches caches
+    # only on backends whose fingerprint equals its own.
+    prefix_scheme: int = 0
+    block_bytes: int = 0
+    secret_tag: str = ""
     started_at: float = 0.0
     updated_at: float = 0.0
 
@@ -92,6 +105,12 @@ class PrefixMatch:
     depth: int  # leading keys it advertised (contiguous from key 0)
     record: BackendRecord
     marked_depth: int = 0  # leading keys advertised *or* carrying a routing mark for it (>= depth)
+
+
+def _consume(fut: asyncio.Future) -> None:
+    # A late answer nobody waits for: retrieve its exception so asyncio does not log it.
+    if not fut.cancelled():
+        fut.exception()
 
 
 def new_instance_id() -> str:
@@ -125,14 +144,15 @@ class Registry:
         op_timeout: float = 1.0,
         retry_after: float = 0.5,
     ):
-        """url: redis:// or rediss:// (username/password and ssl_* query options allowed).
+        """url: see kvroute/redis_client.py (one server, redis+cluster://, redis+sentinel://).
 
         lookup_timeout: deadline of one lookup; past it the answer is "unknown".
         key_ttl: backstop expiry (s) of advertised keys; publishers refresh well before.
         record_ttl: lifetime (s) of a backend record; heartbeats must come faster.
         op_timeout: deadline of writes (heartbeat, advertise, ...).
-        retry_after: after a failed lookup, answer "unknown" at once for this long,
-            so a hung Redis costs one deadline, not one per request.
+        retry_after: after a lookup pipeline failed (Redis refused, errored or said
+            nothing for op_timeout), answer "unknown" at once for this long. A lookup
+            that only missed its own deadline never trips this.
         """
         self.url = url
         self.lookup_timeout = lookup_timeout
@@ -140,7 +160,7 @@ class Registry:
         self.record_ttl = record_ttl
         self.op_timeout = op_timeout
         self.retry_after = retry_after
-        self._redis = aioredis.from_url(
+        self._redis = redis_client.connect(
             url,
             socket_connect_timeout=op_timeout,
             socket_timeout=op_timeout,
@@ -148,14 +168,15 @@ class Registry:
             # broke; anything longer is the caller's backoff, not ours.
             retry=Retry(NoBackoff(), 1),
         )
-        self._lookup = self._redis.register_script(_SCRIPTS["lookup"])
         self._advertise = self._redis.register_script(_SCRIPTS["advertise"])
         self._withdraw = self._redis.register_script(_SCRIPTS["withdraw"])
-        self._mark = self._redis.register_script(_SCRIPTS["mark"])
         self._delete_record = self._redis.register_script(_SCRIPTS["delete_record"])
         self._purge = self._redis.register_script(_SCRIPTS["purge"])
         self._down_until = 0.0
         self._down = False
+        self.late = 0  # lookups that missed their own deadline
+        self._batch = ScriptBatcher(self._redis, stall_after=op_timeout,
+                                    on_failure=self._lookup_failed, on_success=self._batch_ok)
         self._models_of: dict[str, list[str]] = {}  # backend id -> models last heartbeat
         # Parsed records by their JSON: a record changes once per heartbeat, lookups
         # come far more often, and parsing 16 records costs more than the round trip.
@@ -281,36 +302,47 @@ class Registry:
 
     # -- proxy side ---------------------------------------------------------
 
-    async def lookup(self, model: str, chain: list[int]) -> dict[str, PrefixMatch] | None:
+    async def lookup(self, model: str, chain: list[int],
+                     timeout: float | None = None) -> dict[str, PrefixMatch] | None:
         """Depth of each live backend serving `model` on `chain`, by backend id.
 
         Backends with depth 0 are included, so the caller can still pick by load.
-        Returns None ("unknown") if Redis is down, slow or past lookup_timeout; never raises
-        for Redis trouble (ValueError only for a malformed model or chain).
+        Returns None ("unknown") if Redis is down, or this lookup's answer misses its
+        deadline (`timeout`, default lookup_timeout); never raises for Redis trouble
+        (ValueError only for a malformed model or chain). Lookups issued within one
+        loop tick share one pipeline; a missed deadline costs only its own request.
         """
         tag = model_tag(model)
         hexed = chain_hex(chain)
         if time.monotonic() < self._down_until:
             return None
+        fut = self._batch.call(_SCRIPTS["lookup"], [tag + "backends"], [tag, hexed])
         try:
-            flat = await asyncio.wait_for(
-                self._lookup(keys=[tag + "backends"], args=[tag, hexed]), self.lookup_timeout
-            )
+            flat = await asyncio.wait_for(asyncio.shield(fut),
+                                          self.lookup_timeout if timeout is None else timeout)
+        except asyncio.TimeoutError:
+            if not fut.done() or fut.exception() is not None:
+                self.late += 1
+                fut.add_done_callback(_consume)
+                return None
+            flat = fut.result()  # answered in the same tick the deadline fired
+        except Unanswered:
+            return None
+        try:
             out: dict[str, PrefixMatch] = {}
             for i in range(0, len(flat), 3):
                 rec = self._record(flat[i])
                 out[rec.backend_id] = PrefixMatch(depth=int(flat[i + 1]), record=rec,
                                                   marked_depth=int(flat[i + 2]))
-        except asyncio.TimeoutError:
-            self._lookup_failed(f"no answer within {self.lookup_timeout * 1000:.0f} ms")
-            return None
         except Exception as e:  # the request path must never see a registry error
-            self._lookup_failed(f"{type(e).__name__}: {e}")
+            log.warning("malformed lookup answer: %s: %s", type(e).__name__, e)
             return None
+        return out
+
+    def _batch_ok(self) -> None:
         if self._down:
             log.info("registry lookup available again")
             self._down = False
-        return out
 
     def _record(self, raw: bytes) -> BackendRecord:
         rec = self._records.get(raw)
@@ -333,15 +365,12 @@ class Registry:
         hexed = chain_hex(chain)
         if time.monotonic() < self._down_until:
             return
+        # Rides the next pipeline; a mark that fails is only a lost hint.
+        fut = self._batch.call(_SCRIPTS["mark"], [tag + "backends"], [tag, hexed, backend_id, ttl_ms])
         try:
-            await asyncio.wait_for(
-                self._mark(keys=[tag + "backends"], args=[tag, hexed, backend_id, ttl_ms]),
-                self.lookup_timeout,
-            )
-        except asyncio.TimeoutError:
-            self._lookup_failed("mark_route timed out")
-        except Exception as e:
-            self._lookup_failed(f"mark_route: {type(e).__name__}: {e}")
+            await asyncio.shield(fut)
+        except Unanswered:
+            pass
 
     async def put_response(self, scope_tag: str, response_id: str, blob: bytes, ttl: float) -> None:
         """Keep a stored response (opaque bytes) for `ttl` seconds. Raises RegistryUnavailable."""
@@ -365,4 +394,5 @@ class Registry:
         return sorted(records, key=lambda r: r.backend_id)
 
     async def close(self) -> None:
+        await self._batch.close()
         await self._redis.aclose()

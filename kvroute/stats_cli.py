@@ -52,7 +52,8 @@ def render(stats: dict, decisions: int = 10) -> Group:
     for col in ("backend", "models", "hit ratio", "cache", "queue", "inflight", "prefill tok/s"):
         backends.add_column(col, justify="left" if col in ("backend", "models") else "right")
     for b in stats["backends"]:
-        name = b["id"] + (" (suspect)" if b["suspect"] else "")
+        name = b["id"] + (" (suspect)" if b["suspect"] else "") + (
+            f" ({b['mismatch']} mismatch)" if b.get("mismatch") else "")
         backends.add_row(name, ", ".join(b["models"]), percent(b["hit_ratio"]),
                          f"{format_bytes(b['cache_bytes'])} / {format_bytes(b['cache_budget'])}",
                          str(b["queue_depth"]), str(b["inflight"]), f"{b['prefill_tps']:.0f}")

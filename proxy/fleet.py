@@ -36,6 +36,8 @@ class Backends:
     inflight: dict[str, int] = field(default_factory=dict)
     unanswered_tokens: dict[str, float] = field(default_factory=dict)  # prefill sent, no answer yet
     suspect_until: dict[str, float] = field(default_factory=dict)
+    # backend id -> (instance id, mismatched fingerprint field or None), as last checked
+    mismatch: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
 
     def update(self, records: list[BackendRecord], keep_for: float) -> None:
         # A backend missing from one answer (Redis restarted empty, heartbeat not yet
@@ -78,6 +80,8 @@ async def refresh_backends(state: State) -> None:
         try:
             records = await state.registry.live_backends()
             state.backends.update(records, keep_for=state.config.forget_after)
+            for r in records:
+                check_fingerprint(state, r)
         except RegistryUnavailable as exc:
             log.debug("live backends unavailable: %s", exc)
         except Exception:
@@ -86,13 +90,49 @@ async def refresh_backends(state: State) -> None:
 
 
 
+# -- fingerprints: can a backend's prefix keys match ours? ----------------------------
+
+
+def fingerprint_mismatch(own: dict, r: BackendRecord) -> str | None:
+    """The first fingerprint field where a backend's record differs from this proxy's
+    (scheme, block size, secret), None when its keys can match ours."""
+    for name in ("prefix_scheme", "block_bytes", "secret_tag"):
+        if getattr(r, name) != own[name]:
+            return "secret" if name == "secret_tag" else name
+    return None
+
+
+_WHAT = {"secret": "secret", "block_bytes": "block size", "prefix_scheme": "prefix-key scheme"}
+
+
+def check_fingerprint(state: State, r: BackendRecord) -> str | None:
+    """A mismatched backend is ignored for cache matching: logged loudly once per
+    instance, counted in a metric and shown on the dashboard."""
+    what = fingerprint_mismatch(state.fingerprint, r)
+    b = state.backends
+    if b.mismatch.get(r.backend_id, (None, None)) != (r.instance_id, what):
+        b.mismatch[r.backend_id] = (r.instance_id, what)
+        for name in ("prefix_scheme", "block_bytes", "secret"):
+            state.metrics.fingerprint_mismatch.labels(r.backend_id, name).set(name == what)
+        if what is not None:
+            theirs = {"secret": f"secret tag {r.secret_tag}", "block_bytes": f"{r.block_bytes} bytes",
+                      "prefix_scheme": f"version {r.prefix_scheme}"}[what]
+            log.warning("backend %s (%s) uses another %s than this proxy (%s): its prefix keys can "
+                        "never match ours, so its cache is ignored for routing; give every proxy "
+                        "and backend the same --secret and --block-bytes",
+                        r.backend_id, r.url, _WHAT[what], theirs)
+    return what
+
+
 def describe(state: State) -> list[dict]:
     b = state.backends
     return [
         {"id": r.backend_id, "url": r.url, "models": r.models, "queue_depth": r.queue_depth,
          "waiting": r.waiting, "running": r.running,
          "inflight": b.inflight.get(r.backend_id, 0), "suspect": b.is_suspect(r.backend_id),
-         "prefill_tps": r.prefill_tps, "cache_bytes": r.cache_bytes, "cache_budget": r.cache_budget}
+         "prefill_tps": r.prefill_tps, "cache_bytes": r.cache_bytes, "cache_budget": r.cache_budget,
+         "decoding": r.decoding, "max_batch": r.max_batch, "bytes_per_token": r.bytes_per_token,
+         "mismatch": b.mismatch.get(r.backend_id, (None, None))[1]}
         for r in sorted(b.records.values(), key=lambda r: r.backend_id)
     ]
 

@@ -70,6 +70,16 @@ class ProxyMetrics:
             "kvroute_proxy_backend_queue_depth", "Queue depth each backend reports",
             ["backend"], registry=r,
         )
+        self.fingerprint_mismatch = Gauge(
+            "kvroute_proxy_backend_fingerprint_mismatch",
+            "1 for a live backend whose prefix-key fingerprint (scheme, block size, secret) "
+            "differs from this proxy's: its cache is ignored for routing",
+            ["backend", "field"], registry=r,
+        )
+        self.registry_late = Counter(
+            "kvroute_proxy_registry_late",
+            "Lookups that missed their own deadline (routed by load alone)", registry=r,
+        )
         self.inflight = Gauge(
             "kvroute_proxy_inflight", "Requests open to each backend", ["backend"], registry=r
         )

@@ -5,18 +5,14 @@ to a `Decision`, behind the one `RoutingPolicy` protocol; the server builds the
 context, asks `choose`, and never names a policy.
 
 `cache-aware` (the default) estimates, for every live backend serving the model,
-the time to first token:
+the time to first token with the cost function of proxy/cost.py (queued work, decode
+load, what the backend holds of the prompt, the model's calibrated prefill rate) and
+places the request by the rules of proxy/placement.py: the cheapest wins, a backend
+holding a deeper prefix is kept within `locality_slack` seconds, and candidates that
+cost the same are told apart by free cache, then load.
 
-    ttft = queue wait + (prompt tokens - matched tokens) / prefill rate
-
-where matched tokens come from the registry's prefix depth (advertised, or expected
-from routing marks and this proxy's recent choices) and the queue wait from the
-prefill work this proxy has sent there and not yet seen answered, plus what the
-backend reports queued. It picks the lowest. A backend holding a deeper prefix is
-still preferred while its estimate stays within `locality_slack` seconds of the best
-one: keeping a conversation (or a burst sharing a new system prompt) on one backend
-pays off on every later turn, until that backend's queue costs more than
-re-prefilling elsewhere.
+Request bytes become tokens through the bytes per token the model's backends measure
+and publish (their median; `bytes_per_token` until one has measured).
 
 `round-robin`, `least-loaded` and `random` are there for comparison.
 """
@@ -27,6 +23,9 @@ import itertools
 import random
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from .cost import CostInput, CostWeights, calibrated_rate, cost, fleet_median
+from .placement import Option, Placer
 
 POLICIES = ("cache-aware", "round-robin", "least-loaded", "random")
 
@@ -40,6 +39,14 @@ class Load:
     waiting: int = 0  # backend-reported (all proxies): accepted, not yet in its batch
     running: int = 0  # backend-reported (all proxies): in its batch, prefilling or decoding
     prefill_tps: float = 0.0  # backend-measured; 0 = unknown
+    # Backend-published, for the cost function (0 = not published):
+    bytes_per_token: float = 0.0  # canonical request bytes per prompt token
+    decoding: int = 0  # sequences decoding now
+    max_batch: int = 0
+    decode_steps_per_s: float = 0.0
+    reply_tokens: float = 0.0  # mean tokens of a finished reply
+    free_share: float = 0.0  # share of the cache budget not held
+    restore_tokens: float = 0.0  # prompt tokens it can restore from a disk tier
 
     @property
     def reported_queue(self) -> int:
@@ -101,10 +108,14 @@ class Decision:
 @dataclass
 class PolicyConfig:
     name: str = "cache-aware"
-    bytes_per_token: float = 4.0  # no tokenizer in the proxy: text bytes stand in for tokens
-    default_prefill_tps: float = 1000.0  # for a backend that has not measured itself yet
+    bytes_per_token: float = 4.0  # until a backend of the model has measured its own
+    default_prefill_tps: float = 1000.0  # until a backend of the model has measured itself
     locality_slack: float = 1.0  # seconds of extra estimated TTFT accepted to keep a prefix hit
     per_request_wait: float = 0.02  # seconds a queued request of another proxy is assumed to cost
+
+    def weights(self) -> CostWeights:
+        return CostWeights(per_request_wait=self.per_request_wait,
+                           default_prefill_tps=self.default_prefill_tps)
 
 
 class RoutingPolicy(Protocol):
@@ -121,20 +132,17 @@ class _Base:
         self.config = config
         self._tie = itertools.count()  # spreads equal candidates instead of taking the first
 
-    def tokens(self, nbytes: int) -> float:
-        return nbytes / self.config.bytes_per_token
+    def bytes_per_token(self, ctx: RouteContext) -> float:
+        """The model's measured bytes per token (median of its backends), else the default."""
+        return (fleet_median([c.load.bytes_per_token for c in ctx.candidates])
+                or self.config.bytes_per_token)
 
-    def unmatched_tokens(self, ctx: RouteContext, c: Candidate) -> float:
-        return self.tokens(max(0, ctx.request_bytes - ctx.matched_bytes(c)))
+    def unmatched_tokens(self, ctx: RouteContext, c: Candidate, bpt: float = 0.0) -> float:
+        return max(0, ctx.request_bytes - ctx.matched_bytes(c)) / (bpt or self.bytes_per_token(ctx))
 
-    def ttft(self, ctx: RouteContext, c: Candidate) -> float:
-        rate = c.load.prefill_tps or self.config.default_prefill_tps
-        others = max(0, c.load.reported_queue - c.load.inflight)  # requests other proxies sent
-        return ((c.load.unanswered_tokens + self.unmatched_tokens(ctx, c)) / rate
-                + others * self.config.per_request_wait)
-
-    def decide(self, ctx: RouteContext, c: Candidate, reason: str, **kw) -> Decision:
-        return Decision(c, reason, self.unmatched_tokens(ctx, c), **kw)
+    def decide(self, ctx: RouteContext, c: Candidate, reason: str, bpt: float = 0.0,
+               **kw) -> Decision:
+        return Decision(c, reason, self.unmatched_tokens(ctx, c, bpt), **kw)
 
     @staticmethod
     def pool(ctx: RouteContext) -> list[Candidate]:
@@ -178,32 +186,53 @@ class LeastLoaded(_Base):
 class CacheAware(_Base):
     name = "cache-aware"
 
+    def __init__(self, config: PolicyConfig):
+        super().__init__(config)
+        self._weights = config.weights()
+        self._placer = Placer(slack=config.locality_slack)
+
+    def calibration(self, ctx: RouteContext) -> tuple[float, float]:
+        """The model's bytes per token and prefill rate: medians over its backends."""
+        rate = fleet_median([x.load.prefill_tps for x in ctx.candidates])
+        return self.bytes_per_token(ctx), rate or self._weights.default_prefill_tps
+
+    def cost_input(self, ctx: RouteContext, c: Candidate,
+                   calibration: tuple[float, float] | None = None) -> CostInput:
+        """What the cost function sees of one candidate (proxy/cost.py)."""
+        bpt, rate = calibration or self.calibration(ctx)
+        w = self._weights
+        load = c.load
+        return CostInput(
+            prompt_tokens=ctx.request_bytes / bpt, matched_tokens=ctx.matched_bytes(c) / bpt,
+            restore_tokens=load.restore_tokens, queued_tokens=load.unanswered_tokens,
+            other_requests=max(0, load.reported_queue - load.inflight),  # other proxies' requests
+            decoding=load.decoding, max_batch=load.max_batch,
+            prefill_tps=calibrated_rate(load.prefill_tps, rate, w.rate_trust),
+            decode_steps_per_s=load.decode_steps_per_s, reply_tokens=load.reply_tokens)
+
+    def ttft(self, ctx: RouteContext, c: Candidate) -> float:
+        return cost(self.cost_input(ctx, c), self._weights).ttft
+
     def choose(self, ctx: RouteContext) -> Decision:
         pool = self.pool(ctx)
         if not ctx.registry_known:
             chosen = self.least_loaded(pool)
             return self.decide(ctx, chosen, "no-registry", mark=self._needs_mark(ctx, chosen))
-        tie = next(self._tie)
-        scored = sorted(
-            ((self.ttft(ctx, c), c.load.inflight + c.load.reported_queue, (i - tie) % len(pool), c)
-             for i, c in enumerate(sorted(pool, key=lambda c: c.backend_id))),
-            key=lambda t: t[:3],
-        )
-        best_ttft, _, _, best = scored[0]
-        deepest = max(pool, key=lambda c: (ctx.matched_bytes(c), -self.ttft(ctx, c)))
-        chosen, est = best, best_ttft
-        if ctx.matched_bytes(deepest) > ctx.matched_bytes(best):
-            deep_ttft = self.ttft(ctx, deepest)
-            if deep_ttft <= best_ttft + self.config.locality_slack:
-                chosen, est = deepest, deep_ttft
-        matched = ctx.matched_bytes(chosen)
-        if not matched:
+        calibration = self.calibration(ctx)
+        options = []
+        for c in pool:
+            x = self.cost_input(ctx, c, calibration)
+            options.append(Option(cost(x, self._weights), x.matched_tokens, c.load.free_share,
+                                  c.load.inflight + c.load.reported_queue, c.backend_id))
+        placed = self._placer.place(options)
+        chosen, option = pool[placed.index], options[placed.index]
+        if not option.matched_tokens:
             reason = "load"
         else:
             # "pending-hit": the label users see in metrics and the dashboard.
             reason = "pending-hit" if chosen.expected_only else "cache-hit"
-        return self.decide(ctx, chosen, reason, ttft_estimate=est,
-                           predicted_tokens=int(self.tokens(matched)),
+        return self.decide(ctx, chosen, reason, calibration[0], ttft_estimate=option.cost.ttft,
+                           predicted_tokens=int(option.matched_tokens),
                            mark=self._needs_mark(ctx, chosen))
 
     @staticmethod

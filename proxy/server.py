@@ -30,7 +30,7 @@ from kvroute.wire import parse_json
 
 from . import apis, messages_api, responses_api
 from .auth import auth_middleware
-from .fleet import Backends, describe, refresh_backends
+from .fleet import Backends, check_fingerprint, describe, refresh_backends
 from .forward import Retry, forward, upstream_headers
 from .metrics import ProxyMetrics
 from .policy import Candidate, Load, PolicyConfig, RouteContext, make_policy
@@ -50,16 +50,12 @@ _INLINE_CHAIN_BYTES = 256 << 10
 
 
 def _chain(config: ProxyConfig, path: str, body: dict, model: str, scope: str | None):
-    # From the body alone, no tokenizer (docs/DESIGN.md invariant 6).
+    # From the body alone, no tokenizer (docs/DESIGN.md invariant 6), with the same
+    # function the backend advertises with.
     salt = prefix.make_salt(config.secret, scope)
-    kw = {"model": model, "salt": salt, "block_bytes": config.block_bytes}
     try:
-        if path.endswith("/chat/completions"):
-            return prefix.chat_chain_with_ends(body, **kw)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        return prefix.completion_chain_with_ends(prompt, **kw)
+        return prefix.request_chain(prefix.request_kind(path), body, model=model, salt=salt,
+                                    block_bytes=config.block_bytes)
     except ValueError as exc:
         # The backend would refuse it too; answer without a round trip.
         raise bad_request(f"Invalid request: {exc}.")
@@ -67,12 +63,15 @@ def _chain(config: ProxyConfig, path: str, body: dict, model: str, scope: str | 
 
 async def _candidates(state: State, model: str, keys: list[int]) -> tuple[list[Candidate], bool]:
     t0 = time.perf_counter()
+    late = state.registry.late
     found = await state.registry.lookup(model, keys)
     state.metrics.lookup.observe(time.perf_counter() - t0)
     b = state.backends
     records = []
     if found is None:
         state.metrics.registry_unknown.inc()
+        if state.registry.late > late:
+            state.metrics.registry_late.inc()
     else:
         records = [(m.record, m.depth, m.marked_depth) for m in found.values()
                    if model in m.record.models]
@@ -82,8 +81,12 @@ async def _candidates(state: State, model: str, keys: list[int]) -> tuple[list[C
         # backends seen recently rather than refuse the request.
         records = [(r, 0, 0) for r in b.serving(model)]
     recent = state.recent.depths(model, keys)
-    cands = [_candidate(b, r, depth, max(marked, recent.get(r.backend_id, 0)))
-             for r, depth, marked in records]
+    cands = []
+    for r, depth, marked in records:
+        if check_fingerprint(state, r) is None:
+            cands.append(_candidate(b, r, depth, max(marked, recent.get(r.backend_id, 0))))
+        else:  # its keys are not ours: whatever it "matches" is a coincidence
+            cands.append(_candidate(b, r))
     return cands, known
 
 
@@ -97,7 +100,11 @@ def _candidate(b: Backends, r: BackendRecord, advertised_depth: int = 0,
         expected_depth=expected_depth,
         load=Load(unanswered_tokens=b.unanswered_tokens.get(bid, 0.0),
                   inflight=b.inflight.get(bid, 0), waiting=r.waiting, running=r.running,
-                  prefill_tps=r.prefill_tps),
+                  prefill_tps=r.prefill_tps, bytes_per_token=r.bytes_per_token,
+                  decoding=r.decoding, max_batch=r.max_batch,
+                  decode_steps_per_s=r.decode_steps_per_s, reply_tokens=r.reply_tokens,
+                  free_share=(max(0, r.cache_budget - r.cache_bytes) / r.cache_budget
+                              if r.cache_budget > 0 else 0.0)),
         suspect=b.is_suspect(bid),
     )
 
@@ -282,7 +289,8 @@ async def openapi_json(request: web.Request) -> web.Response:
 def create_app(config: ProxyConfig) -> web.Application:
     registry = Registry(config.redis_url, lookup_timeout=config.lookup_timeout)
     policy = make_policy(PolicyConfig(name=config.policy, locality_slack=config.locality_slack))
-    state = State(config, registry, policy, ProxyMetrics(), Backends())
+    state = State(config, registry, policy, ProxyMetrics(), Backends(),
+                  fingerprint=prefix.fingerprint(config.secret, config.block_bytes))
     # Outermost first: the per-API count sees final statuses, after Messages errors took
     # Anthropic's envelope.
     app = web.Application(middlewares=[apis.count_middleware(state.metrics, state.stats),

@@ -279,3 +279,49 @@ def test_any_change_changes_the_chain_from_there(messages, data):
     assert n <= len(chain({"messages": messages[: i + 1]}, block_bytes=32)) - 1
     assert n >= len(chain({"messages": messages[:i]}, block_bytes=32))
     assert not set(a[n:]) & set(b[n:])
+
+
+# -- request_chain: the one function both proxy and backend use -----------------------
+
+from kvroute.prefix import PREFIX_SCHEME, fingerprint, request_chain, request_kind  # noqa: E402
+
+
+def test_request_chain_is_the_chat_and_completion_chain():
+    body = conv("hello " * 80)
+    assert request_chain("chat", body, model=MODEL, salt=SALT) == chat_chain_with_ends(
+        body, model=MODEL, salt=SALT)
+    assert request_chain("completion", {"prompt": "once"}, model=MODEL, salt=SALT) == \
+        completion_chain_with_ends("once", model=MODEL, salt=SALT)
+    assert request_kind("/v1/chat/completions") == "chat"
+    assert request_kind("/v1/completions") == "completion"
+
+
+def test_one_element_prompt_list_is_its_string():
+    # The backend accepts ["text"] as "text" (kvroute/wire.py): the keys must agree.
+    assert request_chain("completion", {"prompt": ["once upon"]}, model=MODEL, salt=SALT) == \
+        request_chain("completion", {"prompt": "once upon"}, model=MODEL, salt=SALT)
+    with pytest.raises(ValueError):
+        request_chain("completion", {"prompt": [1, 2]}, model=MODEL, salt=SALT)
+    with pytest.raises(ValueError):
+        request_chain("other", {"prompt": "x"}, model=MODEL, salt=SALT)
+
+
+def test_tool_choice_none_hashes_no_tools():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    plain = conv("what is the weather")
+    with_tools = {**plain, "tools": tools}
+    none = {**with_tools, "tool_choice": "none"}
+    auto = {**with_tools, "tool_choice": "auto"}
+    c = lambda b: request_chain("chat", b, model=MODEL, salt=SALT)  # noqa: E731
+    # The template renders tool_choice "none" without the tools: so does the chain.
+    assert c(none) == c(plain)
+    assert c(auto) == c(with_tools) != c(plain)
+
+
+def test_fingerprint_names_secret_and_block_size_without_the_secret():
+    a = fingerprint("s1", 256)
+    assert a == fingerprint("s1", 256)
+    assert a["prefix_scheme"] == PREFIX_SCHEME == 2
+    assert a["secret_tag"] != fingerprint("s2", 256)["secret_tag"]
+    assert fingerprint("s1", 128)["block_bytes"] == 128
+    assert "s1" not in a["secret_tag"] and len(a["secret_tag"]) == 16

@@ -305,6 +305,13 @@ def test_lookup_returns_none_within_deadline_when_redis_hangs_or_dies(server):
             t0 = time.monotonic()
             assert await reg.lookup(MODEL, chain) is None
             hung = time.monotonic() - t0
+            # Each lookup waits at most its own deadline; once the pipeline has said
+            # nothing for op_timeout, Redis counts as down and lookups answer at once.
+            async def answers_at_once():
+                t0 = time.monotonic()
+                return await reg.lookup(MODEL, chain) is None and time.monotonic() - t0 < 0.1
+
+            await poll(answers_at_once, deadline=2.0 + 3.0, what="lookups skipping a hung Redis")
             t0 = time.monotonic()
             assert await reg.lookup(MODEL, chain) is None  # within retry_after: no wait at all
             fast = time.monotonic() - t0
@@ -332,6 +339,32 @@ def test_lookup_returns_none_within_deadline_when_redis_hangs_or_dies(server):
         assert time.monotonic() - t0 < 1.5  # refused connections: within the lookup deadline
         with pytest.raises(RegistryUnavailable):
             await reg.heartbeat(r1)
+        await reg.close()
+
+    run(main())
+
+
+def test_a_late_lookup_costs_only_its_own_request(server):
+    """A lookup that misses its deadline (here: the event loop blocked past it, as
+    under a burst) answers "unknown" to its own request only; the next lookups are
+    answered from Redis, and concurrent lookups share pipelines."""
+    async def main():
+        reg = Registry(server.url, lookup_timeout=0.05)
+        r1 = record("b1")
+        chain = chain_of(conv(2))
+        await reg.heartbeat(r1)
+        await reg.advertise("b1", r1.instance_id, MODEL, chain)
+        slow = asyncio.ensure_future(reg.lookup(MODEL, chain, timeout=0.0))
+        assert await slow is None  # no time at all: unknown for this request
+        lagged = [asyncio.ensure_future(reg.lookup(MODEL, chain)) for _ in range(20)]
+        await asyncio.sleep(0)
+        time.sleep(0.1)  # the loop stalls past every deadline (event-loop lag)
+        await asyncio.gather(*lagged)
+        # Whatever those answered, nobody else is blinded: the next burst is answered.
+        pipelines = reg._batch.pipelines
+        burst = await asyncio.gather(*(reg.lookup(MODEL, chain, timeout=10.0) for _ in range(50)))
+        assert all(f is not None and f["b1"].depth == len(chain) for f in burst)
+        assert reg._batch.pipelines - pipelines < 50  # coalesced, not one round trip each
         await reg.close()
 
     run(main())

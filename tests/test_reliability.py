@@ -30,7 +30,7 @@ import pytest
 from aiohttp import web
 from harness import SSEStream, free_port, get_json, request, wait_until
 
-from kvroute.prefix import chat_chain, make_salt
+from kvroute.prefix import DEFAULT_BLOCK_BYTES, chat_chain, fingerprint, make_salt
 from kvroute.redis_server import RedisServer
 from kvroute.registry import BackendRecord, Registry, new_instance_id
 
@@ -182,8 +182,10 @@ class Heartbeats:
         self._thread.start()
 
     def add(self, backend_id: str, url: str) -> BackendRecord:
+        # With the deployment's fingerprint, as a real backend's record carries it.
         rec = BackendRecord(backend_id=backend_id, instance_id=new_instance_id(), url=url,
-                            models=[MODEL], prefill_tps=1000.0)
+                            models=[MODEL], prefill_tps=1000.0,
+                            **fingerprint(SECRET, DEFAULT_BLOCK_BYTES))
         self.records[backend_id] = rec
         self.call(self.registry.heartbeat(rec))
         self.live.add(backend_id)

@@ -1,0 +1,81 @@
+"""One async Redis client from a URL: a single server, a Redis Cluster or a Sentinel-
+managed primary.
+
+    redis://[user:pass@]host:port[/db]            one server (rediss:// for TLS)
+    redis+cluster://[user:pass@]host:port[,host:port...]
+                                                  a Redis Cluster, from any of its
+                                                  nodes (rediss+cluster:// for TLS)
+    redis+sentinel://[user:pass@]host:port[,host:port...]/<service>[/db]
+                                                  the primary that Sentinels name
+                                                  <service> (rediss+sentinel:// for TLS
+                                                  to the primary)
+
+Query options (ssl_ca_certs=..., ssl_certfile=..., ssl_keyfile=..., ssl_cert_reqs=...)
+pass through to redis-py. The registry's keys carry hash tags (`{m:<model>}`) and each
+Lua script touches the keys of one slot only, so every command works on a cluster.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.sentinel import Sentinel, SentinelManagedSSLConnection
+
+SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel",
+           "rediss+sentinel")
+
+# Query options we pass through, converted from their string form.
+_OPTIONS = {"ssl_ca_certs": str, "ssl_certfile": str, "ssl_keyfile": str, "ssl_cert_reqs": str,
+            "ssl_check_hostname": lambda v: v.lower() in ("1", "true", "yes")}
+
+
+def _hosts(netloc: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
+    auth, _, hosts = netloc.rpartition("@")
+    user, _, password = auth.partition(":") if auth else ("", "", "")
+    out = []
+    for part in hosts.split(","):
+        host, _, port = part.rpartition(":") if ":" in part else (part, "", "")
+        out.append((host.strip("[]") or "localhost", int(port or 6379)))
+    return out, unquote(user) or None, unquote(password) or None
+
+
+def _options(query: str) -> dict[str, Any]:
+    opts = {}
+    for name, value in parse_qsl(query):
+        if name not in _OPTIONS:
+            raise ValueError(f"unsupported Redis URL option {name!r}")
+        opts[name] = _OPTIONS[name](value)
+    return opts
+
+
+def is_cluster(url: str) -> bool:
+    return url.split("://", 1)[0] in ("redis+cluster", "rediss+cluster")
+
+
+def connect(url: str, **kwargs: Any):
+    """A redis.asyncio client (Redis or RedisCluster) for `url`; kwargs go to redis-py."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in SCHEMES:
+        raise ValueError(f"Redis URL must start with one of {', '.join(s + '://' for s in SCHEMES)}")
+    if scheme in ("redis", "rediss", "unix"):
+        return aioredis.from_url(url, **kwargs)
+    parts = urlsplit(url)
+    hosts, user, password = _hosts(parts.netloc)
+    tls = scheme.startswith("rediss")
+    opts = {**_options(parts.query), **kwargs}
+    if scheme.endswith("+cluster"):
+        opts.pop("retry", None)  # the cluster client retries by rediscovering nodes
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], username=user,
+                            password=password, ssl=tls, **opts)
+    path = [p for p in parts.path.split("/") if p]
+    if not path:
+        raise ValueError("redis+sentinel:// URLs name the service: redis+sentinel://host:port/<service>")
+    db = int(path[1]) if len(path) > 1 else 0
+    sentinel = Sentinel(hosts, sentinel_kwargs={"password": password} if password else None,
+                        socket_timeout=kwargs.get("socket_timeout"))
+    if tls:
+        opts["connection_class"] = SentinelManagedSSLConnection
+    return sentinel.master_for(path[0], username=user, password=password, db=db, **opts)

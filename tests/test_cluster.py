@@ -1,0 +1,181 @@
+"""The registry on a real Redis Cluster: three masters started locally, joined with
+`redis-cli --cluster create`, reached through a redis+cluster:// URL."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+
+import pytest
+from redis.cluster import key_slot
+
+from kvroute.prefix import chat_chain, make_salt
+from kvroute.redis_server import RedisServer
+from backend.publisher import Publisher
+from kvroute.registry import BackendRecord, Registry, new_instance_id
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli not installed")
+
+SALT = make_salt("cluster-test")
+
+
+class LocalCluster:
+    """Three cluster-enabled redis-servers, no replicas, all 16384 slots assigned."""
+
+    def __init__(self, n: int = 3):
+        self.nodes = [RedisServer(extra_args=["--cluster-enabled", "yes",
+                                              "--cluster-config-file", "nodes.conf",
+                                              "--cluster-node-timeout", "2000"])
+                      for _ in range(n)]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def cli(self, port: int, *args: str) -> str:
+        return subprocess.run(["redis-cli", "-p", str(port), *args], check=True, text=True,
+                              capture_output=True, timeout=30).stdout
+
+    def start(self) -> "LocalCluster":
+        for node in self.nodes:
+            node.start()
+        subprocess.run(["redis-cli", "--cluster", "create",
+                        *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        deadline = time.monotonic() + 30
+        while not all("cluster_state:ok" in self.cli(n.port, "cluster", "info") for n in self.nodes):
+            if time.monotonic() > deadline:
+                raise TimeoutError("cluster did not reach cluster_state:ok")
+            time.sleep(0.05)
+        return self
+
+    def node_of(self, key: str) -> int:
+        """The port of the master that serves `key`'s slot."""
+        slot = key_slot(key.encode())
+        for line in self.cli(self.nodes[0].port, "cluster", "nodes").splitlines():
+            fields = line.split()
+            if "master" not in fields[2]:
+                continue
+            for spec in fields[8:]:
+                lo, _, hi = spec.partition("-")
+                if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
+                    return int(fields[1].split(":")[1].split("@")[0])
+        raise AssertionError(f"no master serves slot {slot}")
+
+    def keys(self) -> dict[int, list[str]]:
+        return {n.port: self.cli(n.port, "--scan").split() for n in self.nodes}
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = LocalCluster()
+    try:
+        yield c.start()
+    finally:
+        c.close()
+
+
+def record(bid: str, models: list[str]) -> BackendRecord:
+    return BackendRecord(backend_id=bid, instance_id=new_instance_id(), url=f"http://127.0.0.1:9/{bid}",
+                         models=models, prefill_tps=500.0, started_at=time.time())
+
+
+def conv(n: int, model: str) -> list[int]:
+    msgs = [{"role": "system", "content": "You are a cluster test."}]
+    msgs += [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i} " + "text " * 80}
+             for i in range(n)]
+    return chat_chain({"messages": msgs}, model=model, salt=SALT)
+
+
+def models_on_different_masters(cluster: LocalCluster) -> list[str]:
+    """Three model ids whose slots live on three different masters."""
+    by_node: dict[int, str] = {}
+    for i in range(200):
+        model = f"model-{i}"
+        by_node.setdefault(cluster.node_of("kvr:{m:" + model + "}:backends"), model)
+        if len(by_node) == len(cluster.nodes):
+            return list(by_node.values())
+    raise AssertionError("could not spread models over the masters")
+
+
+def test_registry_on_a_three_master_cluster(cluster):
+    models = models_on_different_masters(cluster)
+
+    async def main():
+        reg = Registry(cluster.url)
+        b1, b2 = record("b1", models), record("b2", models[:1])
+        assert await reg.heartbeat(b1) is False  # first beat: nothing there yet
+        assert await reg.heartbeat(b2) is False
+        assert await reg.heartbeat(b1) is True
+        for m in models:
+            await reg.advertise("b1", b1.instance_id, m, conv(3, m))
+        # The models' keys really are spread over the three masters.
+        holders = {port for port, keys in cluster.keys().items()
+                   if any(k.startswith("kvr:{m:") for k in keys)}
+        assert len(holders) == 3
+        found = await reg.lookup(models[0], conv(5, models[0]))
+        assert found["b1"].depth == len(conv(3, models[0])) and found["b2"].depth == 0
+        # A pending mark, read back by the lookup script on the model's master.
+        await reg.mark_route(models[0], conv(5, models[0]), "b2", 3000)
+        found = await reg.lookup(models[0], conv(5, models[0]))
+        assert found["b2"].marked_depth == len(conv(5, models[0]))
+        for m in models[1:]:
+            assert (await reg.lookup(m, conv(3, m)))["b1"].depth == len(conv(3, m))
+        assert [r.backend_id for r in await reg.live_backends()] == ["b1", "b2"]
+        assert await reg.advertised("b1", models[2]) == set(conv(3, models[2]))
+        await reg.withdraw("b1", b1.instance_id, models[1], conv(3, models[1])[2:])
+        assert (await reg.lookup(models[1], conv(3, models[1])))["b1"].depth == 2
+        assert await reg.purge("b1", models) > 0
+        assert (await reg.lookup(models[2], conv(3, models[2])))["b1"].depth == 0
+        await reg.withdraw_all("b1", b1.instance_id)
+        assert "b1" not in (await reg.lookup(models[0], conv(3, models[0])))
+        await reg.close()
+
+    asyncio.run(main())
+
+
+def test_publisher_keeps_a_cluster_in_sync(cluster):
+    model = models_on_different_masters(cluster)[1]
+
+    async def main():
+        reg = Registry(cluster.url)
+        chains = {model: [conv(3, model)]}
+        rec = record("pub", [model])
+        pub = Publisher(reg, lambda: rec, lambda: chains, period=0.1)
+        await pub.start()
+        deadline = time.monotonic() + 10
+        while (m := (await reg.lookup(model, conv(3, model)) or {}).get("pub")) is None or \
+                m.depth < len(conv(3, model)):
+            assert time.monotonic() < deadline, "publisher never advertised on the cluster"
+            await asyncio.sleep(0.05)
+        pub.on_insert(model, conv(5, model))
+        while (await reg.lookup(model, conv(5, model)))["pub"].depth < len(conv(5, model)):
+            assert time.monotonic() < deadline, "insert event never reached the cluster"
+            await asyncio.sleep(0.05)
+        await pub.stop(withdraw=True)
+        assert "pub" not in (await reg.lookup(model, conv(3, model)))
+        await reg.close()
+
+    asyncio.run(main())
+
+
+def test_redis_urls():
+    from redis.asyncio.cluster import RedisCluster
+    from redis.asyncio.sentinel import SentinelManagedSSLConnection
+
+    from kvroute.redis_client import connect
+
+    assert isinstance(connect("redis+cluster://a:7000,b:7001"), RedisCluster)
+    tls = connect("rediss+sentinel://u:pw@s1:26379,s2:26379/mymaster/2")
+    assert tls.connection_pool.connection_class is SentinelManagedSSLConnection
+    assert tls.connection_pool.service_name == "mymaster"
+    for bad in ("http://x", "redis+sentinel://s1:26379", "redis+cluster://a:1?nope=1"):
+        with pytest.raises(ValueError):
+            connect(bad)

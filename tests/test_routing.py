@@ -1,0 +1,190 @@
+"""Routing under load, end to end: real Redis, real backend processes with the demo
+model, two proxy processes, the official `openai` client.
+
+- new conversations started one after another spread over both backends, while
+  their follow-up turns stay where their prefix is cached;
+- a backend whose batch is full of decoding sequences loses new prefixes;
+- a backend with another secret is reported (health, metrics, one log line), not
+  silently missed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import openai
+import pytest
+from tokenizers import Tokenizer
+from harness import BackendProcess, SSEStream, free_port, request, wait_until
+
+from kvroute.redis_server import RedisServer
+
+SECRET = "routing-secret"
+TOKEN = "routing-token"
+MODEL, ODD = "routing-model", "odd-model"
+
+
+class Proxy:
+    def __init__(self, redis_url: str, log_dir: Path):
+        self.port = free_port()
+        self.redis_url = redis_url
+        self.log_path = log_dir / f"proxy-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, expect_backends: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvroute.cli", "proxy", "--redis-url", self.redis_url,
+             "--port", str(self.port), "--secret", SECRET, "--internal-token", TOKEN],
+            stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
+        wait_until(lambda: len(self.health()["backends"]) == expect_backends, 30,
+                   what="the proxy to see every backend")
+
+    def health(self) -> dict:
+        return json.loads(request(self.url + "/health", timeout=2)[2])
+
+    def backend(self, bid: str) -> dict:
+        return next(b for b in self.health()["backends"] if b["id"] == bid)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def fleet(text_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("routing")
+    redis = RedisServer().start()
+    common = ["--redis-url", redis.url, "--internal-token", TOKEN, "--max-batch", "2",
+              "--cache-bytes", "256MiB"]
+    backends = {
+        "r1": BackendProcess(text_model, MODEL, logs, backend_id="r1",
+                             extra=common + ["--secret", SECRET]),
+        "r2": BackendProcess(text_model, MODEL, logs, backend_id="r2",
+                             extra=common + ["--secret", SECRET]),
+        # Another secret: its keys can never match this deployment's.
+        "odd": BackendProcess(text_model, ODD, logs, backend_id="odd",
+                              extra=common + ["--secret", "some-other-secret"]),
+    }
+    threads = [threading.Thread(target=b.start) for b in backends.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(b.alive() for b in backends.values())
+    proxies = [Proxy(redis.url, logs), Proxy(redis.url, logs)]
+    for p in proxies:
+        p.start(expect_backends=3)
+    yield {"redis": redis, "backends": backends, "proxies": proxies}
+    for p in proxies:
+        p.stop()
+    for b in backends.values():
+        b.stop()
+    redis.close()
+
+
+def chat(proxy: Proxy, messages: list[dict], model: str = MODEL, **kw):
+    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+    raw = c.chat.completions.with_raw_response.create(model=model, messages=messages,
+                                                      max_tokens=8, **kw)
+    return raw.parse(), raw.headers
+
+
+def system_prompt() -> str:
+    return (f"{uuid.uuid4().hex}: you are the assistant of a small team of engineers; "
+            "answer briefly and keep a log of every decision. ") * 8
+
+
+def test_new_conversations_spread_and_follow_ups_stick(fleet):
+    proxies = fleet["proxies"]
+    conversations = []
+    for i in range(6):  # one after another: each answered before the next starts
+        messages = [{"role": "system", "content": system_prompt()},
+                    {"role": "user", "content": "Hello there."}]
+        r, headers = chat(proxies[i % 2], messages)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        conversations.append((headers["x-kvroute-backend"], messages))
+    homes = [bid for bid, _ in conversations]
+    assert min(homes.count("r1"), homes.count("r2")) >= 2, homes  # each at least a third
+
+    prompt = cached = 0
+    for i, (home, messages) in enumerate(conversations):
+        for turn in range(2):
+            messages.append({"role": "user", "content": f"And then ({turn})?"})
+            r, headers = chat(proxies[(i + turn + 1) % 2], messages)
+            assert headers["x-kvroute-backend"] == home, (i, turn, headers)
+            assert headers["x-kvroute-route-reason"] == "cache-hit"
+            prompt += r.usage.prompt_tokens
+            cached += r.usage.prompt_tokens_details.cached_tokens
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    assert cached >= 0.8 * prompt, (cached, prompt)
+
+    # Backends publish their bytes per token: the proxy's predictions come out close
+    # to what the backend reports cached.
+    decisions = [d for p in proxies for d in json.loads(request(p.url + "/stats")[2])["decisions"]
+                 if d["reason"] == "cache-hit" and d["cached_tokens"]]
+    assert decisions
+    for d in decisions:
+        assert 0.7 <= d["predicted_tokens"] / d["cached_tokens"] <= 1.3, d
+
+
+def test_a_batch_full_of_decodes_loses_new_prefixes(fleet, text_model):
+    busy = fleet["backends"]["r1"]
+    proxy = fleet["proxies"][0]
+    # A strong bias on a printable token: the demo model never reaches EOS, and each
+    # token streams out at once.
+    token = Tokenizer.from_file(str(text_model / "tokenizer.json")).encode(" story").ids[0]
+    # Fill r1's batch (--max-batch 2) with long decodes, sent to it directly, and queue
+    # more behind them so that it stays full while the test routes.
+    streams = [SSEStream(busy.url + "/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 4000, "logit_bias": {str(token): 100},
+        "messages": [{"role": "user", "content": f"Write a long story {i}."}]},
+        headers={"x-kvroute-token": TOKEN}) for i in range(8)]
+    try:
+        for s in streams[:2]:
+            assert s.status == 200
+            next(s.events())
+        wait_until(lambda: proxy.backend("r1")["decoding"] == 2, 10,
+                   what="r1's heartbeat to report a full batch")
+        homes = []
+        for _ in range(3):
+            messages = [{"role": "system", "content": system_prompt()},
+                        {"role": "user", "content": "Hello there."}]
+            homes.append(chat(proxy, messages)[1]["x-kvroute-backend"])
+        # Still full while they were routed: otherwise this run proves nothing.
+        assert busy.health()["engine"]["decoding"] == 2
+        assert homes == ["r2"] * 3, homes
+    finally:
+        for s in streams:
+            s.close()
+
+
+def test_a_backend_with_another_secret_is_reported(fleet):
+    proxy = fleet["proxies"][1]
+    odd = proxy.backend("odd")
+    assert odd["mismatch"] == "secret"
+    assert proxy.backend("r1")["mismatch"] is None
+    metrics = request(proxy.url + "/metrics")[2].decode()
+    assert 'kvroute_proxy_backend_fingerprint_mismatch{backend="odd",field="secret"} 1.0' in metrics
+    # It still serves (by load), it just never counts as holding a prefix.
+    messages = [{"role": "system", "content": system_prompt()},
+                {"role": "user", "content": "Hello there."}]
+    for _ in range(2):
+        r, headers = chat(proxy, messages, model=ODD)
+        assert headers["x-kvroute-backend"] == "odd"
+        assert headers["x-kvroute-route-reason"] != "cache-hit"
+        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": "More."}]
+    # Loud, once: one warning that names the backend and what differs.
+    lines = [line for line in proxy.log().splitlines() if "odd" in line and "secret" in line]
+    assert len(lines) == 1, lines
