@@ -222,6 +222,10 @@ SERVE = [
     _opt("memory_budget", parse_bytes, 0, "bytes loaded models may take, by the accounting of "
          "weights, caches, running KV and process (0: memory_fraction of physical memory)",
          toml="memory_budget"),
+    _opt("machine", str, "", "this machine's name when several share one Redis: prefixes its "
+         "backend ids and names it in model states", toml="machine"),
+    _opt("internal_token", str, "", "token between proxies and backends; the same on every "
+         "machine sharing one Redis (default: random per launch)", toml="internal_token"),
     _opt("idle_unload", parse_duration, None, "unload every model unused this long, e.g. 30m "
          "(default: the file's per model, else never)", env=False),
     _LOAD_TIMEOUT,
@@ -385,6 +389,8 @@ class ServeConfig:
     max_loaded_models: int = _SERVE["max_loaded_models"]
     memory_budget: int = _SERVE["memory_budget"]
     load_timeout: float = _SERVE["load_timeout"]
+    machine: str = _SERVE["machine"]
+    internal_token: str = _SERVE["internal_token"]
     ready_timeout: float = 600.0
 
 

@@ -92,7 +92,7 @@ class Launcher:
         self.redis: RedisServer | None = None
         self.redis_url = config.redis_url
         self.secret = config.secret or secrets.token_hex(16)
-        self.token = secrets.token_hex(16)  # only this deployment's proxies reach its backends
+        self.token = config.internal_token or secrets.token_hex(16)  # only this deployment's proxies reach its backends
         self.stopping = asyncio.Event()
         self.paths: dict[str, str] = {}
         self.proxy: Child | None = None
@@ -127,7 +127,7 @@ class Launcher:
             for r in range(spec.replicas):
                 port = free_port(c.backend_port_base, taken)
                 taken.add(port)
-                name = f"{spec.alias}-{r + 1}"
+                name = f"{c.machine + '-' if c.machine else ''}{spec.alias}-{r + 1}"
                 args = [
                     "backend", "--model", self.paths[spec.alias], "--model-id", spec.alias,
                     "--host", c.backend_host, "--port", str(port), "--id", name,

@@ -81,7 +81,7 @@ class Loader:
         self.launcher = launcher
         self.config = launcher.config
         self.slots = {s.alias: s for s in slots}
-        self.machine = f"{socket.gethostname()}:{self.config.port}"
+        self.machine = self.config.machine or f"{socket.gethostname()}:{self.config.port}"
         self.states: ModelsState | None = None
         self.changed = asyncio.Event()
         self.admit = asyncio.Lock()  # one admission decision at a time
