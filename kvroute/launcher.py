@@ -194,7 +194,8 @@ class Launcher:
             for child in list(pending):
                 if child.proc.returncode is not None:
                     await asyncio.gather(*child.pumps, return_exceptions=True)
-                    last = " | ".join(l for l in child.tail if l.strip())[-600:]
+                    # The last line: a traceback's exception, or the process's last word.
+                    last = next((l.strip() for l in reversed(child.tail) if l.strip()), "")[-600:]
                     raise RuntimeError(f"{child.name} exited with {child.proc.returncode} while "
                                        f"starting" + (f": {last}" if last else ""))
                 if await asyncio.to_thread(_healthy, child.url):

@@ -51,11 +51,20 @@ class Models:
     background: set = field(default_factory=set)
 
     def needs_load(self, model: str, serving: bool) -> bool:
-        """A configured model no backend serves now, or one being unloaded."""
+        """A configured model that is not loaded (or being unloaded), or whose backend this
+        proxy has not seen yet. Records of an unloaded model's backends linger a few
+        seconds in the proxy's view: the published state decides."""
         s = self.summaries.get(model)
         if s is None:
             return False  # not managed by a `kvroute serve` (a standalone backend), or unknown
-        return not serving or s.state == UNLOADING
+        return s.state != LOADED or not serving
+
+    def recent_failure(self, model: str) -> APIError | None:
+        """The error of a load that failed moments ago and is not being retried yet."""
+        s = self.summaries.get(model)
+        if s is not None and s.state == FAILED and time.time() - s.error_at < s.retry_after:
+            return error_of(model, s)
+        return None
 
     def touch(self, model: str) -> None:
         """Mark a use of a managed model (for LRU and idle unloading), once a second."""
@@ -99,8 +108,8 @@ class Models:
             s = self.summaries.get(model)
             if s is not None and s.error and s.error_at >= started - 0.5 and s.state in (FAILED, UNLOADED):
                 raise error_of(model, s)
-            if s is not None and s.state == FAILED and time.time() - s.error_at < s.retry_after:
-                raise error_of(model, s)  # failed a moment ago: no new attempt yet
+            if (failed := self.recent_failure(model)) is not None:
+                raise failed  # failed a moment ago: no new attempt yet
             if s is not None and s.state == LOADED and await serving():
                 return
             if time.monotonic() - sent > RESEND and (s is None or s.state != LOADED):
@@ -174,6 +183,8 @@ async def hold(request: web.Request, models: Models, model: str, stream: bool,
     if not stream:
         await models.wait_loaded(model, serving)
         return None
+    if (failed := models.recent_failure(model)) is not None:
+        raise failed  # known before a byte is sent: a plain error response
     resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                    "Cache-Control": "no-cache"})
     wait = asyncio.ensure_future(models.wait_loaded(model, serving))
