@@ -111,7 +111,7 @@ class Deployment:
         return {m["id"]: m for m in get_json(self.url + "/v1/models")["data"]}
 
     def stats(self) -> dict[str, dict]:
-        return {m["model"]: m for m in get_json(self.url + "/stats")["models"]}
+        return {m["model"]: m for m in get_json(self.url + "/stats")["model_states"]}
 
     def chat(self, model: str) -> str:
         r = self.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8)
@@ -173,6 +173,14 @@ def test_idle_model_is_unloaded(dep):
                what="m3 (idle_unload 6s) to be unloaded")
     assert dep.stats()["m3"]["unloads"] == unloads + 1
     assert dep.models()["m1"]["state"] == "loaded"  # pinned, and idle as well
+    # The same states in the proxy's metrics and in `kvroute stats`.
+    _, _, metrics = request(dep.url + "/metrics")
+    assert b'kvroute_model_state{model="m3",state="unloaded"} 1.0' in metrics
+    assert b'kvroute_model_state{model="m1",state="loaded"} 1.0' in metrics
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "stats", "--url", dep.url],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "model states" in out.stdout and re.search(r"m1\s.*loaded \(pinned\)", out.stdout)
 
 
 def _sse_lines(url: str, body: dict, headers: dict | None = None) -> list[bytes]:
