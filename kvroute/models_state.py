@@ -2,7 +2,7 @@
 
 Each `kvroute serve` (one per machine) publishes the state of each model it is
 configured for, and consumes load requests that proxies append to a stream. Key
-layout (besides the registry's, see kvroute/registry.py):
+layout (names in kvroute/keys.py, with the registry's):
 
     kvr:models              HASH  "<model>|<machine>" -> ModelState (JSON); a field whose
                                   updated_at is older than STALE_AFTER is ignored (its
@@ -27,9 +27,10 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-STATE_KEY = "kvr:models"
-USED_KEY = "kvr:models:used"
-LOAD_STREAM = "kvr:models:load"
+from .keys import MODEL_LOADS as LOAD_STREAM
+from .keys import MODEL_STATES as STATE_KEY
+from .keys import MODELS_USED as USED_KEY
+
 LOAD_STREAM_LEN = 1000
 LOAD_STREAM_TTL = 60
 STALE_AFTER = 15.0
