@@ -297,13 +297,13 @@ async def sample_stats(state: State) -> None:
         for b in backends:
             m.backend_cache_bytes.labels(b["id"]).set(b["cache_bytes"])
             m.backend_queue_depth.labels(b["id"]).set(b["queue_depth"])
-        m.set_models(state.models.stats())
         await asyncio.sleep(SERIES_PERIOD)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=state_of(request).metrics.render(), content_type="text/plain",
-                        charset="utf-8")
+    state = state_of(request)
+    state.metrics.set_models(state.models.stats())  # as fresh as the proxy's view
+    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
 _OPENAPI = orjson.dumps(openapi.spec("proxy"))

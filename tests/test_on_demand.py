@@ -88,14 +88,17 @@ class Deployment:
         return any(m["state"] == "loaded" for m in self.models().values())
 
     def backends(self) -> list[psutil.Process]:
+        """The launcher's backend children (not their own short-lived forks, which
+        carry the same command line until they exec)."""
         try:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
+            launcher = psutil.Process(self.proc.pid)
+            self.pids.update(p.pid for p in launcher.children(recursive=True))
+            children = launcher.children()
         except psutil.NoSuchProcess:
             return []
         out = []
         for p in children:
             try:
-                self.pids.add(p.pid)
                 if "backend" in p.cmdline():
                     out.append(p)
             except psutil.NoSuchProcess:
@@ -227,8 +230,26 @@ def test_broken_model_gets_a_clear_error_and_the_others_keep_serving(dep):
     assert dep.chat("m1") in ("stop", "length")
 
 
+def test_no_room_answers_503_naming_the_limit(dep):
+    # m1 is pinned and m2 loading (it cannot be unloaded before it is up): no room for m3.
+    assert {dep.models()[m]["state"] for m in ("m2", "m3")} == {"unloaded"}
+    stream = SSEStream(dep.url + "/v1/chat/completions",
+                       {"model": "m2", "messages": MESSAGES, "max_tokens": 8}, timeout=180)
+    wait_until(lambda: dep.models()["m2"]["state"] == "loading", 30, interval=0.05,
+               what="m2 to be loading")
+    with pytest.raises(openai.APIStatusError) as err:
+        dep.chat("m3")
+    assert err.value.status_code == 503, err.value.body
+    assert err.value.body["code"] == "model_capacity", err.value.body
+    assert "max_loaded_models (2)" in err.value.body["message"], err.value.body
+    assert "m1 (pinned)" in err.value.body["message"] and "m2 (loading)" in err.value.body["message"]
+    assert int(err.value.response.headers["Retry-After"]) >= 1
+    assert stream.status == 200 and list(stream.events())[-1] == "[DONE]"
+    assert dep.models()["m2"]["state"] == "loaded"
+
+
 def test_sigterm_during_a_load_leaves_no_process(dep):
-    cold = next(m for m in ("m2", "m3") if dep.models()[m]["state"] == "unloaded")
+    cold = "m3"
     stream = SSEStream(dep.url + "/v1/chat/completions", {"model": cold, "messages": MESSAGES},
                        timeout=60)
     wait_until(lambda: dep.models()[cold]["state"] == "loading", 30, interval=0.05,
