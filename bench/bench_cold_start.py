@@ -1,7 +1,7 @@
 """Time to first token of a model that is not loaded (load + prefill) vs a loaded one.
 
 Starts one `kvroute serve` per model under test with the model twice: `warm`
-(preloaded) and `cold` (preload = false, idle_unload = 1s, so it unloads between
+(preloaded) and `cold` (preload = false, idle_unload = 3s, so it unloads between
 rounds). Each round sends a never-seen prompt to the warm alias (a loaded model's
 cold prefill) and to the cold alias once it is unloaded again (process start, weight
 load, prefill), streaming through the proxy and timing the first content chunk on
@@ -16,7 +16,6 @@ weights), built locally.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -54,7 +53,7 @@ max_prompt_tokens = 2048
 path = "{path}"
 alias = "cold"
 preload = false
-idle_unload = "1s"
+idle_unload = "3s"
 cache_bytes = "256MiB"
 max_batch = 4
 max_prompt_tokens = 2048

@@ -23,14 +23,13 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import orjson
 from rich.console import Console
 from rich.table import Table
 
 from . import capacity, demo_model
-from .capacity import PROCESS_OVERHEAD, physical_memory, weights_bytes  # noqa: F401 (API)
+from .capacity import weights_bytes
 from .config import DEMO, ConfigError, ModelSpec, ServeConfig
 from .loader import Loader, Slot
 from .redis_server import RedisServer

@@ -230,7 +230,7 @@ class Loader:
         deadline = time.monotonic() + DRAIN_TIMEOUT
         quiet = 0
         while quiet < 2 and time.monotonic() < deadline:
-            busy = await asyncio.to_thread(_busy, [c.url for c in slot.children])
+            busy = await asyncio.to_thread(_busy, slot.children)
             quiet = 0 if busy else quiet + 1
             await asyncio.sleep(0.5)
         for child in slot.children:
@@ -256,7 +256,12 @@ class Loader:
                 idle = slot.spec.idle_unload
                 if (slot.state == LOADED and not slot.spec.pin and idle > 0
                         and now - slot.last_used > idle):
-                    self.unload(slot, f"idle for {now - slot.last_used:.0f}s")
+                    # Requests mark a use when they arrive: one that runs longer than
+                    # idle_unload still counts as use until it ends.
+                    if await asyncio.to_thread(_busy, slot.children):
+                        slot.last_used = time.time()
+                    elif slot.state == LOADED:
+                        self.unload(slot, f"idle for {now - slot.last_used:.0f}s")
 
     # -- Redis ----------------------------------------------------------------------
 
@@ -295,14 +300,17 @@ class Loader:
                 pass
 
 
-def _busy(urls: list[str]) -> bool:
-    """Whether any of these backends still has a request queued or running."""
-    for url in urls:
+def _busy(children: list["Child"]) -> bool:
+    """Whether any of these running backends has a request queued or running, or does
+    not answer its /health (a long prefill can hold it up): then it may be busy."""
+    for child in children:
+        if child.proc is None or child.proc.returncode is not None:
+            continue
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            with urllib.request.urlopen(child.url + "/health", timeout=5) as r:
                 engine = orjson.loads(r.read()).get("engine", {})
         except (OSError, ValueError):
-            continue
+            return True
         if engine.get("queued", 0) + engine.get("prefilling", 0) + engine.get("decoding", 0):
             return True
     return False

@@ -9,7 +9,6 @@ load runs.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import re
 import signal
