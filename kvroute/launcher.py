@@ -147,6 +147,19 @@ class Launcher:
                            env={"KVROUTE_API_KEYS": keys})
         self.children.append(self.proxy)
 
+    def repick_port(self, child: Child) -> None:
+        """Before a backend starts on demand, long after the plan: another process may
+        have taken its port since. Then it moves to the next free one."""
+        host, _, port = child.url.rpartition(":")
+        if free_port(int(port), set()) == int(port):
+            return
+        taken = {int(c.url.rpartition(":")[2]) for c in self.children} | {self.config.port}
+        new = str(free_port(int(port) + 1, taken))
+        i = child.args.index("--port")
+        child.args[i + 1] = new
+        j = child.args.index("--advertise-url")
+        child.args[j + 1] = child.url = f"{host}:{new}"
+
     async def spawn(self, child: Child) -> None:
         # Secrets travel in the environment, not argv, which `ps` shows to every user: the
         # salt, the internal token, the Redis URL (it may hold a password), the API keys.

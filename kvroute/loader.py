@@ -199,6 +199,7 @@ class Loader:
         try:
             for child in slot.children:
                 child.wanted = True
+                self.launcher.repick_port(child)
                 await self.launcher.spawn(child)
             await self.launcher.wait_healthy(slot.children, self.config.load_timeout)
         except asyncio.CancelledError:

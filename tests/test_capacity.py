@@ -81,3 +81,23 @@ def test_settings_from_file_env_and_flags(tmp_path):
                     '[[models]]\nalias = "b"\npin = true\n')
     with pytest.raises(ConfigError, match="2 models are pinned but max_loaded_models is 1"):
         build({"config": str(path)}, {})
+
+
+def test_a_backend_started_on_demand_moves_off_a_port_taken_since_the_plan():
+    import socket
+
+    from kvroute.config import ServeConfig
+    from kvroute.launcher import Child, Launcher
+
+    launcher = Launcher(ServeConfig())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        child = Child("m-1", ["backend", "--port", str(port), "--advertise-url",
+                              f"http://127.0.0.1:{port}"], f"http://127.0.0.1:{port}", "cyan")
+        launcher.children = [child]
+        launcher.repick_port(child)
+    new = int(child.url.rpartition(":")[2])
+    assert new != port
+    assert child.args == ["backend", "--port", str(new), "--advertise-url", child.url]
