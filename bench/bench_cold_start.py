@@ -7,7 +7,7 @@ cold prefill) and to the cold alias once it is unloaded again (process start, we
 load, prefill), streaming through the proxy and timing the first content chunk on
 the client (the `: loading` keep-alives do not count). Medians over --repeat rounds.
 
-    python bench/bench_cold_start.py [--repeat 3] [--large] [--model PATH]
+    python bench/bench_cold_start.py [--repeat 3] [--words 200] [--large | --large-only] [--model PATH]
 
 --large adds a random-weight qwen3 model with larger shapes (about 1 GB of float32
 weights), built locally.
@@ -126,12 +126,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a local model directory (default: the demo model)")
     ap.add_argument("--large", action="store_true", help="also a larger random-weight qwen3")
+    ap.add_argument("--large-only", action="store_true", help="only the larger model")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--words", type=int, default=200, help="prompt length in words")
     args = ap.parse_args()
-    models = [("demo model", Path(args.model) if args.model else demo_model.ensure("text"))]
+    models = [] if args.large_only else [
+        ("demo model", Path(args.model) if args.model else demo_model.ensure("text"))]
     tmp = Path(tempfile.mkdtemp(prefix="kvroute-bench-cold-"))
-    if args.large:
+    if args.large or args.large_only:
         models.append(("random qwen3 8x1024", build_large(demo_model.default_cache_dir()
                                                           / "bench-qwen3-large")))
     table = Table(title=f"cold model vs loaded model TTFT ({platform.machine()}, "
