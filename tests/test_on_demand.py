@@ -247,8 +247,21 @@ def test_no_room_answers_503_naming_the_limit(dep):
     assert dep.models()["m2"]["state"] == "loaded"
 
 
+def test_a_refusal_after_the_load_ends_the_started_stream_with_an_error_event(dep):
+    # The stream started while m3 loaded; the backend then refuses the request (400):
+    # the error comes as the stream's error event, not as a second response.
+    s = SSEStream(dep.url + "/v1/chat/completions",
+                  {"model": "m3", "messages": MESSAGES, "temperature": "hot"}, timeout=180)
+    assert s.status == 200
+    assert s.resp.readline() == b": loading\n"
+    (event, done) = list(s.events())
+    assert event["error"]["type"] == "invalid_request_error", event
+    assert event["error"]["param"] == "temperature" and done == "[DONE]", event
+    assert dep.models()["m3"]["state"] == "loaded"
+
+
 def test_sigterm_during_a_load_leaves_no_process(dep):
-    cold = "m3"
+    cold = next(m for m in ("m2", "m3") if dep.models()[m]["state"] == "unloaded")
     stream = SSEStream(dep.url + "/v1/chat/completions", {"model": cold, "messages": MESSAGES},
                        timeout=60)
     wait_until(lambda: dep.models()[cold]["state"] == "loading", 30, interval=0.05,
