@@ -280,3 +280,63 @@ def test_sigterm_during_a_load_leaves_no_process(dep):
     wait_until(lambda: all(gone(p) for p in pids), 15, interval=0.1,
                what="every process of the deployment to exit")
     stream.close()
+
+
+MACHINE = """
+machine = "{machine}"
+secret = "shared-secret"
+internal_token = "shared-token"
+[redis]
+url = "{redis}"
+[proxy]
+port = {port}
+[backends]
+port_base = {base}
+[[models]]
+path = "demo"
+alias = "{alias}"
+preload = {preload}
+cache_bytes = "32MiB"
+"""
+
+
+def test_a_proxy_wakes_a_model_on_another_machine(tmp_path, model_cache):
+    """Two `kvroute serve` on one Redis: machine a serves `here`, machine b may load
+    `there`. A request to a's proxy for `there` is loaded by b and answered."""
+    from kvroute.redis_server import RedisServer
+
+    with RedisServer() as redis:
+        procs, ports = [], []
+        try:
+            for machine, alias, preload in (("a", "here", "true"), ("b", "there", "false")):
+                port = free_port()
+                config = tmp_path / f"{machine}.toml"
+                config.write_text(MACHINE.format(machine=machine, redis=redis.url, port=port,
+                                                 base=free_port(), alias=alias, preload=preload))
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config)],
+                    cwd=ROOT, env={**os.environ, "KVROUTE_CACHE_DIR": str(model_cache)},
+                    stdout=open(tmp_path / f"{machine}.log", "wb"), stderr=subprocess.STDOUT,
+                    start_new_session=True))
+                ports.append(port)
+            url = f"http://127.0.0.1:{ports[0]}"
+
+            def listed():
+                models = {m["id"]: m["state"] for m in get_json(url + "/v1/models")["data"]}
+                return models == {"here": "loaded", "there": "unloaded"}
+
+            wait_until(listed, 120, 0.2, "a's model loaded and b's listed, unloaded")
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                   timeout=180)
+            raw = client.chat.completions.with_raw_response.create(
+                model="there", messages=MESSAGES, max_tokens=8)
+            assert raw.headers["x-kvroute-backend"] == "b-there-1"
+            assert raw.parse().choices[0].finish_reason in ("stop", "length")
+            states = {m["model"]: m for m in get_json(url + "/stats")["model_states"]}
+            assert states["there"]["machine"] == "b" and states["there"]["loads"] == 1
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+            for proc in procs:
+                proc.wait(30)
