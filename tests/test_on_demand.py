@@ -2,8 +2,8 @@
 may hold at once (max_loaded_models = 2, one pinned), shared by the tests in order.
 
 The models are the demo model under different aliases: each alias is its own backend
-process, loaded and unloaded as a unit. The last test stops the deployment while a
-load runs.
+process, loaded and unloaded as a unit. The shared deployment's last test stops it
+while a load runs; the test after it starts two deployments of its own (two machines).
 """
 
 from __future__ import annotations
