@@ -80,8 +80,10 @@ def _serve_parser(sub) -> None:
     p = sub.add_parser(
         "serve", help="run Redis, backends and the proxy from one command",
         description="Start the whole system: an embedded redis-server (unless --redis-url), "
-        "the backend replicas of each model and the proxy, supervised. With no model "
-        "given, serves the built-in demo model with 2 replicas.")
+        "the backend replicas of each model and the proxy, supervised. Models with "
+        "preload = false (or that do not fit) start on their first request; the least "
+        "recently used is unloaded under --max-loaded-models / --memory-budget. With no "
+        "model given, serves the built-in demo model with 2 replicas.")
     config.add_flags(p, config.SERVE)
 
 

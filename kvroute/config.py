@@ -37,6 +37,12 @@ The file (every key optional):
     alias = "qwen-7b"                    # the `model` name clients send
     replicas = 2
     cache_bytes = "8GiB"                 # and any other MODEL_SETTINGS key
+    pin = false                          # true: loaded at start, never unloaded
+    preload = true                       # false: loaded on its first request
+    idle_unload = "30m"                  # unloaded after this long unused ("0": never)
+
+Loading on demand (see the README's "Many models"): `max_loaded_models` and
+`memory_budget` at the top level bound what one machine holds at once.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+from .durations import parse_duration
 from .prefix import DEFAULT_BLOCK_BYTES
 from .sizes import parse_bytes
 
@@ -133,6 +140,8 @@ _JSON_LOGS = _opt("json_logs", bool, False, "log one JSON object per line", swit
 _SECRET = _opt("secret", str, "", "salt of the prefix keys; the same on every proxy and backend")
 _BLOCK_BYTES = _opt("block_bytes", int, DEFAULT_BLOCK_BYTES, "prefix-key block size in bytes; the same everywhere")
 _MAX_BODY = _opt("max_body_bytes", parse_bytes, 8 << 20, "largest accepted request body")
+_LOAD_TIMEOUT = _opt("load_timeout", float, 300.0, "seconds a request waits while its model "
+                     "loads on demand", toml="proxy.load_timeout")
 _TOKEN = _opt("internal_token", str, "", "token shared by proxies and backends (x-kvroute-token)")
 
 # `kvroute backend`. Settings with a `models.` key are also per-model keys of the file.
@@ -187,6 +196,7 @@ PROXY = [
     _opt("locality_slack", float, 1.0, "seconds of extra estimated TTFT accepted to keep a prefix hit"),
     _opt("response_ttl", float, 86400.0, "seconds a stored /v1/responses answer can be continued "
          "from with previous_response_id"),
+    _LOAD_TIMEOUT,
     _LOG_LEVEL,
     _JSON_LOGS,
 ]
@@ -213,6 +223,19 @@ SERVE = [
          toml="backends.port_base"),
     Setting("memory_fraction", float, 0.85, "of physical memory that weights and caches may take",
             toml="memory_fraction"),
+    # Loading on demand.
+    _opt("max_loaded_models", int, 0, "models loaded at once; loading another unloads the least "
+         "recently used unpinned one (0: no limit)", toml="max_loaded_models"),
+    _opt("memory_budget", parse_bytes, 0, "bytes loaded models may take, by the accounting of "
+         "weights, caches, running KV and process (0: memory_fraction of physical memory)",
+         toml="memory_budget"),
+    _opt("machine", str, "", "this machine's name when several share one Redis: prefixes its "
+         "backend ids and names it in model states", toml="machine"),
+    _opt("internal_token", str, "", "token between proxies and backends; the same on every "
+         "machine sharing one Redis (default: random per launch)", toml="internal_token"),
+    _opt("idle_unload", parse_duration, None, "unload every model unused this long, e.g. 30m "
+         "(default: the file's per model, else never)", env=False),
+    _LOAD_TIMEOUT,
     _opt("log_level", str, "info", "logging level", choices=LOG_LEVELS),
     _opt("json_logs", bool, False, "one JSON object per log line, with the process name",
          switch=True),
@@ -228,6 +251,11 @@ MODEL_SETTINGS = [
     Setting("replicas", int, 1, "backend processes of this model", toml="models.replicas"),
     Setting("kv_bits", int, None, "refused: mlx-lm cannot batch quantized KV caches",
             toml="models.kv_bits"),
+    Setting("pin", _switch, False, "loaded at start and never unloaded", toml="models.pin"),
+    Setting("preload", _switch, True, "loaded at start when it fits; false: on its first "
+            "request", toml="models.preload"),
+    Setting("idle_unload", parse_duration, 0.0, "unloaded after this long without a request, "
+            "e.g. \"30m\" (0: never)", toml="models.idle_unload"),
 ] + [s for s in BACKEND if s.toml and s.toml.startswith("models.")]
 
 TABLES = {"backend": BACKEND, "proxy": PROXY, "serve": SERVE, "stats": STATS}
@@ -312,6 +340,9 @@ class ModelSpec:
     default_max_tokens: int = _MODEL["default_max_tokens"]
     demo_variant: str = _MODEL["demo_variant"]
     kv_bits: int | None = _MODEL["kv_bits"]
+    pin: bool = _MODEL["pin"]
+    preload: bool = _MODEL["preload"]
+    idle_unload: float = _MODEL["idle_unload"]  # seconds; 0: never
 
     @classmethod
     def make(cls, raw: Mapping[str, Any], where: str = "[[models]]") -> "ModelSpec":
@@ -362,6 +393,11 @@ class ServeConfig:
     log_level: str = _SERVE["log_level"]
     json_logs: bool = _SERVE["json_logs"]
     memory_fraction: float = _SERVE["memory_fraction"]
+    max_loaded_models: int = _SERVE["max_loaded_models"]
+    memory_budget: int = _SERVE["memory_budget"]
+    load_timeout: float = _SERVE["load_timeout"]
+    machine: str = _SERVE["machine"]
+    internal_token: str = _SERVE["internal_token"]
     ready_timeout: float = 600.0
 
 
@@ -408,9 +444,17 @@ def build(flags: argparse.Namespace | Mapping[str, Any], env: Mapping[str, str])
             spec.replicas = 2  # the zero-argument demo shows routing between two
         if values["cache_bytes"] is not None:
             spec.cache_bytes = values["cache_bytes"]
+        if values["idle_unload"] is not None:
+            spec.idle_unload = values["idle_unload"]
         if spec.replicas < 1:
             raise ConfigError("--replicas must be at least 1")
     names = {f.name for f in fields(ServeConfig)}
+    if values["max_loaded_models"] < 0:
+        raise ConfigError("max_loaded_models must be 0 (no limit) or more")
+    pinned = sum(s.pin for s in models)
+    if values["max_loaded_models"] and pinned > values["max_loaded_models"]:
+        raise ConfigError(f"{pinned} models are pinned but max_loaded_models is "
+                          f"{values['max_loaded_models']}")
     kw = {k: v for k, v in values.items() if k in names and k != "models"}
     kw["api_keys"] = parse_api_keys(kw["api_keys"])
     return ServeConfig(models=models, **kw)

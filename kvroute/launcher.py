@@ -1,9 +1,10 @@
 """`kvroute serve`: Redis, backends and the proxy from one command, supervised.
 
 The launcher resolves the models (building the demo model once when none is
-given), checks that weights plus cache budgets fit in memory, starts an embedded
-`redis-server` when no Redis URL is given, then the backend replicas and the
-proxy as child processes. It prefixes each child's log lines with its name,
+given), checks each model's memory (kvroute/capacity.py), starts an embedded
+`redis-server` when no Redis URL is given, then the proxy and the replicas of the
+pinned and preloaded models as child processes; kvroute/loader.py starts and stops
+the other models' replicas on demand. It prefixes each child's log lines with its name,
 restarts a crashed child with backoff (a restarted backend is a new instance, so
 it never inherits the old one's advertisements), and on Ctrl-C / SIGTERM stops
 everything — proxy first, then backends (which withdraw their advertisements),
@@ -13,6 +14,7 @@ then Redis — within 10 seconds.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import secrets
 import signal
@@ -21,18 +23,16 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import orjson
 from rich.console import Console
 from rich.table import Table
 
-from . import demo_model
+from . import capacity, demo_model
+from .capacity import weights_bytes
 from .config import DEMO, ConfigError, ModelSpec, ServeConfig
+from .loader import Loader, Slot
 from .redis_server import RedisServer
-from .sizes import format_bytes
-
-PROCESS_OVERHEAD = 512 << 20  # Python, MLX and the allocator of one backend process
 STOP_GRACE = 7.0  # seconds children get to exit before SIGKILL (the whole stop stays < 10 s)
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan"]
 
@@ -47,50 +47,9 @@ def resolve_path(spec: ModelSpec, console: Console) -> str:
         return str(demo_model.ensure(spec.demo_variant))
 
 
-def weights_bytes(path: str) -> int | None:
-    """Size of a model's weight files, or None when it is not on this disk yet."""
-    local = Path(path).expanduser()
-    if not local.is_dir():
-        try:
-            from huggingface_hub import snapshot_download
-
-            local = Path(snapshot_download(path, local_files_only=True))
-        except Exception:
-            return None
-    files = list(local.glob("*.safetensors"))
-    return sum(f.stat().st_size for f in files) if files else None
-
-
-def physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_memory(config: ServeConfig, paths: dict[str, str], total: int | None = None) -> list[str]:
-    """Refuse, with the arithmetic, a deployment whose weights and caches cannot fit.
-    Returns notes about models whose size is unknown (not downloaded yet)."""
-    total = physical_memory() if total is None else total
-    allowed = int(total * config.memory_fraction)
-    lines, notes, need = [], [], 0
-    for spec in config.models:
-        weights = weights_bytes(paths[spec.alias])
-        if weights is None:
-            notes.append(f"{spec.alias}: weights not on disk yet, not counted in the memory check")
-            weights = 0
-        each = weights + spec.cache_bytes + PROCESS_OVERHEAD
-        need += spec.replicas * each
-        lines.append(
-            f"  {spec.alias}: {spec.replicas} x ({format_bytes(weights)} weights + "
-            f"{format_bytes(spec.cache_bytes)} cache + {format_bytes(PROCESS_OVERHEAD)} process) "
-            f"= {format_bytes(spec.replicas * each)}"
-        )
-    if need > allowed:
-        raise ConfigError(
-            "these models do not fit in memory:\n" + "\n".join(lines)
-            + f"\n  total {format_bytes(need)} > {format_bytes(allowed)} "
-            f"({config.memory_fraction:.0%} of {format_bytes(total)} physical memory)\n"
-            "Lower replicas or cache_bytes, or use smaller models."
-        )
-    return notes
+def replica_cost(spec: ModelSpec, path: str) -> capacity.Cost:
+    return capacity.replica_cost(path, spec.cache_bytes, spec.max_batch, spec.max_prompt_tokens,
+                                 spec.default_max_tokens)
 
 
 # -- child processes ----------------------------------------------------------------
@@ -120,6 +79,8 @@ class Child:
     restarts: int = 0
     started: float = 0.0
     pumps: list[asyncio.Task] = field(default_factory=list)
+    wanted: bool = True  # False once its model is unloaded: an exit is then no crash
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
 
 
 class Launcher:
@@ -130,9 +91,12 @@ class Launcher:
         self.redis: RedisServer | None = None
         self.redis_url = config.redis_url
         self.secret = config.secret or secrets.token_hex(16)
-        self.token = secrets.token_hex(16)  # only this deployment's proxies reach its backends
+        self.token = config.internal_token or secrets.token_hex(16)  # only this deployment's proxies reach its backends
         self.stopping = asyncio.Event()
         self.paths: dict[str, str] = {}
+        self.proxy: Child | None = None
+        self.loader: Loader | None = None
+        self.initial: list[Slot] = []
 
     # -- start ------------------------------------------------------------------
 
@@ -142,7 +106,11 @@ class Launcher:
         aliases = [s.alias for s in self.config.models]
         if len(set(aliases)) != len(aliases):
             raise ConfigError(f"model aliases must be unique, got {aliases}")
-        return check_memory(self.config, self.paths)
+        notes = [f"{spec.alias}: weights not on disk yet, not counted in the memory check"
+                 for spec in self.config.models if weights_bytes(self.paths[spec.alias]) is None]
+        self._plan()
+        self.initial, more = self.loader.initial()
+        return notes + more
 
     def _common(self) -> list[str]:
         c = self.config
@@ -152,29 +120,47 @@ class Launcher:
     def _plan(self) -> None:
         c = self.config
         taken: set[int] = {c.port}
-        i = 0
+        slots, i = [], 0
         for spec in c.models:
+            children = []
             for r in range(spec.replicas):
                 port = free_port(c.backend_port_base, taken)
                 taken.add(port)
-                name = f"{spec.alias}-{r + 1}"
+                name = f"{c.machine + '-' if c.machine else ''}{spec.alias}-{r + 1}"
                 args = [
                     "backend", "--model", self.paths[spec.alias], "--model-id", spec.alias,
                     "--host", c.backend_host, "--port", str(port), "--id", name,
                     "--advertise-url", f"http://{c.backend_host}:{port}",
                     *spec.backend_flags(), *self._common(),
                 ]
-                self.children.append(Child(name, args, f"http://{c.backend_host}:{port}",
-                                           COLORS[i % len(COLORS)]))
+                children.append(Child(name, args, f"http://{c.backend_host}:{port}",
+                                      COLORS[i % len(COLORS)], wanted=False))
                 i += 1
+            self.children += children
+            slots.append(Slot(spec, children, replica_cost(spec, self.paths[spec.alias])))
+        self.loader = Loader(self, slots)
         args = ["proxy", "--host", c.host, "--port", str(c.port), "--policy", c.policy,
-                *self._common()]
+                "--load-timeout", str(c.load_timeout), *self._common()]
         keys = ",".join(f"{key}:{scope}" if scope else key for key, scope in c.api_keys.items())
         host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
-        self.children.append(Child("proxy", args, f"http://{host}:{c.port}", "bold white",
-                                   env={"KVROUTE_API_KEYS": keys}))
+        self.proxy = Child("proxy", args, f"http://{host}:{c.port}", "bold white",
+                           env={"KVROUTE_API_KEYS": keys})
+        self.children.append(self.proxy)
 
-    async def _spawn(self, child: Child) -> None:
+    def repick_port(self, child: Child) -> None:
+        """Before a backend starts on demand, long after the plan: another process may
+        have taken its port since. Then it moves to the next free one."""
+        host, _, port = child.url.rpartition(":")
+        if free_port(int(port), set()) == int(port):
+            return
+        taken = {int(c.url.rpartition(":")[2]) for c in self.children} | {self.config.port}
+        new = str(free_port(int(port) + 1, taken))
+        i = child.args.index("--port")
+        child.args[i + 1] = new
+        j = child.args.index("--advertise-url")
+        child.args[j + 1] = child.url = f"{host}:{new}"
+
+    async def spawn(self, child: Child) -> None:
         # Secrets travel in the environment, not argv, which `ps` shows to every user: the
         # salt, the internal token, the Redis URL (it may hold a password), the API keys.
         env = {**os.environ, "KVROUTE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
@@ -194,7 +180,9 @@ class Launcher:
 
     async def _pump(self, child: Child, proc: asyncio.subprocess.Process) -> None:
         while line := await proc.stdout.readline():
-            self.log(child, line.decode(errors="replace").rstrip())
+            text = line.decode(errors="replace").rstrip()
+            child.tail.append(text)
+            self.log(child, text)
 
     def log(self, child: Child, line: str) -> None:
         if self.config.json_logs:
@@ -209,18 +197,26 @@ class Launcher:
         self.console.print(f"[{child.color}]{child.name:>14}[/] │ {line}", markup=True,
                            highlight=False, soft_wrap=True)
 
-    async def _wait_healthy(self, children: list[Child]) -> None:
-        deadline = time.monotonic() + self.config.ready_timeout
+    async def wait_healthy(self, children: list[Child], timeout: float) -> None:
+        """Until every child answers /health; RuntimeError, with the child's last log
+        lines, when one exits or the timeout passes (or the deployment stops)."""
+        deadline = time.monotonic() + timeout
         pending = list(children)
         while pending:
             for child in list(pending):
                 if child.proc.returncode is not None:
-                    raise RuntimeError(f"{child.name} exited with {child.proc.returncode} while starting")
+                    await asyncio.gather(*child.pumps, return_exceptions=True)
+                    # The last line: a traceback's exception, or the process's last word.
+                    last = next((l.strip() for l in reversed(child.tail) if l.strip()), "")[-600:]
+                    raise RuntimeError(f"{child.name} exited with {child.proc.returncode} while "
+                                       f"starting" + (f": {last}" if last else ""))
                 if await asyncio.to_thread(_healthy, child.url):
                     pending.remove(child)
             if pending:
+                if self.stopping.is_set():
+                    raise RuntimeError("stopping")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"not healthy after {self.config.ready_timeout:.0f}s: "
+                    raise RuntimeError(f"not healthy after {timeout:.0f}s: "
                                        + ", ".join(c.name for c in pending))
                 await asyncio.sleep(0.1)
 
@@ -229,23 +225,29 @@ class Launcher:
             self.redis = RedisServer()
             await asyncio.to_thread(self.redis.start)
             self.redis_url = self.redis.url
-        self._plan()
-        backends = [c for c in self.children if c.name != "proxy"]
-        with self.console.status(f"starting {len(backends)} backend(s) and the proxy ..."):
-            for child in self.children:
-                await self._spawn(child)
-            await self._wait_healthy(self.children)
+        await self.loader.start(self.redis_url)
+        first = [c for slot in self.initial for c in slot.children]
+        with self.console.status(f"starting {len(first)} backend(s) and the proxy ..."):
+            t0 = time.monotonic()
+            for child in [*first, self.proxy]:
+                child.wanted = True
+                await self.spawn(child)
+            await self.wait_healthy([*first, self.proxy], self.config.ready_timeout)
+        for slot in self.initial:
+            await self.loader.started(slot, time.monotonic() - t0)
+        await self.loader.publish()
         self.print_ready()
 
     def print_ready(self) -> None:
         c = self.config
-        proxy = self.children[-1]
+        proxy = self.proxy
         table = Table(title="kvroute is serving")
         for col in ("process", "model", "url", "pid"):
             table.add_column(col)
         for child in self.children:
             model = child.args[child.args.index("--model-id") + 1] if "--model-id" in child.args else "*"
-            table.add_row(child.name, model, child.url, str(child.proc.pid))
+            pid = str(child.proc.pid) if child.proc and child.wanted else "on demand"
+            table.add_row(child.name, model, child.url, pid)
         table.add_row("redis", "", self.redis_url if self.redis else "(external)", "")
         self.console.print(table)
         model = c.models[0].alias
@@ -265,14 +267,15 @@ class Launcher:
     # -- supervise ------------------------------------------------------------------
 
     async def supervise(self) -> None:
-        await asyncio.gather(*(self._watch(child) for child in self.children))
+        await self.watch(self.proxy)  # backends are watched from their model's load
 
-    async def _watch(self, child: Child) -> None:
+    async def watch(self, child: Child) -> None:
+        """Restart `child` when it crashes, with backoff, until it is no longer wanted."""
         backoff = 1.0
-        while not self.stopping.is_set():
+        while not self.stopping.is_set() and child.wanted:
             code = await child.proc.wait()
             await asyncio.gather(*child.pumps, return_exceptions=True)
-            if self.stopping.is_set():
+            if self.stopping.is_set() or not child.wanted:
                 return
             if time.monotonic() - child.started > 60:
                 backoff = 1.0  # it had been healthy a while: this is a fresh failure
@@ -282,18 +285,29 @@ class Launcher:
                 return
             except asyncio.TimeoutError:
                 pass
+            if not child.wanted:
+                return
             backoff = min(backoff * 2, 30.0)
             child.restarts += 1
-            await self._spawn(child)
+            await self.spawn(child)
+
+    async def stop_children(self, children: list[Child]) -> None:
+        """SIGTERM, then SIGKILL after the grace period: backends withdraw and drain."""
+        deadline = time.monotonic() + STOP_GRACE
+        for child in children:
+            _signal(child, signal.SIGTERM)
+        for child in children:
+            await _wait_or_kill(child, max(0.5, deadline - time.monotonic()))
 
     # -- stop -------------------------------------------------------------------------
 
     async def stop(self) -> None:
         self.stopping.set()
-        proxy = [c for c in self.children if c.name == "proxy"]
-        backends = [c for c in self.children if c.name != "proxy"]
+        if self.loader is not None:
+            await self.loader.stop()
+        backends = [c for c in self.children if c is not self.proxy]
         deadline = time.monotonic() + STOP_GRACE
-        for group in (proxy, backends):  # no new requests first, then drain backends
+        for group in ([self.proxy], backends):  # no new requests first, then drain backends
             for child in group:
                 _signal(child, signal.SIGTERM)
             for child in group:
@@ -339,7 +353,12 @@ async def run(config: ServeConfig, console: Console | None = None) -> int:
         loop.add_signal_handler(sig, launcher.stopping.set)
     supervisor = None
     try:
-        await launcher.start()
+        try:
+            await launcher.start()
+        except RuntimeError:
+            if launcher.stopping.is_set():
+                return 0  # stopped while starting: the finally below leaves no process
+            raise
         supervisor = asyncio.create_task(launcher.supervise())
         await launcher.stopping.wait()
         launcher.console.print("stopping ...")

@@ -66,7 +66,23 @@ def render(stats: dict, decisions: int = 10) -> Group:
                        d["reason"], str(d["prefix_blocks"]), str(d["predicted_tokens"]),
                        "—" if d["cached_tokens"] is None else str(d["cached_tokens"]),
                        _ms(d["ttft_ms"]), str(d["status"]))
-    return Group(head, models, backends, recent)
+    return Group(head, models, *model_states(stats), backends, recent)
+
+
+def model_states(stats: dict) -> list[Table]:
+    """Configured models of `kvroute serve` deployments: loaded or not, and their history."""
+    rows = stats.get("model_states") or []
+    if not rows:
+        return []
+    table = Table(title="model states")
+    for col in ("model", "state", "machine", "memory", "last use", "loads", "unloads", "load s"):
+        table.add_column(col, justify="left" if col in ("model", "state", "machine") else "right")
+    for m in rows:
+        state = m["state"] + (" (pinned)" if m["pinned"] else "")
+        used = f"{datetime.fromtimestamp(m['last_used']):%H:%M:%S}" if m["last_used"] else "—"
+        table.add_row(m["model"], state, m["machine"], format_bytes(m["memory_bytes"]), used,
+                      str(m["loads"]), str(m["unloads"]), f"{m['load_seconds']:.1f}")
+    return [table]
 
 
 def run(url: str, watch: bool, api_key: str | None = None, period: float = 2.0) -> int:

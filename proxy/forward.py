@@ -19,6 +19,7 @@ from aiohttp import web
 from kvroute.errors import APIError, overloaded
 from kvroute.hits import is_cache_hit
 
+from . import loading
 from .fleet import watch_of
 from .policy import Decision
 from .state import State
@@ -191,7 +192,8 @@ def record_stats(state: State, model: str, decision: Decision, upstream) -> None
 
 
 async def relay_stream(request: web.Request, upstream, headers: dict, bid: str) -> web.StreamResponse:
-    resp = web.StreamResponse(status=upstream.status, headers={
+    # A request that waited for its model to load has its stream started already.
+    resp = loading.held(request) or web.StreamResponse(status=upstream.status, headers={
         **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     chunks = upstream.content.iter_any().__aiter__()
     try:

@@ -84,5 +84,28 @@ class ProxyMetrics:
             "kvroute_proxy_inflight", "Requests open to each backend", ["backend"], registry=r
         )
 
+        # Configured models (`kvroute serve`), as their machines publish them in Redis.
+        self.model_state = Gauge("kvroute_model_state", "1 for each configured model's state "
+                                 "(loaded, loading, unloading, unloaded, failed)",
+                                 ["model", "state"], registry=r)
+        self.model_memory = Gauge("kvroute_model_memory_bytes", "Memory a model's replicas take "
+                                  "(or would take) by the accounting", ["model"], registry=r)
+        self.model_loads = Gauge("kvroute_model_loads", "Loads of a model since its machines "
+                                 "started", ["model"], registry=r)
+        self.model_unloads = Gauge("kvroute_model_unloads", "Unloads of a model since its "
+                                   "machines started", ["model"], registry=r)
+        self.model_load_seconds = Gauge("kvroute_model_load_seconds", "Seconds spent loading a "
+                                        "model, summed over its loads", ["model"], registry=r)
+
+    def set_models(self, models: list[dict]) -> None:
+        for m in models:
+            name = m["model"]
+            for state in ("loaded", "loading", "unloading", "unloaded", "failed"):
+                self.model_state.labels(name, state).set(1.0 if m["state"] == state else 0.0)
+            self.model_memory.labels(name).set(m["memory_bytes"])
+            self.model_loads.labels(name).set(m["loads"])
+            self.model_unloads.labels(name).set(m["unloads"])
+            self.model_load_seconds.labels(name).set(m["load_seconds"])
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

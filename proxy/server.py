@@ -12,6 +12,7 @@ the state and settings in proxy/state.py, API keys in proxy/auth.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -25,10 +26,11 @@ from aiohttp import web
 from kvroute import openapi, prefix
 from kvroute.process import start_site, wait_for_stop
 from kvroute.errors import APIError, bad_request, error_middleware, not_found
-from kvroute.registry import BackendRecord, Registry
+from kvroute.models_state import ModelsState
+from kvroute.registry import BackendRecord, Registry, RegistryUnavailable
 from kvroute.wire import parse_json
 
-from . import apis, messages_api, responses_api
+from . import apis, loading, messages_api, responses_api
 from .auth import auth_middleware
 from .fleet import Backends, check_fingerprint, describe, refresh_backends
 from .forward import Retry, forward, upstream_headers
@@ -123,6 +125,8 @@ async def ask_backend(request: web.Request, model: str, path: str, body: dict) -
     routing: nothing is prefilled, so no routing mark, decision or stats either."""
     state = state_of(request)
     b = state.backends
+    if state.models.needs_load(model, bool(b.serving(model))):
+        await state.models.wait_loaded(model, functools.partial(_serving_now, state, model))
     records = sorted(b.serving(model), key=lambda r: (b.is_suspect(r.backend_id),
                                                       b.inflight.get(r.backend_id, 0)))
     if not records:
@@ -173,6 +177,37 @@ async def _route(request: web.Request, raw: bytes, body: dict, path: str, t_star
         pairs = _chain(state.config, path, body, model, scope)
     keys = [k for k, _ in pairs]
     ends = [end for _, end in pairs]
+    state.models.touch(model)
+    if state.models.needs_load(model, bool(state.backends.serving(model))):
+        # A valid request for a configured model that is not loaded: wait for its load.
+        done = await loading.hold(request, state.models, model, loading.wants_stream(body),
+                                  functools.partial(_serving_now, state, model))
+        if done is not None:
+            return done
+    route = functools.partial(_route_to, request, state, raw, model, scope, keys, ends, path,
+                              t_start, relay)
+    if loading.held(request) is None:
+        return await route()
+    try:  # the client's stream has started: errors and answers go into it
+        resp = await route()
+    except APIError as err:
+        return await loading.write_error(request, err)
+    return await loading.finish(request, resp)
+
+
+async def _serving_now(state: State, model: str) -> bool:
+    """Whether a live backend serves `model`, asking the registry now (a load just ended)."""
+    try:
+        state.backends.update(await state.registry.live_backends(),
+                              keep_for=state.config.forget_after)
+    except RegistryUnavailable:
+        pass
+    return bool(state.backends.serving(model))
+
+
+async def _route_to(request: web.Request, state: State, raw: bytes, model: str,
+                    scope: str | None, keys: list[int], ends: list[int], path: str,
+                    t_start: float, relay: Relay | None) -> web.StreamResponse:
     candidates, known = await _candidates(state, model, keys)
     if not candidates:
         raise _no_backend(state, model)
@@ -233,9 +268,7 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     state = state_of(request)
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvroute"}
-            for m in state.backends.models()]
-    return _json({"object": "list", "data": data})
+    return _json({"object": "list", "data": state.models.listing(state.backends.models())})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -252,7 +285,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     state = state_of(request)
-    return _json(state.stats.snapshot(describe(state)))
+    return _json({**state.stats.snapshot(describe(state)), "model_states": state.models.stats()})
 
 
 _DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -275,8 +308,9 @@ async def sample_stats(state: State) -> None:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=state_of(request).metrics.render(), content_type="text/plain",
-                        charset="utf-8")
+    state = state_of(request)
+    state.metrics.set_models(state.models.stats())  # as fresh as the proxy's view
+    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
 _OPENAPI = orjson.dumps(openapi.spec("proxy"))
@@ -289,7 +323,8 @@ async def openapi_json(request: web.Request) -> web.Response:
 def create_app(config: ProxyConfig) -> web.Application:
     registry = Registry(config.redis_url, lookup_timeout=config.lookup_timeout)
     policy = make_policy(PolicyConfig(name=config.policy, locality_slack=config.locality_slack))
-    state = State(config, registry, policy, ProxyMetrics(), Backends(),
+    on_demand = loading.Models(ModelsState(config.redis_url), config.load_timeout)
+    state = State(config, registry, policy, ProxyMetrics(), Backends(), on_demand,
                   fingerprint=prefix.fingerprint(config.secret, config.block_bytes))
     # Outermost first: the per-API count sees final statuses, after Messages errors took
     # Anthropic's envelope.
@@ -325,6 +360,7 @@ async def _startup(app: web.Application) -> None:
                                           auto_decompress=False)
     state.tasks.append(asyncio.create_task(refresh_backends(state)))
     state.tasks.append(asyncio.create_task(sample_stats(state)))
+    state.tasks.append(asyncio.create_task(state.models.refresh_loop()))
 
 
 async def _cleanup(app: web.Application) -> None:
@@ -336,6 +372,7 @@ async def _cleanup(app: web.Application) -> None:
     if state.session is not None:
         await state.session.close()
     await state.registry.close()
+    await state.models.states.close()
 
 
 async def serve(config: ProxyConfig) -> None:

@@ -11,6 +11,7 @@ from aiohttp import web
 from kvroute.registry import Registry
 
 from .fleet import Backends
+from .loading import Models
 from .metrics import ProxyMetrics
 from .policy import RoutingPolicy
 from .recent import RecentChoices
@@ -42,6 +43,7 @@ class ProxyConfig:
     forget_after: float = 10.0  # seconds a backend absent from the registry stays a fallback
     probe_timeout: float = 1.0  # /health deadline when checking a backend whose record lapsed
     response_ttl: float = 86400.0  # seconds a stored /v1/responses answer can be continued from
+    load_timeout: float = 300.0  # seconds a request waits while its model loads on demand
 
 
 
@@ -52,6 +54,7 @@ class State:
     policy: RoutingPolicy
     metrics: ProxyMetrics
     backends: Backends
+    models: Models  # configured models of `kvroute serve` deployments, loaded on demand
     recent: RecentChoices = field(default_factory=RecentChoices)
     stats: Stats = field(default_factory=Stats)
     session: aiohttp.ClientSession | None = None

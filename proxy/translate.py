@@ -232,6 +232,10 @@ class SSEWriter:
         self.open = True
 
     async def start(self, request: web.Request) -> bool:
+        # A request that waited for its model to load has its stream started already.
+        held = request.get("kvroute_held_stream")
+        if held is not None:
+            self.resp = held
         try:
             await self.resp.prepare(request)
         except ConnectionError:

@@ -1,0 +1,103 @@
+"""Memory accounting and the choice of what to unload: the arithmetic users see."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvroute import capacity
+from kvroute.capacity import Refusal, Resident, plan_room
+from kvroute.config import ConfigError, build
+from kvroute.durations import parse_duration
+
+GiB = 1 << 30
+
+
+def test_durations():
+    assert parse_duration("30m") == 1800
+    assert parse_duration("1h30m") == 5400
+    assert parse_duration("90s") == parse_duration("90") == parse_duration(90) == 90
+    assert parse_duration("0") == 0
+    assert parse_duration("2.5m") == 150
+    for bad in ("", "m", "5 weeks", "-1", "1x"):
+        with pytest.raises(Exception, match="duration"):
+            parse_duration(bad)
+
+
+def test_replica_cost_counts_weights_cache_running_kv_and_process(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "hidden_size": 512, "torch_dtype": "bfloat16", "max_position_embeddings": 4096}))
+    cost = capacity.replica_cost(str(tmp_path), cache_bytes=GiB, max_batch=8,
+                                 max_prompt_tokens=1000, default_max_tokens=500)
+    per_token = 4 * 2 * 2 * 64 * 2  # layers x (K, V) x kv heads x head dim x bf16
+    assert cost.kv_per_token == per_token
+    assert cost.context == 1500 and cost.batch == 8
+    assert cost.total == 1000 + GiB + 8 * 1500 * per_token + capacity.PROCESS_OVERHEAD
+    text = cost.explain()
+    assert "KV (8 x 1500 tokens x" in text and "1.0 GiB cache" in text
+    # No prompt cap: the model's whole window.
+    assert capacity.replica_cost(str(tmp_path), 0, 8, 0, 500).context == 4096
+
+
+def test_plan_room_unloads_least_recently_used_unpinned_first():
+    loaded = [Resident("a", GiB, last_used=3), Resident("b", GiB, last_used=1),
+              Resident("c", GiB, pinned=True, last_used=0)]
+    assert plan_room(loaded, Resident("d", GiB), max_models=3, budget_bytes=100 * GiB) == ["b"]
+    assert plan_room(loaded, Resident("d", GiB), max_models=2, budget_bytes=100 * GiB) == ["b", "a"]
+    # Memory: 3 GiB loaded + 2 GiB new under a 4 GiB budget frees one.
+    assert plan_room(loaded, Resident("d", 2 * GiB), 0, 4 * GiB) == ["b"]
+    assert plan_room(loaded, Resident("d", GiB), 0, 100 * GiB) == []
+
+
+def test_plan_room_refuses_naming_the_limit_with_the_arithmetic():
+    loaded = [Resident("a", GiB, pinned=True), Resident("b", GiB, movable=False)]
+    out = plan_room(loaded, Resident("d", GiB), max_models=2, budget_bytes=100 * GiB)
+    assert isinstance(out, Refusal) and out.limit == "max_loaded_models"
+    assert "max_loaded_models (2)" in out.message and "a (pinned)" in out.message
+    assert "b (loading)" in out.message
+    out = plan_room(loaded, Resident("d", 3 * GiB), max_models=0, budget_bytes=4 * GiB)
+    assert out.limit == "memory_budget"
+    assert "1.0 GiB a + 1.0 GiB b + 3.0 GiB d = 5.0 GiB > 4.0 GiB" in out.message
+    out = plan_room([], Resident("huge", 5 * GiB), 0, 4 * GiB, "memory_budget")
+    assert out.limit == "memory_budget" and "huge needs 5.0 GiB alone" in out.message
+
+
+def test_settings_from_file_env_and_flags(tmp_path):
+    path = tmp_path / "k.toml"
+    path.write_text('max_loaded_models = 3\nmemory_budget = "8GiB"\n[proxy]\nload_timeout = 60\n'
+                    '[[models]]\npath = "demo"\nalias = "a"\npin = true\nidle_unload = "30m"\n'
+                    '[[models]]\npath = "demo"\nalias = "b"\npreload = false\n')
+    c = build({"config": str(path)}, {"KVROUTE_MAX_LOADED_MODELS": "2"})
+    assert c.max_loaded_models == 2 and c.memory_budget == 8 * GiB and c.load_timeout == 60
+    a, b = c.models
+    assert (a.pin, a.preload, a.idle_unload) == (True, True, 1800)
+    assert (b.pin, b.preload, b.idle_unload) == (False, False, 0)
+    c = build({"config": str(path), "idle_unload": 10.0, "max_loaded_models": 1}, {})
+    assert [m.idle_unload for m in c.models] == [10, 10]
+    path.write_text('max_loaded_models = 1\n[[models]]\nalias = "a"\npin = true\n'
+                    '[[models]]\nalias = "b"\npin = true\n')
+    with pytest.raises(ConfigError, match="2 models are pinned but max_loaded_models is 1"):
+        build({"config": str(path)}, {})
+
+
+def test_a_backend_started_on_demand_moves_off_a_port_taken_since_the_plan():
+    import socket
+
+    from kvroute.config import ServeConfig
+    from kvroute.launcher import Child, Launcher
+
+    launcher = Launcher(ServeConfig())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        child = Child("m-1", ["backend", "--port", str(port), "--advertise-url",
+                              f"http://127.0.0.1:{port}"], f"http://127.0.0.1:{port}", "cyan")
+        launcher.children = [child]
+        launcher.repick_port(child)
+    new = int(child.url.rpartition(":")[2])
+    assert new != port
+    assert child.args == ["backend", "--port", str(new), "--advertise-url", child.url]

@@ -1,0 +1,64 @@
+"""Per-model states and load requests in a real Redis: what proxies see and send."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvroute.models_state import (LOADED, LOADING, UNLOADED, ModelsState, ModelState, STALE_AFTER,
+                                  summarize)
+from kvroute.redis_server import RedisServer
+
+
+def test_publish_summarize_withdraw_and_load_requests():
+    async def main(url: str) -> None:
+        a, b = ModelsState(url), ModelsState(url)
+        await a.publish([ModelState("m1", "mac-a", LOADED, memory_bytes=10, loads=2),
+                         ModelState("m2", "mac-a", UNLOADED)])
+        await b.publish([ModelState("m1", "mac-b", LOADING, loads=1)])
+        s = await b.summaries()
+        assert s["m1"].state == LOADED and s["m1"].loads == 3 and s["m1"].machine == "mac-a,mac-b"
+        assert s["m2"].state == UNLOADED
+
+        # A machine's consumer sees requests made after it started, in order, once each.
+        start = await a.last_request_id()
+        await b.request_load("m2")
+        await b.request_load("m2")
+        await b.request_load("m3")
+        after, models = await a.load_requests(start, block_s=1)
+        assert models == ["m2", "m3"]
+        assert (await a.load_requests(after, block_s=0.1))[1] == []
+
+        await b.touch("m1", 123.0)
+        assert (await a.used())["m1"] == 123.0
+
+        await a.withdraw("mac-a", ["m1", "m2"])
+        assert set(await a.summaries()) == {"m1"}
+        await b.withdraw("mac-b", ["m1"])
+        # The last machine out leaves no key behind.
+        assert not [k async for k in a._redis.scan_iter("kvr:*")]
+        await a.close()
+        await b.close()
+
+    with RedisServer() as server:
+        asyncio.run(main(server.url))
+
+
+def test_stale_states_are_ignored():
+    fresh = ModelState("m", "x", LOADED, updated_at=time.time())
+    stale = ModelState("m", "y", LOADED, updated_at=time.time() - STALE_AFTER - 1)
+
+    async def main(url: str) -> None:
+        s = ModelsState(url)
+        await s._redis.hset("kvr:models", mapping={"m|x": fresh.to_json(), "m|y": stale.to_json()})
+        assert [x.machine for x in (await s.states())["m"]] == ["x"]
+        await s.close()
+
+    with RedisServer() as server:
+        asyncio.run(main(server.url))
+
+
+def test_summary_reports_the_latest_error():
+    old = ModelState("m", "a", UNLOADED, error="old", error_at=1.0)
+    new = ModelState("m", "b", UNLOADED, error="new", error_at=2.0)
+    assert summarize([old, new]).error == "new"
