@@ -33,6 +33,7 @@ from .engine import Delta, Engine, Finish, Job
 from .metrics import BackendMetrics
 from .publisher import Publisher
 from .responses import ChatBuilder, CompletionBuilder
+from .disk import DiskTier, open_disk_tier
 from .store import Store
 
 log = logging.getLogger("kvroute.backend")
@@ -63,6 +64,8 @@ class BackendConfig:
     advertise_url: str  # the URL proxies should use; empty: http://host:port
     internal_token: str  # when set, /v1 and /debug require it in x-kvroute-token
     block_bytes: int
+    disk_cache_dir: str = ""  # the disk tier's folder; empty: RAM only
+    disk_cache_bytes: int = 0
 
 
 @dataclass
@@ -77,6 +80,7 @@ class State:
     instance_id: str = ""
     publisher: Publisher | None = None
     vocab_size: int = 0  # rows of the logits: logit_bias token ids must index inside them
+    disk: DiskTier | None = None
 
 
 def _state(request: web.Request) -> State:
@@ -308,6 +312,10 @@ async def _generate(
         scope=scope,
         fault=req.fault if state.config.enable_faults else None,
     )
+    if state.disk is not None:
+        job.restored = await state.disk.prefetch(
+            state.config.model_id, prompt, scope,
+            lambda: state.store.depth(state.config.model_id, prompt, scope))
     state.engine.submit(job)
     try:
         if req.stream:
@@ -412,6 +420,7 @@ async def health(request: web.Request) -> web.Response:
         "model": state.config.model_id,
         "uptime_s": round(time.time() - state.started, 1),
         "cache": state.store.stats(),
+        "disk": state.disk.stats() if state.disk is not None else None,
         "engine": state.engine.snapshot(),
     }
     return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
@@ -555,8 +564,10 @@ def load_state(config: BackendConfig) -> State:
         max_queue=config.max_queue,
     )
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
+    disk = open_disk_tier(config.model, config.disk_cache_dir, config.disk_cache_bytes,
+                          config.cache_bytes, store, metrics_)
     return State(config, engine, tokenizer, metrics_, store, context, time.time(), new_instance_id(),
-                 vocab_size=_vocab_size(model_config, tokenizer))
+                 vocab_size=_vocab_size(model_config, tokenizer), disk=disk)
 
 
 def _evaluate_private_arrays(model) -> None:
@@ -591,6 +602,7 @@ def _record(state: State) -> BackendRecord:
         cache_budget=stats["budget_bytes"],
         waiting=state.engine.waiting,
         running=state.engine.queue_depth - state.engine.waiting,
+        **_disk_record(state),
         prefill_tps=state.engine.prefill_tps,
         started_at=state.started,
         updated_at=time.time(),
@@ -608,6 +620,22 @@ def start_publisher(state: State) -> Publisher:
     return publisher
 
 
+def _disk_record(state: State) -> dict:
+    disk = state.disk
+    if disk is None:
+        return {}
+    return {"disk_bytes": disk.nbytes, "disk_budget": disk.budget_bytes,
+            "restore_bps": disk.restore_bps}
+
+
+async def _first_sync(publisher: Publisher, timeout: float = 5.0) -> None:
+    """Advertise what the store and the disk hold before serving, so a restarted
+    backend is found by what it kept; past `timeout` (Redis down) serve anyway."""
+    deadline = time.monotonic() + timeout
+    while publisher.resyncs == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
 async def serve(config: BackendConfig) -> None:
     state = await asyncio.to_thread(load_state, config)
     if config.redis_url and not config.advertise_url and config.host in ("0.0.0.0", "::"):
@@ -618,6 +646,7 @@ async def serve(config: BackendConfig) -> None:
     if config.redis_url:
         state.publisher = start_publisher(state)
         await state.publisher.start()
+        await _first_sync(state.publisher)
     state.engine.start()
     runner = await start_site(create_app(state), config.host, config.port)
     log.info("backend %s serving %s on http://%s:%d", config.backend_id, config.model_id,
@@ -630,3 +659,5 @@ async def serve(config: BackendConfig) -> None:
         await state.publisher.registry.close()
     await runner.cleanup()  # lets in-flight requests finish, up to shutdown_timeout
     await asyncio.to_thread(state.engine.stop)
+    if state.disk is not None:
+        await asyncio.to_thread(state.disk.close)  # finishes the writes already queued

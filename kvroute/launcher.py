@@ -65,6 +65,16 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def disk_dir(spec: ModelSpec, name: str) -> str:
+    """Each backend's own disk-tier folder (a folder serves one process at a time):
+    under the model's `disk_cache_dir`, else under the user's cache directory."""
+    if spec.disk_cache_bytes <= 0:
+        return ""
+    base = Path(spec.disk_cache_dir).expanduser() if spec.disk_cache_dir else \
+        demo_model.default_cache_dir() / "prompt-cache"
+    return str(base / name)
+
+
 def check_memory(config: ServeConfig, paths: dict[str, str], total: int | None = None) -> list[str]:
     """Refuse, with the arithmetic, a deployment whose weights and caches cannot fit.
     Returns notes about models whose size is unknown (not downloaded yet)."""
@@ -163,6 +173,7 @@ class Launcher:
                     "--host", c.backend_host, "--port", str(port), "--id", name,
                     "--advertise-url", f"http://{c.backend_host}:{port}",
                     *spec.backend_flags(), *self._common(),
+                    "--disk-cache-dir", disk_dir(spec, name),
                 ]
                 self.children.append(Child(name, args, f"http://{c.backend_host}:{port}",
                                            COLORS[i % len(COLORS)]))
