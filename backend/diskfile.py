@@ -18,7 +18,6 @@ not check out raises `BadRecord` and is never handed to the model.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import struct
 from dataclasses import dataclass, field
@@ -178,23 +177,47 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
+_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+           "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8",
+           "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool_"}
+
+
 def load(path: Path, record: Record, parallel: int = 4) -> list[Any]:
     """The layer caches a record holds, checked against its checksum first."""
-    import mlx.core as mx
-    from mlx_lm.models import cache as cache_mod
-
     try:
         blob = read_bytes(path, record.size, parallel)
     except OSError as exc:
         raise BadRecord("unreadable", str(exc))
     if xxhash.xxh3_64(memoryview(blob)[record.data_offset:]).hexdigest() != record.checksum:
         raise BadRecord("corrupt", "tensor bytes do not match the checksum")
-    arrays, metadata = mx.load(io.BytesIO(blob), format="safetensors", return_metadata=True)
+    return from_bytes(blob, record.data_offset)
+
+
+def from_bytes(blob: bytearray, data_offset: int) -> list[Any]:
+    """Arrays straight from the file's bytes: one copy into MLX's memory (through a
+    BytesIO, MLX's reader would copy the whole file once more and slowly)."""
+    import mlx.core as mx
+    from mlx_lm.models import cache as cache_mod
+
+    header = orjson.loads(memoryview(blob)[8:data_offset])
+    metadata = header.pop("__metadata__", {})
+    arrays = {}
+    try:
+        for name, t in header.items():
+            a, b = t["data_offsets"]
+            kind = _DTYPES[t["dtype"]]
+            raw = np.frombuffer(blob, dtype=np.uint16 if kind == "bfloat16" else kind,
+                                count=(b - a) // (2 if kind == "bfloat16" else np.dtype(kind).itemsize),
+                                offset=data_offset + a)
+            arr = mx.array(raw.reshape(t["shape"]))
+            arrays[name] = arr.view(mx.bfloat16) if kind == "bfloat16" else arr
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadRecord("corrupt", f"tensor table: {exc}")
     return _rebuild(cache_mod, arrays, metadata, mx)
 
 
 def _rebuild(cache_mod: Any, arrays: dict, metadata: dict, mx: Any) -> list[Any]:
-    # mlx-lm's load_prompt_cache, fed from memory rather than a path.
+    # mlx-lm's load_prompt_cache, fed from arrays already in memory.
     from mlx.utils import tree_unflatten
 
     _, classes, scalars = tree_unflatten(list(metadata.items()))
