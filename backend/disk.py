@@ -78,7 +78,8 @@ class DiskTier:
         self.listeners: list[Callable[[DiskEvent], None]] = []
         self.index: OrderedDict[str, Record] = OrderedDict()  # LRU order, oldest first
         self.nbytes = 0
-        self.restore_bps = 0.0  # measured restore bandwidth (moving average)
+        self.restore_bps = 0.0  # measured restore bandwidth, bytes/s (moving average)
+        self.restore_tps = 0.0  # the same in tokens/s, for the proxy's TTFT estimate
         self.lock = threading.RLock()
         self._by_entry: dict[int, str] = {}  # store entry id -> file name
         self._seen: set[int] = set()  # store entry ids queued or written
@@ -331,6 +332,8 @@ class DiskTier:
         seconds = time.perf_counter() - t0
         rate = record.size / max(seconds, 1e-6)
         self.restore_bps = rate if not self.restore_bps else 0.7 * self.restore_bps + 0.3 * rate
+        tps = len(record.tokens) / max(seconds, 1e-6)
+        self.restore_tps = tps if not self.restore_tps else 0.7 * self.restore_tps + 0.3 * tps
         m = self.metrics
         m.l(m.disk_restore_seconds).observe(seconds)
         m.l(m.disk_restore_bytes).inc(record.size)
@@ -372,6 +375,7 @@ class DiskTier:
             "budget_bytes": self.budget_bytes,
             "write_queue": self._queue.qsize(),
             "restore_bytes_per_s": round(self.restore_bps),
+            "restore_tokens_per_s": round(self.restore_tps),
         }
 
     def _update_gauges(self) -> None:

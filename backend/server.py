@@ -81,6 +81,7 @@ class State:
     publisher: Publisher | None = None
     vocab_size: int = 0  # rows of the logits: logit_bias token ids must index inside them
     disk: DiskTier | None = None
+    disk_publisher: Publisher | None = None  # keeps the disk tier's key sets in Redis
 
 
 def _state(request: web.Request) -> State:
@@ -617,6 +618,10 @@ def start_publisher(state: State) -> Publisher:
     m = state.metrics
     m.l(m.registry_failures).set_function(lambda: publisher.failures)
     m.l(m.registry_connected).set_function(lambda: float(publisher.connected))
+    if state.disk is not None:
+        state.disk_publisher = Publisher(registry, lambda: _record(state), state.disk.snapshot,
+                                         tier="disk")
+        state.disk.listeners.append(state.disk_publisher.on_store_event)
     return publisher
 
 
@@ -625,14 +630,14 @@ def _disk_record(state: State) -> dict:
     if disk is None:
         return {}
     return {"disk_bytes": disk.nbytes, "disk_budget": disk.budget_bytes,
-            "restore_bps": disk.restore_bps}
+            "restore_tps": disk.restore_tps}
 
 
-async def _first_sync(publisher: Publisher, timeout: float = 5.0) -> None:
+async def _first_sync(publishers: list[Publisher], timeout: float = 5.0) -> None:
     """Advertise what the store and the disk hold before serving, so a restarted
     backend is found by what it kept; past `timeout` (Redis down) serve anyway."""
     deadline = time.monotonic() + timeout
-    while publisher.resyncs == 0 and time.monotonic() < deadline:
+    while any(p.resyncs == 0 for p in publishers) and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
 
 
@@ -646,7 +651,9 @@ async def serve(config: BackendConfig) -> None:
     if config.redis_url:
         state.publisher = start_publisher(state)
         await state.publisher.start()
-        await _first_sync(state.publisher)
+        if state.disk_publisher is not None:
+            await state.disk_publisher.start()
+        await _first_sync([p for p in (state.publisher, state.disk_publisher) if p])
     state.engine.start()
     runner = await start_site(create_app(state), config.host, config.port)
     log.info("backend %s serving %s on http://%s:%d", config.backend_id, config.model_id,
@@ -655,6 +662,8 @@ async def serve(config: BackendConfig) -> None:
     log.info("shutting down")
     if state.publisher is not None:
         # Withdraw this instance's advertisements first: no proxy should route here now.
+        if state.disk_publisher is not None:
+            await state.disk_publisher.stop(withdraw=True)
         await state.publisher.stop(withdraw=True)
         await state.publisher.registry.close()
     await runner.cleanup()  # lets in-flight requests finish, up to shutdown_timeout

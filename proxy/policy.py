@@ -58,6 +58,8 @@ class Candidate:
     expected_depth: int = 0
     load: Load = field(default_factory=Load)
     suspect: bool = False  # failed recently: used only when nothing else is left
+    disk_depth: int = 0  # leading blocks its disk tier holds: restorable, slower than RAM
+    restore_tps: float = 0.0  # backend-measured tokens/s restored from disk; 0 = unknown
 
     @property
     def depth(self) -> int:
@@ -82,7 +84,14 @@ class RouteContext:
         """Request bytes the candidate's match covers beyond the shared header: block 0
         (salt and model) is common to every request of the model, matching it alone is
         no hit."""
-        d = min(c.depth, len(self.ends))
+        return self._covered(c.depth)
+
+    def restore_bytes(self, c: Candidate) -> int:
+        """Request bytes beyond the candidate's match that its disk tier would restore."""
+        return max(0, self._covered(c.disk_depth) - self.matched_bytes(c))
+
+    def _covered(self, depth: int) -> int:
+        d = min(depth, len(self.ends))
         return self.ends[d - 1] - self.ends[0] if d > 1 else 0
 
 
@@ -105,6 +114,7 @@ class PolicyConfig:
     default_prefill_tps: float = 1000.0  # for a backend that has not measured itself yet
     locality_slack: float = 1.0  # seconds of extra estimated TTFT accepted to keep a prefix hit
     per_request_wait: float = 0.02  # seconds a queued request of another proxy is assumed to cost
+    default_restore_tps: float = 20000.0  # tokens/s from a disk tier that has not restored yet
 
 
 class RoutingPolicy(Protocol):
@@ -125,12 +135,16 @@ class _Base:
         return nbytes / self.config.bytes_per_token
 
     def unmatched_tokens(self, ctx: RouteContext, c: Candidate) -> float:
-        return self.tokens(max(0, ctx.request_bytes - ctx.matched_bytes(c)))
+        reach = ctx.matched_bytes(c) + ctx.restore_bytes(c)
+        return self.tokens(max(0, ctx.request_bytes - reach))
 
     def ttft(self, ctx: RouteContext, c: Candidate) -> float:
+        """Queue, then the restore of what only the disk tier holds, then the prefill of
+        the rest: a RAM hit beats the same hit from disk, which beats a cold prefill."""
         rate = c.load.prefill_tps or self.config.default_prefill_tps
         others = max(0, c.load.reported_queue - c.load.inflight)  # requests other proxies sent
-        return ((c.load.unanswered_tokens + self.unmatched_tokens(ctx, c)) / rate
+        restore = self.tokens(ctx.restore_bytes(c)) / (c.restore_tps or self.config.default_restore_tps)
+        return ((c.load.unanswered_tokens + self.unmatched_tokens(ctx, c)) / rate + restore
                 + others * self.config.per_request_wait)
 
     def decide(self, ctx: RouteContext, c: Candidate, reason: str, **kw) -> Decision:
@@ -190,15 +204,20 @@ class CacheAware(_Base):
             key=lambda t: t[:3],
         )
         best_ttft, _, _, best = scored[0]
-        deepest = max(pool, key=lambda c: (ctx.matched_bytes(c), -self.ttft(ctx, c)))
+        def reach(c: Candidate) -> int:  # RAM or disk
+            return ctx.matched_bytes(c) + ctx.restore_bytes(c)
+
+        deepest = max(pool, key=lambda c: (reach(c), -self.ttft(ctx, c)))
         chosen, est = best, best_ttft
-        if ctx.matched_bytes(deepest) > ctx.matched_bytes(best):
+        if reach(deepest) > reach(best):
             deep_ttft = self.ttft(ctx, deepest)
             if deep_ttft <= best_ttft + self.config.locality_slack:
                 chosen, est = deepest, deep_ttft
-        matched = ctx.matched_bytes(chosen)
+        matched = reach(chosen)
         if not matched:
             reason = "load"
+        elif ctx.restore_bytes(chosen):
+            reason = "disk-hit"
         else:
             # "pending-hit": the label users see in metrics and the dashboard.
             reason = "pending-hit" if chosen.expected_only else "cache-hit"

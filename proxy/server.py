@@ -74,21 +74,21 @@ async def _candidates(state: State, model: str, keys: list[int]) -> tuple[list[C
     if found is None:
         state.metrics.registry_unknown.inc()
     else:
-        records = [(m.record, m.depth, m.marked_depth) for m in found.values()
+        records = [(m.record, m.depth, m.marked_depth, m.disk_depth) for m in found.values()
                    if model in m.record.models]
     known = bool(records)
     if not records:
         # Redis down, or up but empty (just restarted): route by load among the
         # backends seen recently rather than refuse the request.
-        records = [(r, 0, 0) for r in b.serving(model)]
+        records = [(r, 0, 0, 0) for r in b.serving(model)]
     recent = state.recent.depths(model, keys)
-    cands = [_candidate(b, r, depth, max(marked, recent.get(r.backend_id, 0)))
-             for r, depth, marked in records]
+    cands = [_candidate(b, r, depth, max(marked, recent.get(r.backend_id, 0)), disk)
+             for r, depth, marked, disk in records]
     return cands, known
 
 
 def _candidate(b: Backends, r: BackendRecord, advertised_depth: int = 0,
-               expected_depth: int = 0) -> Candidate:
+               expected_depth: int = 0, disk_depth: int = 0) -> Candidate:
     bid = r.backend_id
     return Candidate(
         backend_id=bid,
@@ -99,6 +99,8 @@ def _candidate(b: Backends, r: BackendRecord, advertised_depth: int = 0,
                   inflight=b.inflight.get(bid, 0), waiting=r.waiting, running=r.running,
                   prefill_tps=r.prefill_tps),
         suspect=b.is_suspect(bid),
+        disk_depth=disk_depth,
+        restore_tps=r.restore_tps,
     )
 
 

@@ -20,9 +20,10 @@ from kvroute import arch_models
 GREEDY = {"max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}
 
 
-def start(model, model_id: str, disk_dir, log_dir, *extra: str, port: int | None = None) -> BackendProcess:
+def start(model, model_id: str, disk_dir, log_dir, *extra: str, port: int | None = None,
+          backend_id: str = "") -> BackendProcess:
     proc = BackendProcess(model, model_id=model_id, log_dir=log_dir, port=port,
-                          backend_id=f"disk-{model_id}",
+                          backend_id=backend_id or f"disk-{model_id}",
                           extra=["--prefill-step", "64", "--disk-cache-dir", str(disk_dir), *extra])
     proc.start()
     return proc
@@ -153,3 +154,52 @@ def test_full_disk_keeps_serving(text_model, tmp_path):
         if backend is not None:
             backend.stop()
         subprocess.run(["umount", str(mount)])
+
+
+def test_proxy_routes_turn2_back_to_the_restarted_backend(text_model, tmp_path):
+    """Turn 1 through the proxy; SIGKILL the backend that served it; restart it on the
+    same directory: it re-advertises its disk tier before it reports ready, and
+    turn 2 goes back to it (a disk hit) and finds turn 1 cached."""
+    from test_proxy import KEY, SECRET, TOKEN, ProxyProcess
+
+    from kvroute.redis_server import RedisServer
+
+    redis = RedisServer().start()
+    common = ["--redis-url", redis.url, "--secret", SECRET, "--internal-token", TOKEN]
+    backends = {}
+    proxy = None
+    try:
+        for i in range(2):
+            b = start(text_model, "demo", tmp_path / f"disk-{i}", tmp_path, *common,
+                      backend_id=f"disk-demo-{i}")
+            backends[b.backend_id] = b
+        proxy = ProxyProcess(redis.url, tmp_path)
+        proxy.start(expect_backends=2)
+
+        def ask(messages):
+            status, headers, raw = request(proxy.url + "/v1/chat/completions", "POST",
+                                           {"model": "demo", "messages": messages, **GREEDY},
+                                           headers={"Authorization": f"Bearer {KEY}"})
+            assert status == 200, raw
+            import json
+            return headers, json.loads(raw)
+
+        messages = conversation()
+        headers, turn1 = ask(messages)
+        served = backends[headers["x-kvroute-backend"]]
+        wait_until(lambda: written(served), 60, what="turn 1 on disk")
+        kill(served)
+        # Ready means its disk tier is advertised under the new instance already.
+        restarted = start(text_model, "demo", served.extra[served.extra.index("--disk-cache-dir") + 1],
+                          tmp_path, *common, port=served.port, backend_id=served.backend_id)
+        backends[served.backend_id] = restarted
+        headers, turn2 = ask(next_turn(messages, turn1))
+        assert headers["x-kvroute-backend"] == served.backend_id
+        assert headers["x-kvroute-route-reason"] == "disk-hit"
+        assert cached(turn2) >= 0.9 * turn1["usage"]["prompt_tokens"]
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for b in backends.values():
+            b.stop()
+        redis.stop()
