@@ -186,7 +186,7 @@ def _read(path: Path, record, parallel: int) -> float:
 
 def capacity_bench(args) -> None:
     from harness import BackendProcess, post_json
-    from test_proxy import ProxyProcess
+    from test_proxy import KEY, SECRET, TOKEN, ProxyProcess
 
     from kvroute import demo_model
     from kvroute.redis_server import RedisServer
@@ -201,23 +201,23 @@ def capacity_bench(args) -> None:
     for disk in (False, True):
         with tempfile.TemporaryDirectory(prefix="kvr-cap-") as tmp:
             row = _capacity_run(Path(tmp), model, disk, args, BackendProcess, ProxyProcess,
-                                RedisServer, post_json)
+                                RedisServer, post_json, KEY, SECRET, TOKEN)
         table.add_row("on" if disk else "off", *row)
     console.print(table)
 
 
 def _capacity_run(tmp: Path, model: str, disk: bool, args, BackendProcess, ProxyProcess,
-                  RedisServer, post_json) -> list[str]:
+                  RedisServer, post_json, KEY, SECRET, TOKEN) -> list[str]:
     redis = RedisServer().start()
     backends = []
     proxy = None
     try:
         for i in range(3):
             extra = ["--cache-bytes", args.cache_bytes, "--redis-url", redis.url,
-                     "--prefill-step", "256"]
+                     "--prefill-step", "256", "--secret", SECRET, "--internal-token", TOKEN]
             if disk:
                 extra += ["--disk-cache-dir", str(tmp / f"disk-{i}")]
-            b = BackendProcess(model, model_id="demo", log_dir=tmp, extra=extra)
+            b = BackendProcess(model, model_id="demo", log_dir=tmp, extra=extra, backend_id=f"cap-{i}")
             b.start()
             backends.append(b)
         proxy = ProxyProcess(redis.url, tmp)
@@ -231,7 +231,8 @@ def _capacity_run(tmp: Path, model: str, disk: bool, args, BackendProcess, Proxy
                 messages.append({"role": "user", "content": f"Turn {turn}: step {i} of the plan?"})
                 status, body = post_json(proxy.url + "/v1/chat/completions",
                                          {"model": "demo", "messages": messages, "max_tokens": 16,
-                                          "temperature": 0})
+                                          "temperature": 0},
+                                         headers={"Authorization": f"Bearer {KEY}"})
                 assert status == 200, body
                 messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
                 p = body["usage"]["prompt_tokens"]
