@@ -32,7 +32,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from .keys import ALL_BACKENDS, chain_hex, check_id, member, model_tag, record_key, response_key
+from .keys import (ALL_BACKENDS, chain_hex, check_id, member, model_tag, record_key, response_key,
+                   tier_keys)
 
 log = logging.getLogger("kvroute.registry")
 
@@ -101,16 +102,6 @@ class PrefixMatch:
 def new_instance_id() -> str:
     return uuid.uuid4().hex
 
-
-def _tier_keys(tier: str) -> tuple[str, str]:
-    """The key-set kind and the index suffix of a tier: what a backend holds in RAM
-    (k:, idx:) or only on its disk tier (d:, didx:) is advertised apart, so the proxy
-    can weigh a restore against a RAM hit."""
-    if tier == "ram":
-        return "k:", "idx:"
-    if tier == "disk":
-        return "d:", "didx:"
-    raise ValueError(f"unknown tier {tier!r}")
 
 
 # ---------------------------------------------------------------------------
@@ -240,7 +231,7 @@ class Registry:
         (refreshes their expiry)."""
         check_id("backend_id", backend_id)
         check_id("instance_id", instance_id)
-        kind, idx = _tier_keys(tier)
+        kind, idx = tier_keys(tier)
         await self._per_chunk("advertise", self._advertise, model, keys,
                               member(backend_id, instance_id), self.key_ttl, idx + backend_id, kind)
 
@@ -251,7 +242,7 @@ class Registry:
         and a clean shutdown leaves nothing behind. Returns the entries removed."""
         check_id("backend_id", backend_id)
         keep = member(backend_id, keep_instance) if keep_instance else ""
-        kind, idx = _tier_keys(tier)
+        kind, idx = tier_keys(tier)
         removed = 0
         for model in models:
             tag = model_tag(model)
@@ -264,14 +255,14 @@ class Registry:
         """Record that this instance no longer holds these keys in `tier`."""
         check_id("backend_id", backend_id)
         check_id("instance_id", instance_id)
-        kind, idx = _tier_keys(tier)
+        kind, idx = tier_keys(tier)
         await self._per_chunk("withdraw", self._withdraw, model, keys, member(backend_id, instance_id),
                               idx + backend_id, kind)
 
     async def advertised(self, backend_id: str, model: str, tier: str = "ram") -> set[int]:
         """The keys of `model` this backend id advertised in `tier` and has not withdrawn."""
         check_id("backend_id", backend_id)
-        idx = _tier_keys(tier)[1]
+        idx = tier_keys(tier)[1]
         members = await self._op("advertised", self._redis.smembers(model_tag(model) + idx + backend_id))
         return {int(m, 16) for m in members}
 
