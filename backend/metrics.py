@@ -142,6 +142,11 @@ class BackendMetrics:
         self.disk_restore_bytes = Counter(
             "kvroute_backend_disk_restore_bytes", "Bytes read from disk for hits", labels, registry=r
         )
+        self.disk_skipped = Counter(
+            "kvroute_backend_disk_restores_skipped",
+            "Disk hits prefilled instead: the measured prefill rate beat the restore rate",
+            labels, registry=r,
+        )
         self.disk_restore_bps = Gauge(
             "kvroute_backend_disk_restore_bytes_per_second",
             "Measured restore bandwidth (moving average)", labels, registry=r,

@@ -316,7 +316,8 @@ async def _generate(
     if state.disk is not None:
         job.restored = await state.disk.prefetch(
             state.config.model_id, prompt, scope,
-            lambda: state.store.depth(state.config.model_id, prompt, scope))
+            lambda: state.store.depth(state.config.model_id, prompt, scope),
+            state.engine.prefill_tps)
     state.engine.submit(job)
     try:
         if req.stream:

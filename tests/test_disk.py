@@ -196,3 +196,15 @@ def test_full_disk_counts_failures_and_keeps_going(tmp_path):
         if tier is not None:
             tier.close()
         subprocess.run(["umount", str(mount)])
+
+
+def test_a_prefill_faster_than_the_disk_skips_the_restore(tmp_path):
+    tier, metrics = make_tier(tmp_path)
+    store = attach(tier)
+    store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])
+    wait_until(lambda: len(tier.index) == 1, 30, what="written")
+    tier.restore_tps = 100.0  # measured: 10 tokens take 0.1 s to restore
+    fast = asyncio.run(tier.prefetch("m", tokens(12), None, lambda: 0, prefill_tps=1000.0))
+    assert fast is None and metric(metrics, metrics.disk_skipped) == 1
+    slow = asyncio.run(tier.prefetch("m", tokens(12), None, lambda: 0, prefill_tps=10.0))
+    assert slow.tokens == 10
