@@ -17,6 +17,9 @@
 - Degrading: an unusable directory (not creatable, not writable, held by another
   process) turns the tier off with a warning; a failed write (a full disk) is
   counted and logged, and the request path never sees either.
+
+One module past 400 lines on purpose: the writer, the index and the reader share
+one index and its lock; the file format is apart, in diskfile.py.
 """
 
 from __future__ import annotations
@@ -171,9 +174,14 @@ class DiskTier:
                 return
             self._pending_bytes += entry.nbytes
             self._queue.put(("write", entry))
-        elif event.kind == "evict" and event.reason == "superseded":
-            self._superseded.add(entry.id)
-            self._queue.put(("drop", entry.id))
+        elif event.kind == "evict":
+            # Gone from RAM: no more events for it (its file stays, unless superseded).
+            self._seen.discard(entry.id)
+            if event.reason == "superseded":
+                self._superseded.add(entry.id)
+                self._queue.put(("drop", entry.id))
+            else:
+                self._by_entry.pop(entry.id, None)
         self.metrics.l(self.metrics.disk_queue).set(self._queue.qsize())
 
     # -- the writer thread -----------------------------------------------------
@@ -191,7 +199,6 @@ class DiskTier:
                         self._write(payload)
                 else:
                     self._superseded.discard(payload)
-                    self._seen.discard(payload)
                     name = self._by_entry.pop(payload, None)
                     if name is not None:
                         self._remove(name)
@@ -231,7 +238,8 @@ class DiskTier:
                         entry.exit_path, size, 0, "", entry.created, entry.model)
         with self.lock:
             self._add(record)
-            self._by_entry[entry.id] = name
+            if entry.id in self._seen:  # still in RAM: a later supersede removes the file
+                self._by_entry[entry.id] = name
         self.metrics.l(self.metrics.disk_writes, result="ok").inc()
         self._enforce_budget(0)
         self._update_gauges()
