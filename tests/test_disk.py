@@ -208,3 +208,21 @@ def test_a_prefill_faster_than_the_disk_skips_the_restore(tmp_path):
     assert fast is None and metric(metrics, metrics.disk_skipped) == 1
     slow = asyncio.run(tier.prefetch("m", tokens(12), None, lambda: 0, prefill_tps=10.0))
     assert slow.tokens == 10
+
+
+def test_concurrent_hits_on_one_file_share_one_read(tmp_path):
+    tier, metrics = make_tier(tmp_path)
+    store = attach(tier)
+    store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])
+    wait_until(lambda: len(tier.index) == 1, 30, what="written")
+
+    async def both():
+        return await asyncio.gather(*(tier.prefetch("m", tokens(12) + [i], None, lambda: 0)
+                                      for i in range(3)))
+
+    found = asyncio.run(both())
+    assert [f.tokens for f in found] == [10, 10, 10]
+    (record,) = tier.index.values()
+    assert metric(metrics, metrics.disk_restore_bytes) == record.size  # read once
+    views = [f.hit().cache for f in found]  # each request still gets its own arrays
+    assert views[0][0].keys is not views[1][0].keys
