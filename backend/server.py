@@ -627,10 +627,11 @@ def start_publisher(state: State) -> Publisher:
 
 
 def _disk_record(state: State) -> dict:
-    disk = state.disk
+    disk, m = state.disk, state.metrics
+    hits = {f"{tier}_hits": int(m.l(m.hits, tier=tier)._value.get()) for tier in ("ram", "disk")}
     if disk is None:
-        return {}
-    return {"disk_bytes": disk.nbytes, "disk_budget": disk.budget_bytes,
+        return hits
+    return {**hits, "disk_bytes": disk.nbytes, "disk_budget": disk.budget_bytes,
             "restore_tps": disk.restore_tps}
 
 

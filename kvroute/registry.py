@@ -67,6 +67,8 @@ class BackendRecord:
     disk_bytes: int = 0  # the disk tier (0 and 0: none)
     disk_budget: int = 0
     restore_tps: float = 0.0  # measured tokens/s restored from the disk tier; 0 = not yet
+    ram_hits: int = 0  # requests that started from a cached state in RAM, since start
+    disk_hits: int = 0  # ... from a state read back from the disk tier
     started_at: float = 0.0
     updated_at: float = 0.0
 

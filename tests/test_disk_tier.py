@@ -197,6 +197,10 @@ def test_proxy_routes_turn2_back_to_the_restarted_backend(text_model, tmp_path):
         assert headers["x-kvroute-backend"] == served.backend_id
         assert headers["x-kvroute-route-reason"] == "disk-hit"
         assert cached(turn2) >= 0.9 * turn1["usage"]["prompt_tokens"]
+        # The proxy's fleet view (/health, /stats, kvroute stats, the dashboard) shows it.
+        wait_until(lambda: [(b["disk_hits"], b["ram_hits"]) for b in proxy.health()["backends"]
+                            if b["id"] == served.backend_id] == [(1, 0)], 30,
+                   what="the disk hit in the proxy's fleet view")
     finally:
         if proxy is not None:
             proxy.stop()
