@@ -108,7 +108,7 @@ def restore_bench(args) -> None:
     console = Console(width=200)
     console.print(f"model {args.shape}: {params / 1e6:.0f}M parameters, {dtype}; {platform.platform()}; "
                   f"mlx {mx.__version__}, device {mx.default_device()}; files in {directory}")
-    warm = mx.random.randint(0, 32000, (min(2048, max(args.tokens)),)).astype(mx.int32)
+    warm = mx.random.randint(0, 32000, (min(2048, args.prefill_up_to or max(args.tokens)),)).astype(mx.int32)
     first_token(model, warm, make_prompt_cache(model), args.step)  # compile kernels
     table = Table(title="restore vs cold prefill")
     for col in ("tokens", "KV MB", "cold TTFT s", "write s", "read s: mx.load", "pread×1",
