@@ -4,9 +4,9 @@
 then for each prompt length times a cold prefill (plus the step that samples the
 first token) against restoring the same state from a disk record (plus that same
 step): from the page cache, and cold (the file's pages dropped with
-posix_fadvise). Three readers: MLX's own (`mx.load` of the path, no checksum),
-and kvroute's (pread into memory, checksum, one copy into MLX) with 1 and 4
-parallel reads.
+posix_fadvise). Three readers: MLX's own (`mx.load` of the path, no checksum);
+kvroute's (`mx.load`, then the checksum over MLX's buffers), what the backend runs;
+and its fallback, the copy path (4 parallel preads, checksum, one copy into MLX).
 
     python bench/bench_disk.py restore --shape 100m --tokens 1024,8192,32768
     python bench/bench_disk.py restore --shape 7b --tokens 1024,8192,32768   # accelerator
@@ -111,8 +111,8 @@ def restore_bench(args) -> None:
     warm = mx.random.randint(0, 32000, (min(2048, args.prefill_up_to or max(args.tokens)),)).astype(mx.int32)
     first_token(model, warm, make_prompt_cache(model), args.step)  # compile kernels
     table = Table(title="restore vs cold prefill")
-    for col in ("tokens", "KV MB", "cold TTFT s", "write s", "read s: mx.load", "pread×1",
-                "pread×4", "pread×4, cold", "GB/s", "GB/s cold", "restored TTFT s",
+    for col in ("tokens", "KV MB", "cold TTFT s", "write s", "read s: mx.load", "kvroute",
+                "copy path", "kvroute, cold", "GB/s", "GB/s cold", "restored TTFT s",
                 "cold ÷ restored"):
         table.add_column(col, justify="right")
     for n in args.tokens:
@@ -137,18 +137,18 @@ def restore_bench(args) -> None:
         with open(path, "rb") as f:
             record.data_offset = 8 + int.from_bytes(f.read(8), "little")
         reads = {}
-        for label, parallel in (("mx.load", 0), ("pread1", 1), ("pread4", 4)):
-            reads[label] = min(_read(path, record, parallel) for _ in range(args.repeat))
+        for label in ("mx.load", "kvroute", "copy"):
+            reads[label] = min(_read(path, record, label) for _ in range(args.repeat))
         drop_page_cache(path)
-        cold_read = _read(path, record, 4)
+        cold_read = _read(path, record, "kvroute")
         restored = diskfile.load(path, record, 4)
         step = first_token(model, tokens, restored, args.step)  # the state is whole: one step
         del restored
         path.unlink()
-        ttft = reads["pread4"] + step
+        ttft = reads["kvroute"] + step
         table.add_row(str(n), f"{size / 1e6:.0f}", f"{cold:.3f}", f"{write_s:.3f}",
-                      f"{reads['mx.load']:.3f}", f"{reads['pread1']:.3f}", f"{reads['pread4']:.3f}",
-                      f"{cold_read:.3f}", f"{size / 1e9 / reads['pread4']:.2f}",
+                      f"{reads['mx.load']:.3f}", f"{reads['kvroute']:.3f}", f"{reads['copy']:.3f}",
+                      f"{cold_read:.3f}", f"{size / 1e9 / reads['kvroute']:.2f}",
                       f"{size / 1e9 / cold_read:.2f}", f"{ttft:.3f}", f"{cold / ttft:.1f}×")
     console.print(table)
 
@@ -167,7 +167,7 @@ def _random_state(model, n: int) -> list:
     return cache
 
 
-def _read(path: Path, record, parallel: int) -> float:
+def _read(path: Path, record, how: str) -> float:
     """Seconds to have the record's state evaluated in MLX memory."""
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache
@@ -175,11 +175,13 @@ def _read(path: Path, record, parallel: int) -> float:
     from backend import diskfile
 
     t0 = time.perf_counter()
-    if parallel == 0:
+    if how == "mx.load":
         restored = load_prompt_cache(str(path))  # MLX's reader, no checksum
         mx.eval([c.state for c in restored])
+    elif how == "kvroute":
+        restored = diskfile.load(path, record)  # what the backend runs
     else:
-        restored = diskfile.load(path, record, parallel)
+        restored = diskfile.load_copy(path, record, 4)  # 4 preads, checksum, one copy
     return time.perf_counter() - t0
 
 
