@@ -307,8 +307,9 @@ class DiskTier:
         if not self.enabled:
             return None
         tokens = np.asarray(prompt, dtype=np.int32)
-        n, record = self.best(model, tokens, scope)
-        ram = ram_depth()
+        # Off the loop: comparing a long prompt with every record takes a while.
+        (n, record), ram = await asyncio.to_thread(
+            lambda: (self.best(model, tokens, scope), ram_depth()))
         if record is None or n <= ram:
             return None
         if self.restore_tps and prefill_tps and (n - ram) / prefill_tps < len(record.tokens) / self.restore_tps:

@@ -29,11 +29,11 @@ from kvroute.registry import BackendRecord, Registry, new_instance_id
 from kvroute.wire import (COUNT_TOKENS_PATH, ChatRequest, CompletionRequest, parse_chat,
                           parse_completion, parse_json)
 
+from .disk import DiskTier, open_disk_tier
 from .engine import Delta, Engine, Finish, Job
 from .metrics import BackendMetrics
 from .publisher import Publisher
 from .responses import ChatBuilder, CompletionBuilder
-from .disk import DiskTier, open_disk_tier
 from .store import Store
 
 log = logging.getLogger("kvroute.backend")
