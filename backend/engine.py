@@ -87,6 +87,7 @@ class Job:
     scope: str | None = None
     fault: str | None = None
     cancelled: bool = False
+    restored: Any = None  # a disk tier state for this prompt (backend/disk.py Restored)
     # Engine-side state.
     uid: int | None = None
     phase: str = "queued"  # queued, prefill, decode, done
@@ -321,6 +322,7 @@ class Engine:
             job.emit(APIError(499, "Client closed the request.", "server_error"))
             return
         hit = self.store.lookup(self.model_id, job.prompt, job.scope)
+        hit, tier = self._disk_hit(job, hit)
         job.start = job.processed = hit.tokens
         wanted = job.checkpoints if self.checkpointing else {
             p: k for p, k in job.checkpoints.items() if p == len(job.prompt) - 1}
@@ -351,7 +353,19 @@ class Engine:
             self.metrics.l(self.metrics.cached_tokens).inc(hit.tokens)
             if hit.tokens and self.prefill_tps > 0:
                 self.metrics.l(self.metrics.prefill_seconds_saved).inc(hit.tokens / self.prefill_tps)
+            if hit.tokens:
+                self.metrics.l(self.metrics.hits, tier=tier).inc()
+                self.metrics.l(self.metrics.tier_tokens, tier=tier).inc(hit.tokens)
         self._update_gauges()
+
+    @staticmethod
+    def _disk_hit(job: Job, hit: Any) -> tuple[Any, str]:
+        """The disk tier's state when it serves more of the prompt than RAM does;
+        its private view is made here, on the engine thread."""
+        restored, job.restored = job.restored, None  # the shared state may be large
+        if restored is not None and restored.tokens > hit.tokens:
+            return restored.hit(), "disk"
+        return hit, "ram"
 
     @staticmethod
     def _segments(prompt: list[int], start: int, boundaries: list[int]) -> list[list[int]]:

@@ -86,10 +86,76 @@ class BackendMetrics:
             "kvroute_backend_request_seconds", "Total generation latency",
             labels + ["cached"], buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self._disk_metrics(labels, r)
         for path in EXIT_PATHS:
             self.finished.labels(**self._labels, exit=path)
         for path in COMMIT_PATHS:
             self.commits.labels(**self._labels, path=path)
+
+    def _disk_metrics(self, labels: list[str], r: CollectorRegistry) -> None:
+        # The disk tier (backend/disk.py) and the tier each hit came from.
+        self.hits = Counter(
+            "kvroute_backend_cache_hits", "Requests that started from a cached state, by tier",
+            labels + ["tier"], registry=r,
+        )
+        self.tier_tokens = Counter(
+            "kvroute_backend_cached_tokens_by_tier", "Prompt tokens served from cache, by tier",
+            labels + ["tier"], registry=r,
+        )
+        self.disk_enabled = Gauge(
+            "kvroute_backend_disk_enabled", "1 while the disk tier is in use", labels, registry=r
+        )
+        self.disk_bytes = Gauge(
+            "kvroute_backend_disk_bytes", "Bytes of the disk tier's files", labels, registry=r
+        )
+        self.disk_budget = Gauge(
+            "kvroute_backend_disk_budget_bytes", "Byte budget of the disk tier", labels, registry=r
+        )
+        self.disk_entries = Gauge(
+            "kvroute_backend_disk_entries", "Entries in the disk tier", labels, registry=r
+        )
+        self.disk_queue = Gauge(
+            "kvroute_backend_disk_write_queue", "Entries and removals waiting for the disk writer",
+            labels, registry=r,
+        )
+        self.disk_writes = Counter(
+            "kvroute_backend_disk_writes", "Disk writes by result (ok, failed, dropped: queue full)",
+            labels + ["result"], registry=r,
+        )
+        self.disk_write_failures = Counter(
+            "kvroute_backend_disk_write_failures", "Failed disk writes by errno name",
+            labels + ["reason"], registry=r,
+        )
+        self.disk_dropped = Counter(
+            "kvroute_backend_disk_dropped_files",
+            "Files dropped unread (partial, truncated, corrupt, foreign, version)",
+            labels + ["reason"], registry=r,
+        )
+        self.disk_evictions = Counter(
+            "kvroute_backend_disk_evictions", "Disk files evicted for the disk byte budget",
+            labels, registry=r,
+        )
+        self.disk_restore_seconds = Histogram(
+            "kvroute_backend_disk_restore_seconds", "Time to read and check one file for a hit",
+            labels, buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.disk_restore_bytes = Counter(
+            "kvroute_backend_disk_restore_bytes", "Bytes read from disk for hits", labels, registry=r
+        )
+        self.disk_skipped = Counter(
+            "kvroute_backend_disk_restores_skipped",
+            "Disk hits prefilled instead: the measured prefill rate beat the restore rate",
+            labels, registry=r,
+        )
+        self.disk_restore_bps = Gauge(
+            "kvroute_backend_disk_restore_bytes_per_second",
+            "Measured restore bandwidth (moving average)", labels, registry=r,
+        )
+        for tier in ("ram", "disk"):
+            self.hits.labels(**self._labels, tier=tier)
+            self.tier_tokens.labels(**self._labels, tier=tier)
+        for result in ("ok", "failed", "dropped"):
+            self.disk_writes.labels(**self._labels, result=result)
 
     def l(self, metric, **extra):  # noqa: E743 - short on purpose: used on every update
         return metric.labels(**self._labels, **extra)

@@ -48,6 +48,7 @@ class Publisher:
         *,
         refresh_every: float | None = None,
         backoff_cap: float = 2.0,
+        tier: str = "ram",
     ):
         self.registry = registry
         self.record_fn = record_fn
@@ -55,6 +56,7 @@ class Publisher:
         self.period = period
         self.refresh_every = refresh_every if refresh_every is not None else registry.key_ttl / 3
         self.backoff_cap = backoff_cap
+        self.tier = tier  # which key sets it keeps: "ram" (the store) or "disk" (the disk tier)
         self.connected = False
         self.resyncs = 0  # full re-advertisements done (for metrics and tests)
         self.failures = 0  # Redis errors seen (each one is followed by a backoff)
@@ -120,7 +122,7 @@ class Publisher:
             if withdraw:
                 # Withdraw every advertised key too, so a deployment that shuts down
                 # cleanly leaves nothing of itself in Redis (not even until key_ttl).
-                await self.registry.purge(rec.backend_id, rec.models)
+                await self.registry.purge(rec.backend_id, rec.models, tier=self.tier)
                 await self.registry.withdraw_all(rec.backend_id, rec.instance_id)
             elif self.connected:
                 await self._drain(rec)
@@ -187,7 +189,8 @@ class Publisher:
         await self.registry.heartbeat(rec)
         if not self.resyncs:
             # A predecessor with our backend id may have died without withdrawing.
-            await self.registry.purge(rec.backend_id, rec.models, keep_instance=rec.instance_id)
+            await self.registry.purge(rec.backend_id, rec.models, keep_instance=rec.instance_id,
+                                      tier=self.tier)
         covered = len(self._events)
         # In a thread: the store's lock and a big snapshot must not stall the loop.
         snapshot = await asyncio.to_thread(self._snapshot_keys)
@@ -196,12 +199,13 @@ class Publisher:
         # unreachable, or written late by a Redis that was hung), so a resync leaves
         # Redis exactly equal to the store. Later evictions are applied after, in order.
         for model in set(snapshot) | set(rec.models):
-            stale = await self.registry.advertised(rec.backend_id, model)
+            stale = await self.registry.advertised(rec.backend_id, model, self.tier)
             stale.difference_update(snapshot.get(model, ()))
             if stale:
-                await self.registry.withdraw(rec.backend_id, rec.instance_id, model, sorted(stale))
+                await self.registry.withdraw(rec.backend_id, rec.instance_id, model, sorted(stale),
+                                             self.tier)
         for model, keys in snapshot.items():
-            await self.registry.advertise(rec.backend_id, rec.instance_id, model, keys)
+            await self.registry.advertise(rec.backend_id, rec.instance_id, model, keys, self.tier)
         for _ in range(covered):
             self._events.popleft()
         self.resyncs += 1
@@ -231,8 +235,8 @@ class Publisher:
                 keys.extend(ev[2])
                 n += 1
             if insert:
-                await self.registry.advertise(rec.backend_id, rec.instance_id, model, keys)
+                await self.registry.advertise(rec.backend_id, rec.instance_id, model, keys, self.tier)
             else:
-                await self.registry.withdraw(rec.backend_id, rec.instance_id, model, keys)
+                await self.registry.withdraw(rec.backend_id, rec.instance_id, model, keys, self.tier)
             for _ in range(n):
                 self._events.popleft()

@@ -29,6 +29,7 @@ from kvroute.registry import BackendRecord, Registry, new_instance_id
 from kvroute.wire import (COUNT_TOKENS_PATH, ChatRequest, CompletionRequest, parse_chat,
                           parse_completion, parse_json)
 
+from .disk import DiskTier, open_disk_tier
 from .engine import Delta, Engine, Finish, Job
 from .metrics import BackendMetrics
 from .publisher import Publisher
@@ -63,6 +64,8 @@ class BackendConfig:
     advertise_url: str  # the URL proxies should use; empty: http://host:port
     internal_token: str  # when set, /v1 and /debug require it in x-kvroute-token
     block_bytes: int
+    disk_cache_dir: str = ""  # the disk tier's folder; empty: RAM only
+    disk_cache_bytes: int = 0
 
 
 @dataclass
@@ -79,6 +82,8 @@ class State:
     vocab_size: int = 0  # rows of the logits: logit_bias token ids must index inside them
     bytes_per_token: float = 0.0  # measured canonical request bytes per prompt token
     drops_reasoning: str = ""  # see _drops_reasoning
+    disk: DiskTier | None = None
+    disk_publisher: Publisher | None = None  # keeps the disk tier's key sets in Redis
 
 
 def _state(request: web.Request) -> State:
@@ -353,6 +358,11 @@ async def _generate(
         scope=scope,
         fault=req.fault if state.config.enable_faults else None,
     )
+    if state.disk is not None:
+        job.restored = await state.disk.prefetch(
+            state.config.model_id, prompt, scope,
+            lambda: state.store.depth(state.config.model_id, prompt, scope),
+            state.engine.prefill_tps)
     state.engine.submit(job)
     try:
         if req.stream:
@@ -457,6 +467,7 @@ async def health(request: web.Request) -> web.Response:
         "model": state.config.model_id,
         "uptime_s": round(time.time() - state.started, 1),
         "cache": state.store.stats(),
+        "disk": state.disk.stats() if state.disk is not None else None,
         "engine": state.engine.snapshot(),
     }
     return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
@@ -600,8 +611,10 @@ def load_state(config: BackendConfig) -> State:
         max_queue=config.max_queue,
     )
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
+    disk = open_disk_tier(config.model, config.disk_cache_dir, config.disk_cache_bytes,
+                          config.cache_bytes, store, metrics_)
     return State(config, engine, tokenizer, metrics_, store, context, time.time(), new_instance_id(),
-                 vocab_size=_vocab_size(model_config, tokenizer),
+                 vocab_size=_vocab_size(model_config, tokenizer), disk=disk,
                  drops_reasoning=_drops_reasoning(tokenizer))
 
 
@@ -637,6 +650,7 @@ def _record(state: State) -> BackendRecord:
         cache_budget=stats["budget_bytes"],
         waiting=state.engine.waiting,
         running=state.engine.queue_depth - state.engine.waiting,
+        **_disk_record(state),
         prefill_tps=state.engine.prefill_tps,
         bytes_per_token=round(state.bytes_per_token, 3),
         decode_steps_per_s=round(state.engine.decode_steps_per_s, 2),
@@ -657,7 +671,28 @@ def start_publisher(state: State) -> Publisher:
     m = state.metrics
     m.l(m.registry_failures).set_function(lambda: publisher.failures)
     m.l(m.registry_connected).set_function(lambda: float(publisher.connected))
+    if state.disk is not None:
+        state.disk_publisher = Publisher(registry, lambda: _record(state), state.disk.snapshot,
+                                         tier="disk")
+        state.disk.listeners.append(state.disk_publisher.on_store_event)
     return publisher
+
+
+def _disk_record(state: State) -> dict:
+    disk, m = state.disk, state.metrics
+    hits = {f"{tier}_hits": int(m.l(m.hits, tier=tier)._value.get()) for tier in ("ram", "disk")}
+    if disk is None:
+        return hits
+    return {**hits, "disk_bytes": disk.nbytes, "disk_budget": disk.budget_bytes,
+            "restore_tps": disk.restore_tps}
+
+
+async def _first_sync(publishers: list[Publisher], timeout: float = 5.0) -> None:
+    """Advertise what the store and the disk hold before serving, so a restarted
+    backend is found by what it kept; past `timeout` (Redis down) serve anyway."""
+    deadline = time.monotonic() + timeout
+    while any(p.resyncs == 0 for p in publishers) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
 
 
 async def serve(config: BackendConfig) -> None:
@@ -670,6 +705,9 @@ async def serve(config: BackendConfig) -> None:
     if config.redis_url:
         state.publisher = start_publisher(state)
         await state.publisher.start()
+        if state.disk_publisher is not None:
+            await state.disk_publisher.start()
+        await _first_sync([p for p in (state.publisher, state.disk_publisher) if p])
     state.engine.start()
     runner = await start_site(create_app(state), config.host, config.port)
     log.info("backend %s serving %s on http://%s:%d", config.backend_id, config.model_id,
@@ -678,7 +716,11 @@ async def serve(config: BackendConfig) -> None:
     log.info("shutting down")
     if state.publisher is not None:
         # Withdraw this instance's advertisements first: no proxy should route here now.
+        if state.disk_publisher is not None:
+            await state.disk_publisher.stop(withdraw=True)
         await state.publisher.stop(withdraw=True)
         await state.publisher.registry.close()
     await runner.cleanup()  # lets in-flight requests finish, up to shutdown_timeout
     await asyncio.to_thread(state.engine.stop)
+    if state.disk is not None:
+        await asyncio.to_thread(state.disk.close)  # finishes the writes already queued

@@ -74,6 +74,7 @@ class Event:
     keys: list[int]  # keys this store newly holds (insert) or no longer holds (evict)
     nbytes: int
     reason: str = ""
+    entry: Entry | None = None  # the entry itself, for listeners that persist it (the disk tier)
 
 
 @dataclass
@@ -146,6 +147,14 @@ def private_copy(cache: list[Any]) -> list[Any]:
     return [copy_layer(layer) for layer in cache]
 
 
+def trimmed_copy(cache: list[Any], excess: int) -> list[Any]:
+    """A private copy of `cache` without its newest `excess` tokens."""
+    view = private_copy(cache)
+    if excess:
+        trim_prompt_cache(view, excess)
+    return view
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -204,11 +213,19 @@ class Store:
 
     @staticmethod
     def _view(entry: Entry, n: int) -> list[Any]:
-        cache = private_copy(entry.cache)
-        excess = len(entry.tokens) - n
-        if excess:
-            trim_prompt_cache(cache, excess)
-        return cache
+        return trimmed_copy(entry.cache, len(entry.tokens) - n)
+
+    @_synchronized
+    def depth(self, model: str, tokens: list[int] | np.ndarray, scope: str | None = None) -> int:
+        """How many tokens `lookup` would find now, without touching LRU order or hits."""
+        prompt = np.asarray(tokens, dtype=np.int32)
+        best = 0
+        for entry in self.entries.values():
+            if entry.model == model and entry.scope == scope:
+                n = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
+                if n == len(entry.tokens) or entry.trimmable:
+                    best = max(best, n)
+        return best
 
     @_synchronized
     def insert(
@@ -328,7 +345,7 @@ class Store:
         return released
 
     def _emit(self, kind: str, entry: Entry, keys: list[int], reason: str = "") -> None:
-        event = Event(kind, entry.model, entry.id, keys, entry.nbytes, reason)
+        event = Event(kind, entry.model, entry.id, keys, entry.nbytes, reason, entry)
         for listener in self.listeners:
             listener(event)
 

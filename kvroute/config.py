@@ -155,6 +155,14 @@ BACKEND = [
          "<hostname>-<port>)", flag="--id"),
     _opt("cache_bytes", parse_bytes, 2 << 30, "byte budget of the prompt-cache store, e.g. 512MiB, "
          "8GiB", toml="models.cache_bytes"),
+    # The disk tier (docs/SSD_TIER.md). Not `cache_dir`: KVROUTE_CACHE_DIR already names
+    # where the demo model is built.
+    _opt("disk_cache_dir", str, "", "directory of the disk tier: committed caches also go there "
+         "and survive evictions and restarts; one per backend process (empty: RAM only; "
+         "`kvroute serve` defaults to a folder under the user's cache directory)",
+         toml="models.disk_cache_dir"),
+    _opt("disk_cache_bytes", parse_bytes, 32 << 30, "byte budget of the disk tier (0: off)",
+         toml="models.disk_cache_bytes"),
     _opt("prefill_step", int, 512, "tokens per prefill chunk; decoding of other requests "
          "interleaves between chunks", toml="models.prefill_step"),
     _opt("max_batch", int, 32, "sequences decoded together", toml="models.max_batch"),
@@ -333,6 +341,8 @@ class ModelSpec:
     replicas: int = _MODEL["replicas"]
     # Per-replica backend settings: defaults from the BACKEND table.
     cache_bytes: int = _MODEL["cache_bytes"]
+    disk_cache_dir: str = _MODEL["disk_cache_dir"]
+    disk_cache_bytes: int = _MODEL["disk_cache_bytes"]
     prefill_step: int = _MODEL["prefill_step"]
     max_batch: int = _MODEL["max_batch"]
     max_queue: int = _MODEL["max_queue"]

@@ -13,6 +13,8 @@ Key layout (`<m>` is the model id with `{`, `}`, `%`, blanks and non-ASCII perce
                                    the model; entries older than key_ttl are pruned
     kvr:{m:<m>}:idx:<bid>    SET   <hex> keys this backend id advertised and has not
                                    withdrawn, for purges and resyncs; EXPIRE key_ttl
+    kvr:{m:<m>}:d:<hex>      SET   members holding the key on their disk tier, as k:
+    kvr:{m:<m>}:didx:<bid>   SET   the disk tier's idx:
     kvr:b:<bid>              STR   the backend record (JSON), PX record_ttl
     kvr:backends             ZSET  <bid> -> last heartbeat, for live_backends()
     kvr:resp:<tag>:<id>      STR   a stored /v1/responses answer (its conversation,
@@ -89,3 +91,14 @@ def member(backend_id: str, instance_id: str) -> str:
 MODEL_STATES = "kvr:models"
 MODELS_USED = "kvr:models:used"
 MODEL_LOADS = "kvr:models:load"
+
+
+def tier_keys(tier: str) -> tuple[str, str]:
+    """The key-set kind and the index suffix of a tier: what a backend holds in RAM
+    (k:, idx:) and on its disk tier (d:, didx:) is advertised apart, so the proxy
+    can weigh a restore against a RAM hit."""
+    if tier == "ram":
+        return "k:", "idx:"
+    if tier == "disk":
+        return "d:", "didx:"
+    raise ValueError(f"unknown tier {tier!r}")

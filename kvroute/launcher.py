@@ -22,6 +22,7 @@ import socket
 import sys
 import time
 import urllib.request
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import orjson
@@ -50,6 +51,18 @@ def resolve_path(spec: ModelSpec, console: Console) -> str:
 def replica_cost(spec: ModelSpec, path: str) -> capacity.Cost:
     return capacity.replica_cost(path, spec.cache_bytes, spec.max_batch, spec.max_prompt_tokens,
                                  spec.default_max_tokens)
+
+
+def disk_dir(spec: ModelSpec, name: str) -> str:
+    """Each backend's own disk-tier folder (a folder serves one process at a time):
+    under the model's `disk_cache_dir`, else under the user's cache directory."""
+    if spec.disk_cache_bytes <= 0:
+        return ""
+    base = Path(spec.disk_cache_dir).expanduser() if spec.disk_cache_dir else \
+        demo_model.default_cache_dir() / "prompt-cache"
+    return str(base / name)
+
+
 
 
 # -- child processes ----------------------------------------------------------------
@@ -132,6 +145,7 @@ class Launcher:
                     "--host", c.backend_host, "--port", str(port), "--id", name,
                     "--advertise-url", f"http://{c.backend_host}:{port}",
                     *spec.backend_flags(), *self._common(),
+                    "--disk-cache-dir", disk_dir(spec, name),
                 ]
                 children.append(Child(name, args, f"http://{c.backend_host}:{port}",
                                       COLORS[i % len(COLORS)], wanted=False))

@@ -33,7 +33,8 @@ from redis.exceptions import RedisError
 
 from . import redis_client
 from .coalesce import ScriptBatcher, Unanswered
-from .keys import ALL_BACKENDS, chain_hex, check_id, member, model_tag, record_key, response_key
+from .keys import (ALL_BACKENDS, chain_hex, check_id, member, model_tag, record_key, response_key,
+                   tier_keys)
 
 log = logging.getLogger("kvroute.registry")
 
@@ -76,6 +77,11 @@ class BackendRecord:
     prefix_scheme: int = 0
     block_bytes: int = 0
     secret_tag: str = ""
+    disk_bytes: int = 0  # the disk tier (0 and 0: none)
+    disk_budget: int = 0
+    restore_tps: float = 0.0  # measured tokens/s restored from the disk tier; 0 = not yet
+    ram_hits: int = 0  # requests that started from a cached state in RAM, since start
+    disk_hits: int = 0  # ... from a state read back from the disk tier
     started_at: float = 0.0
     updated_at: float = 0.0
 
@@ -105,6 +111,7 @@ class PrefixMatch:
     depth: int  # leading keys it advertised (contiguous from key 0)
     record: BackendRecord
     marked_depth: int = 0  # leading keys advertised *or* carrying a routing mark for it (>= depth)
+    disk_depth: int = 0  # leading keys its disk tier holds (restorable, slower than depth)
 
 
 def _consume(fut: asyncio.Future) -> None:
@@ -115,6 +122,7 @@ def _consume(fut: asyncio.Future) -> None:
 
 def new_instance_id() -> str:
     return uuid.uuid4().hex
+
 
 
 # ---------------------------------------------------------------------------
@@ -240,37 +248,45 @@ class Registry:
             chunk = chain_hex(keys[start : start + KEYS_PER_CALL])
             await self._op(what, script(keys=[tag + "backends"], args=[tag, chunk, *extra]))
 
-    async def advertise(self, backend_id: str, instance_id: str, model: str, keys: list[int]) -> None:
-        """Record that this instance holds these prefix keys (refreshes their expiry)."""
+    async def advertise(self, backend_id: str, instance_id: str, model: str, keys: list[int],
+                        tier: str = "ram") -> None:
+        """Record that this instance holds these prefix keys in `tier` ("ram" or "disk")
+        (refreshes their expiry)."""
         check_id("backend_id", backend_id)
         check_id("instance_id", instance_id)
+        kind, idx = tier_keys(tier)
         await self._per_chunk("advertise", self._advertise, model, keys,
-                              member(backend_id, instance_id), self.key_ttl, "idx:" + backend_id)
+                              member(backend_id, instance_id), self.key_ttl, idx + backend_id, kind)
 
-    async def purge(self, backend_id: str, models: list[str], keep_instance: str = "") -> int:
+    async def purge(self, backend_id: str, models: list[str], keep_instance: str = "",
+                    tier: str = "ram") -> int:
         """Remove advertisements of `backend_id` by every instance but `keep_instance`
         (all, when empty): a restarted backend clears what its killed predecessor left,
         and a clean shutdown leaves nothing behind. Returns the entries removed."""
         check_id("backend_id", backend_id)
         keep = member(backend_id, keep_instance) if keep_instance else ""
+        kind, idx = tier_keys(tier)
         removed = 0
         for model in models:
             tag = model_tag(model)
             removed += await self._op("purge", self._purge(
-                keys=[tag + "backends"], args=[tag, "idx:" + backend_id, backend_id + "|", keep]))
+                keys=[tag + "backends"], args=[tag, idx + backend_id, backend_id + "|", keep, kind]))
         return removed
 
-    async def withdraw(self, backend_id: str, instance_id: str, model: str, keys: list[int]) -> None:
-        """Record that this instance no longer holds these keys."""
+    async def withdraw(self, backend_id: str, instance_id: str, model: str, keys: list[int],
+                       tier: str = "ram") -> None:
+        """Record that this instance no longer holds these keys in `tier`."""
         check_id("backend_id", backend_id)
         check_id("instance_id", instance_id)
+        kind, idx = tier_keys(tier)
         await self._per_chunk("withdraw", self._withdraw, model, keys, member(backend_id, instance_id),
-                              "idx:" + backend_id)
+                              idx + backend_id, kind)
 
-    async def advertised(self, backend_id: str, model: str) -> set[int]:
-        """The keys of `model` this backend id advertised and has not withdrawn (its index)."""
+    async def advertised(self, backend_id: str, model: str, tier: str = "ram") -> set[int]:
+        """The keys of `model` this backend id advertised in `tier` and has not withdrawn."""
         check_id("backend_id", backend_id)
-        members = await self._op("advertised", self._redis.smembers(model_tag(model) + "idx:" + backend_id))
+        idx = tier_keys(tier)[1]
+        members = await self._op("advertised", self._redis.smembers(model_tag(model) + idx + backend_id))
         return {int(m, 16) for m in members}
 
     async def withdraw_all(self, backend_id: str, instance_id: str) -> None:
@@ -330,10 +346,11 @@ class Registry:
             return None
         try:
             out: dict[str, PrefixMatch] = {}
-            for i in range(0, len(flat), 3):
+            for i in range(0, len(flat), 4):
                 rec = self._record(flat[i])
                 out[rec.backend_id] = PrefixMatch(depth=int(flat[i + 1]), record=rec,
-                                                  marked_depth=int(flat[i + 2]))
+                                                  marked_depth=int(flat[i + 2]),
+                                                  disk_depth=int(flat[i + 3]))
         except Exception as e:  # the request path must never see a registry error
             log.warning("malformed lookup answer: %s: %s", type(e).__name__, e)
             return None

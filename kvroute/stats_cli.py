@@ -49,13 +49,16 @@ def render(stats: dict, decisions: int = 10) -> Group:
                        f"{_ms(c['p50'])} / {_ms(c['p95'])}", f"{_ms(k['p50'])} / {_ms(k['p95'])}")
 
     backends = Table(title="backends")
-    for col in ("backend", "models", "hit ratio", "cache", "queue", "inflight", "prefill tok/s"):
+    for col in ("backend", "models", "hit ratio", "cache", "disk", "hits ram/disk", "restore tok/s",
+                "queue", "inflight", "prefill tok/s"):
         backends.add_column(col, justify="left" if col in ("backend", "models") else "right")
     for b in stats["backends"]:
         name = b["id"] + (" (suspect)" if b["suspect"] else "") + (
             f" ({b['mismatch']} mismatch)" if b.get("mismatch") else "")
         backends.add_row(name, ", ".join(b["models"]), percent(b["hit_ratio"]),
                          f"{format_bytes(b['cache_bytes'])} / {format_bytes(b['cache_budget'])}",
+                         _disk(b), f"{b.get('ram_hits', 0)} / {b.get('disk_hits', 0)}",
+                         f"{b.get('restore_tps', 0):.0f}" if b.get("restore_tps") else "—",
                          str(b["queue_depth"]), str(b["inflight"]), f"{b['prefill_tps']:.0f}")
 
     recent = Table(title="latest routing decisions")
@@ -83,6 +86,12 @@ def model_states(stats: dict) -> list[Table]:
         table.add_row(m["model"], state, m["machine"], format_bytes(m["memory_bytes"]), used,
                       str(m["loads"]), str(m["unloads"]), f"{m['load_seconds']:.1f}")
     return [table]
+
+
+def _disk(b: dict) -> str:
+    if not b.get("disk_budget"):
+        return "off"
+    return f"{format_bytes(b['disk_bytes'])} / {format_bytes(b['disk_budget'])}"
 
 
 def run(url: str, watch: bool, api_key: str | None = None, period: float = 2.0) -> int:

@@ -132,7 +132,9 @@ def describe(state: State) -> list[dict]:
          "inflight": b.inflight.get(r.backend_id, 0), "suspect": b.is_suspect(r.backend_id),
          "prefill_tps": r.prefill_tps, "cache_bytes": r.cache_bytes, "cache_budget": r.cache_budget,
          "decoding": r.decoding, "max_batch": r.max_batch, "bytes_per_token": r.bytes_per_token,
-         "mismatch": b.mismatch.get(r.backend_id, (None, None))[1]}
+         "mismatch": b.mismatch.get(r.backend_id, (None, None))[1],
+         "disk_bytes": r.disk_bytes, "disk_budget": r.disk_budget, "restore_tps": r.restore_tps,
+         "ram_hits": r.ram_hits, "disk_hits": r.disk_hits}
         for r in sorted(b.records.values(), key=lambda r: r.backend_id)
     ]
 

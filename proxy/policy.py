@@ -65,6 +65,8 @@ class Candidate:
     expected_depth: int = 0
     load: Load = field(default_factory=Load)
     suspect: bool = False  # failed recently: used only when nothing else is left
+    disk_depth: int = 0  # leading blocks its disk tier holds: restorable, slower than RAM
+    restore_tps: float = 0.0  # backend-measured tokens/s restored from disk; 0 = unknown
 
     @property
     def depth(self) -> int:
@@ -89,7 +91,14 @@ class RouteContext:
         """Request bytes the candidate's match covers beyond the shared header: block 0
         (salt and model) is common to every request of the model, matching it alone is
         no hit."""
-        d = min(c.depth, len(self.ends))
+        return self._covered(c.depth)
+
+    def restore_bytes(self, c: Candidate) -> int:
+        """Request bytes beyond the candidate's match that its disk tier would restore."""
+        return max(0, self._covered(c.disk_depth) - self.matched_bytes(c))
+
+    def _covered(self, depth: int) -> int:
+        d = min(depth, len(self.ends))
         return self.ends[d - 1] - self.ends[0] if d > 1 else 0
 
 
@@ -112,6 +121,7 @@ class PolicyConfig:
     default_prefill_tps: float = 1000.0  # until a backend of the model has measured itself
     locality_slack: float = 1.0  # seconds of extra estimated TTFT accepted to keep a prefix hit
     per_request_wait: float = 0.02  # seconds a queued request of another proxy is assumed to cost
+    default_restore_tps: float = 20000.0  # tokens/s from a disk tier that has not restored yet
 
     def weights(self) -> CostWeights:
         return CostWeights(per_request_wait=self.per_request_wait,
@@ -204,7 +214,8 @@ class CacheAware(_Base):
         load = c.load
         return CostInput(
             prompt_tokens=ctx.request_bytes / bpt, matched_tokens=ctx.matched_bytes(c) / bpt,
-            restore_tokens=load.restore_tokens, queued_tokens=load.unanswered_tokens,
+            restore_tokens=ctx.restore_bytes(c) / bpt, restore_tps=c.restore_tps,
+            queued_tokens=load.unanswered_tokens,
             other_requests=max(0, load.reported_queue - load.inflight),  # other proxies' requests
             decoding=load.decoding, max_batch=load.max_batch,
             prefill_tps=calibrated_rate(load.prefill_tps, rate, w.rate_trust),
@@ -222,12 +233,15 @@ class CacheAware(_Base):
         options = []
         for c in pool:
             x = self.cost_input(ctx, c, calibration)
-            options.append(Option(cost(x, self._weights), x.matched_tokens, c.load.free_share,
+            options.append(Option(cost(x, self._weights), x.matched_tokens + x.restore_tokens,
+                                  c.load.free_share,
                                   c.load.inflight + c.load.reported_queue, c.backend_id))
         placed = self._placer.place(options)
         chosen, option = pool[placed.index], options[placed.index]
         if not option.matched_tokens:
             reason = "load"
+        elif ctx.restore_bytes(chosen):
+            reason = "disk-hit"
         else:
             # "pending-hit": the label users see in metrics and the dashboard.
             reason = "pending-hit" if chosen.expected_only else "cache-hit"

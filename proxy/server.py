@@ -75,25 +75,25 @@ async def _candidates(state: State, model: str, keys: list[int]) -> tuple[list[C
         if state.registry.late > late:
             state.metrics.registry_late.inc()
     else:
-        records = [(m.record, m.depth, m.marked_depth) for m in found.values()
+        records = [(m.record, m.depth, m.marked_depth, m.disk_depth) for m in found.values()
                    if model in m.record.models]
     known = bool(records)
     if not records:
         # Redis down, or up but empty (just restarted): route by load among the
         # backends seen recently rather than refuse the request.
-        records = [(r, 0, 0) for r in b.serving(model)]
+        records = [(r, 0, 0, 0) for r in b.serving(model)]
     recent = state.recent.depths(model, keys)
     cands = []
-    for r, depth, marked in records:
+    for r, depth, marked, disk in records:
         if check_fingerprint(state, r) is None:
-            cands.append(_candidate(b, r, depth, max(marked, recent.get(r.backend_id, 0))))
+            cands.append(_candidate(b, r, depth, max(marked, recent.get(r.backend_id, 0)), disk))
         else:  # its keys are not ours: whatever it "matches" is a coincidence
             cands.append(_candidate(b, r))
     return cands, known
 
 
 def _candidate(b: Backends, r: BackendRecord, advertised_depth: int = 0,
-               expected_depth: int = 0) -> Candidate:
+               expected_depth: int = 0, disk_depth: int = 0) -> Candidate:
     bid = r.backend_id
     return Candidate(
         backend_id=bid,
@@ -108,6 +108,8 @@ def _candidate(b: Backends, r: BackendRecord, advertised_depth: int = 0,
                   free_share=(max(0, r.cache_budget - r.cache_bytes) / r.cache_budget
                               if r.cache_budget > 0 else 0.0)),
         suspect=b.is_suspect(bid),
+        disk_depth=disk_depth,
+        restore_tps=r.restore_tps,
     )
 
 

@@ -77,10 +77,27 @@ for _, j in ipairs(active) do
   marked[j] = i
   if adv[j] then depth[j] = i end
 end
+-- The disk tier: leading keys each backend holds in its 'd:' sets, key by key
+-- (one SMISMEMBER per key; a fleet without disk tiers stops at key 0).
+local disk, walking = {}, {}
+for j = 1, #ids do disk[j] = 0; walking[j] = j end
+local x = 0
+while x < n and #walking > 0 do
+  local wm = {}
+  for y, j in ipairs(walking) do wm[y] = members[j] end
+  local held = redis.call('SMISMEMBER', prefix .. 'd:' .. string.sub(chain, x * 16 + 1, x * 16 + 16), unpack(wm))
+  local still = {}
+  for y, j in ipairs(walking) do
+    if held[y] == 1 then still[#still + 1] = j; disk[j] = x + 1 end
+  end
+  walking = still
+  x = x + 1
+end
 local out = {}
 for j = 1, #ids do
   out[#out + 1] = raws[j]
   out[#out + 1] = depth[j]
   out[#out + 1] = marked[j]
+  out[#out + 1] = disk[j]
 end
 return out

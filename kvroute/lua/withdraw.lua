@@ -4,9 +4,10 @@
 -- refreshed on each call). Instances of one backend id never overlap: a new one
 -- purges its predecessor's entries before it advertises or withdraws anything.
 local prefix, chain, member, idx = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local kind = ARGV[5] or 'k:'  -- 'd:' for the disk tier's key sets
 for i = 0, #chain / 16 - 1 do
   local hex = string.sub(chain, i * 16 + 1, i * 16 + 16)
-  redis.call('SREM', prefix .. 'k:' .. hex, member)
+  redis.call('SREM', prefix .. kind .. hex, member)
   redis.call('SREM', prefix .. idx, hex)
 end
 return 1

@@ -1,0 +1,431 @@
+"""The disk tier: every committed entry also lives in a directory, bounded by bytes.
+
+- Write-behind: the store's insert events queue the entry for a writer thread,
+  so the engine thread never waits on a disk. An entry superseded before its turn
+  is not written (the entry that superseded it is); a superseded entry's file is
+  removed after its successor's file is in place. A RAM eviction keeps the file.
+- Index: file name -> `Record` (tokens, scope, chain) in LRU order; the disk's own
+  byte budget evicts least recently used files. A restart re-indexes from the
+  files' headers alone (see diskfile.py) and drops, with one log line and a
+  metric, whatever is partial, corrupt, foreign or of an older format.
+- Restore: the server asks `prefetch` before it hands a request to the engine;
+  when the disk holds a deeper usable prefix than RAM, the file is read and
+  checked on a reader thread (requests hitting one file share one read) and the
+  engine starts the request from it (`Restored`).
+- Keys: the chains of the files are advertised as the backend's *disk* tier, so
+  the proxy can weigh a restore against a RAM hit or a cold prefill.
+- Degrading: an unusable directory (not creatable, not writable, held by another
+  process) turns the tier off with a warning; a failed write (a full disk) is
+  counted and logged, and the request path never sees either.
+
+One module past 400 lines on purpose: the writer, the index and the reader share
+one index and its lock; the file format is apart, in diskfile.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from . import diskfile
+from .diskfile import BadRecord, Record
+from .store import Entry, Event, Hit, common_prefix, held_tokens, trimmed_copy
+
+log = logging.getLogger("kvroute.backend.disk")
+
+
+@dataclass
+class Restored:
+    """A state read from disk for one request; the engine makes its private view."""
+
+    tokens: int  # the prompt's tokens it serves
+    cache: list[Any]  # shared by every request that hit the same file: never handed out
+    held: int  # tokens the cache holds (>= tokens)
+
+    def hit(self) -> Hit:
+        return Hit(self.tokens, trimmed_copy(self.cache, self.held - self.tokens), None)
+
+
+@dataclass
+class DiskEvent:
+    kind: str  # "insert" or "evict"
+    model: str
+    keys: list[int]  # keys the disk newly holds / no longer holds
+
+
+class DiskTier:
+    def __init__(self, directory: str | Path, budget_bytes: int, fingerprint: str,
+                 metrics: Any, queue_bytes: int, read_parallel: int = 4):
+        self.directory = Path(directory).expanduser()
+        self.budget_bytes = budget_bytes
+        self.fingerprint = fingerprint
+        self.metrics = metrics
+        self.queue_bytes = queue_bytes  # bytes of entries waiting to be written, at most
+        self.read_parallel = read_parallel
+        self.enabled = False
+        self.listeners: list[Callable[[DiskEvent], None]] = []
+        self.index: OrderedDict[str, Record] = OrderedDict()  # LRU order, oldest first
+        self.nbytes = 0
+        self.restore_bps = 0.0  # measured restore bandwidth, bytes/s (moving average)
+        self.restore_tps = 0.0  # the same in tokens/s, for the proxy's TTFT estimate
+        self.lock = threading.RLock()
+        self._by_entry: dict[int, str] = {}  # store entry id -> file name
+        self._seen: set[int] = set()  # store entry ids queued or written
+        self._superseded: set[int] = set()
+        self._key_refs: dict[str, Counter] = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._pending_bytes = 0
+        self._reads: dict[str, asyncio.Future] = {}
+        self._readers = ThreadPoolExecutor(2, thread_name_prefix="kvroute-disk-read")
+        self._writer = threading.Thread(target=self._write_loop, name="kvroute-disk-write", daemon=True)
+        self._lock_fd: int | None = None
+        self._names = itertools.count()
+        self._failing = False
+
+    # -- start and stop --------------------------------------------------------
+
+    def open(self) -> bool:
+        """Claim and index the directory; False (tier off, warned) when unusable."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(self.directory, 0o700)  # entries are prompts' states: owner only
+            fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise OSError(errno.EBUSY, "another backend uses this directory")
+            self._lock_fd = fd
+            probe = self.directory / ".probe"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            log.warning("disk cache off: %s is unusable (%s); serving from RAM only",
+                        self.directory, exc.strerror or exc)
+            self.metrics.l(self.metrics.disk_enabled).set(0)
+            return False
+        self._index_directory()
+        self.enabled = True
+        self.metrics.l(self.metrics.disk_enabled).set(1)
+        self.metrics.l(self.metrics.disk_budget).set(self.budget_bytes)
+        self._writer.start()
+        self._enforce_budget(0)
+        self._update_gauges()
+        log.info("disk cache %s: %d entries, %.1f MB (budget %.1f MB)", self.directory,
+                 len(self.index), self.nbytes / 1e6, self.budget_bytes / 1e6)
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish the writes already queued (up to `timeout`), then stop."""
+        if self.enabled:
+            self._queue.put(None)
+            self._writer.join(timeout)
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _index_directory(self) -> None:
+        found = []
+        for path in self.directory.iterdir():
+            if path.name.endswith(diskfile.TMP_SUFFIX):
+                self._drop(path, "partial", "an unfinished write")
+            elif path.name.endswith(diskfile.SUFFIX):
+                try:
+                    record = diskfile.read_header(path, self.fingerprint)
+                except BadRecord as exc:
+                    self._drop(path, exc.reason, str(exc))
+                    continue
+                found.append((path.stat().st_mtime, record))
+        for _, record in sorted(found, key=lambda f: f[0]):
+            self._add(record)
+
+    def _drop(self, path: Path, reason: str, detail: str) -> None:
+        log.warning("disk cache: dropping %s (%s)", path.name, detail)
+        self.metrics.l(self.metrics.disk_dropped, reason=reason).inc()
+        path.unlink(missing_ok=True)
+
+    # -- the store's events (engine thread: only enqueue) ----------------------
+
+    def on_store_event(self, event: Event) -> None:
+        entry = event.entry
+        if not self.enabled or entry is None:
+            return
+        if event.kind == "insert" and entry.id not in self._seen:
+            self._seen.add(entry.id)
+            if self._pending_bytes + entry.nbytes > self.queue_bytes:
+                # The disk cannot keep up: queued entries pin their arrays in memory.
+                self.metrics.l(self.metrics.disk_writes, result="dropped").inc()
+                return
+            self._pending_bytes += entry.nbytes
+            self._queue.put(("write", entry))
+        elif event.kind == "evict":
+            # Gone from RAM: no more events for it (its file stays, unless superseded).
+            self._seen.discard(entry.id)
+            if event.reason == "superseded":
+                self._superseded.add(entry.id)
+                self._queue.put(("drop", entry.id))
+            else:
+                self._by_entry.pop(entry.id, None)
+        self.metrics.l(self.metrics.disk_queue).set(self._queue.qsize())
+
+    # -- the writer thread -----------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            kind, payload = item
+            try:
+                if kind == "write":
+                    self._pending_bytes -= payload.nbytes
+                    if payload.id not in self._superseded:
+                        self._write(payload)
+                else:
+                    self._superseded.discard(payload)
+                    name = self._by_entry.pop(payload, None)
+                    if name is not None:
+                        self._remove(name)
+            except Exception:  # a bug here must not stop later writes
+                log.exception("disk cache: write-behind error")
+            self.metrics.l(self.metrics.disk_queue).set(self._queue.qsize())
+
+    def _write(self, entry: Entry) -> None:
+        if entry.nbytes > self.budget_bytes:
+            return
+        self._enforce_budget(entry.nbytes)
+        meta = {
+            "version": diskfile.FORMAT_VERSION, "fingerprint": self.fingerprint,
+            "model": entry.model, "tokens": entry.tokens.tolist(), "scope": entry.scope,
+            "chain": list(entry.chain), "trimmable": entry.trimmable,
+            "exit_path": entry.exit_path, "created": entry.created,
+        }
+        stem = f"{time.time_ns():x}-{os.getpid()}-{next(self._names)}"
+        try:
+            if shutil.disk_usage(self.directory).free < entry.nbytes:
+                raise OSError(errno.ENOSPC, "no space left on the device")
+            name, size = diskfile.write(self.directory, stem, entry.cache, meta)
+        except (OSError, RuntimeError) as exc:  # MLX reports a failed write as RuntimeError
+            code = exc.errno if isinstance(exc, OSError) else _probe_errno(self.directory)
+            reason = errno.errorcode.get(code or 0, "EIO")
+            if not self._failing:
+                log.warning("disk cache: writing failed (%s: %s); serving from RAM until writes "
+                            "succeed again", reason, getattr(exc, "strerror", None) or exc)
+            self._failing = True
+            self.metrics.l(self.metrics.disk_writes, result="failed").inc()
+            self.metrics.l(self.metrics.disk_write_failures, reason=reason).inc()
+            return
+        if self._failing:
+            log.info("disk cache: writes succeed again")
+            self._failing = False
+        record = Record(name, entry.tokens, entry.scope, list(entry.chain), entry.trimmable,
+                        entry.exit_path, size, 0, "", entry.created, entry.model)
+        with self.lock:
+            self._add(record)
+            if entry.id in self._seen:  # still in RAM: a later supersede removes the file
+                self._by_entry[entry.id] = name
+        self.metrics.l(self.metrics.disk_writes, result="ok").inc()
+        self._enforce_budget(0)
+        self._update_gauges()
+
+    def _add(self, record: Record) -> None:
+        with self.lock:
+            self.index[record.name] = record
+            self.nbytes += record.size
+            refs = self._key_refs.setdefault(record.model, Counter())
+            added = [k for k in dict.fromkeys(record.chain) if refs[k] == 0]
+            refs.update(list(dict.fromkeys(record.chain)))
+            self._emit(DiskEvent("insert", record.model, added))
+
+    def _remove(self, name: str, unlink: bool = True) -> None:
+        with self.lock:
+            record = self.index.pop(name, None)
+            if record is None:
+                return
+            self.nbytes -= record.size
+            refs = self._key_refs.get(record.model, Counter())
+            released = []
+            for k in dict.fromkeys(record.chain):
+                refs[k] -= 1
+                if refs[k] <= 0:
+                    del refs[k]
+                    released.append(k)
+            self._emit(DiskEvent("evict", record.model, released))
+        if unlink:
+            (self.directory / name).unlink(missing_ok=True)
+        self._update_gauges()
+
+    def _enforce_budget(self, incoming: int) -> None:
+        while self.index and self.nbytes + incoming > self.budget_bytes:
+            self._remove(next(iter(self.index)))
+            self.metrics.l(self.metrics.disk_evictions).inc()
+
+    def _emit(self, event: DiskEvent) -> None:
+        if event.keys:
+            for listener in self.listeners:
+                listener(event)
+
+    # -- lookup and restore (event loop) ---------------------------------------
+
+    def best(self, model: str, prompt: np.ndarray, scope: str | None) -> tuple[int, Record | None]:
+        """The record serving the longest usable prefix (as `Store.lookup` rules)."""
+        limit = len(prompt) - 1
+        found: tuple[int, Record | None] = (0, None)
+        with self.lock:
+            for record in self.index.values():
+                if record.model != model or record.scope != scope:
+                    continue
+                n = min(common_prefix(record.tokens, prompt), limit)
+                if n < len(record.tokens) and not record.trimmable:
+                    continue
+                if n > found[0]:
+                    found = (n, record)
+        return found
+
+    async def prefetch(self, model: str, prompt: list[int], scope: str | None,
+                       ram_depth: Callable[[], int], prefill_tps: float = 0.0) -> Restored | None:
+        """A state from disk for `prompt` when the disk serves more of it than RAM and
+        reading it is faster than prefilling the difference (both rates measured: on a
+        fast accelerator a prefill can beat the disk). Never raises: a file that fails
+        to load is dropped and the request goes on."""
+        if not self.enabled:
+            return None
+        tokens = np.asarray(prompt, dtype=np.int32)
+        # Off the loop: comparing a long prompt with every record takes a while.
+        (n, record), ram = await asyncio.to_thread(
+            lambda: (self.best(model, tokens, scope), ram_depth()))
+        if record is None or n <= ram:
+            return None
+        if self.restore_tps and prefill_tps and (n - ram) / prefill_tps < len(record.tokens) / self.restore_tps:
+            self.metrics.l(self.metrics.disk_skipped).inc()
+            return None
+        fut = self._reads.get(record.name)
+        if fut is None:
+            fut = asyncio.get_running_loop().run_in_executor(self._readers, self._load, record)
+            self._reads[record.name] = fut
+            fut.add_done_callback(lambda _: self._reads.pop(record.name, None))
+        cache = await asyncio.shield(fut)  # one client leaving never cancels a shared read
+        if cache is None:
+            return None
+        return Restored(n, cache, len(record.tokens))
+
+    def _load(self, record: Record) -> list[Any] | None:
+        path = self.directory / record.name
+        t0 = time.perf_counter()
+        try:
+            if record.data_offset == 0:  # written by this process: read its header now
+                record = self._with_header(record, path)
+            cache = diskfile.load(path, record, self.read_parallel)
+            held = held_tokens(cache)
+            if held is not None and held != len(record.tokens):
+                raise BadRecord("corrupt", f"state holds {held} tokens, the record lists "
+                                f"{len(record.tokens)}")
+        except BadRecord as exc:
+            self._remove(record.name, unlink=False)
+            self._drop(path, exc.reason, str(exc))
+            return None
+        except Exception as exc:  # e.g. a cache class this mlx-lm does not know
+            self._remove(record.name, unlink=False)
+            self._drop(path, "unloadable", repr(exc))
+            return None
+        seconds = time.perf_counter() - t0
+        rate = record.size / max(seconds, 1e-6)
+        self.restore_bps = rate if not self.restore_bps else 0.7 * self.restore_bps + 0.3 * rate
+        tps = len(record.tokens) / max(seconds, 1e-6)
+        self.restore_tps = tps if not self.restore_tps else 0.7 * self.restore_tps + 0.3 * tps
+        m = self.metrics
+        m.l(m.disk_restore_seconds).observe(seconds)
+        m.l(m.disk_restore_bytes).inc(record.size)
+        m.l(m.disk_restore_bps).set(self.restore_bps)
+        with self.lock:
+            if record.name in self.index:
+                self.index.move_to_end(record.name)
+                self.index[record.name].hits += 1
+        try:
+            os.utime(path)  # LRU order survives a restart
+        except OSError:
+            pass
+        return cache
+
+    def _with_header(self, record: Record, path: Path) -> Record:
+        fresh = diskfile.read_header(path, self.fingerprint)
+        with self.lock:
+            if record.name in self.index:
+                self.index[record.name] = fresh
+        return fresh
+
+    # -- views -----------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, list[list[int]]]:
+        """model -> chains of every record: what the publisher advertises as disk."""
+        out: dict[str, list[list[int]]] = {}
+        with self.lock:
+            for record in self.index.values():
+                if record.chain:
+                    out.setdefault(record.model, []).append(list(record.chain))
+        return out
+
+    def stats(self) -> dict:
+        return {
+            "enabled": self.enabled,
+            "directory": str(self.directory),
+            "entries": len(self.index),
+            "bytes": self.nbytes,
+            "budget_bytes": self.budget_bytes,
+            "write_queue": self._queue.qsize(),
+            "restore_bytes_per_s": round(self.restore_bps),
+            "restore_tokens_per_s": round(self.restore_tps),
+        }
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.l(m.disk_bytes).set(self.nbytes)
+        m.l(m.disk_entries).set(len(self.index))
+
+
+def _probe_errno(directory: Path) -> int:
+    """Why writing into `directory` fails now (MLX's errors carry no errno)."""
+    try:
+        with open(directory / ".probe", "wb") as f:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+        return errno.EIO
+    except OSError as exc:
+        return exc.errno or errno.EIO
+    finally:
+        (directory / ".probe").unlink(missing_ok=True)
+
+
+def open_disk_tier(model: str, directory: str, budget_bytes: int, ram_budget: int,
+                   store: Any, metrics: Any) -> DiskTier | None:
+    """The disk tier of a backend, listening to its store; None when not configured
+    or unusable (then the backend serves from RAM only)."""
+    if not directory or budget_bytes <= 0:
+        metrics.l(metrics.disk_enabled).set(0)
+        return None
+    from mlx_lm.utils import _download  # the local folder `load` read (a repo id's snapshot)
+
+    fp = diskfile.fingerprint(_download(model))
+    # Entries waiting for the writer pin their arrays: at most a RAM budget's worth.
+    tier = DiskTier(directory, budget_bytes, fp, metrics, queue_bytes=max(ram_budget, 1 << 20))
+    if not tier.open():
+        return None
+    store.listeners.append(tier.on_store_event)
+    return tier

@@ -1,0 +1,271 @@
+"""One prompt-cache entry as a file of the disk tier.
+
+A record is a safetensors file written by mlx-lm's `save_prompt_cache` (MLX's own
+format, so any layer cache mlx-lm can save round-trips, windows and recurrent
+states included). Its string metadata carries one more key, `kvroute`: a JSON
+object with the exact token ids the state holds, the model fingerprint, the
+format version, the cache scope, the advertised prefix chain, whether the entry
+can be trimmed. The file's name ends with a checksum of its tensor bytes.
+
+Reading a record's header never touches its tensors: a safetensors file starts
+with an 8-byte length and a JSON header (tensor offsets and the metadata), so a
+restart re-indexes a directory of any size quickly. The header also tells the
+file's exact length, which finds a truncated file without reading it; the
+checksum finds corrupted tensor bytes when a record is loaded. Anything that does
+not check out raises `BadRecord` and is never handed to the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import xxhash
+
+FORMAT_VERSION = 1
+SUFFIX = ".kvr.safetensors"
+TMP_SUFFIX = ".tmp.safetensors"  # mx.save_safetensors insists on the extension
+_MAX_HEADER = 64 << 20
+
+
+class BadRecord(Exception):
+    """A file that is partial, corrupt, foreign or of another format version."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason  # short, for the metric label
+
+
+@dataclass
+class Record:
+    name: str  # file name inside the directory
+    tokens: np.ndarray  # int32, exactly the tokens whose state the file holds
+    scope: str | None
+    chain: list[int]
+    trimmable: bool
+    exit_path: str
+    size: int  # bytes on disk
+    data_offset: int  # where the tensor bytes start
+    checksum: str  # xxh3_64 of the tensor bytes, hex
+    created: float = 0.0
+    model: str = ""
+    hits: int = field(default=0, compare=False)
+
+
+def fingerprint(model_path: str | Path) -> str:
+    """Identifies the weights a state was computed with: the config, and each weight
+    file's name, size and the xxh3 of its first and last MiB (a changed, retrained or
+    re-quantized model differs there; hashing whole files would cost a full read of
+    the weights at every start)."""
+    root = Path(model_path)
+    h = hashlib.sha256()
+    config = root / "config.json"
+    h.update(config.read_bytes() if config.exists() else b"")
+    for path in sorted(root.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            h.update(xxhash.xxh3_64(f.read(1 << 20)).digest())
+            f.seek(max(0, size - (1 << 20)))
+            h.update(xxhash.xxh3_64(f.read(1 << 20)).digest())
+    return h.hexdigest()[:32]
+
+
+def write(directory: Path, stem: str, cache: list[Any], meta: dict) -> tuple[str, int]:
+    """Write `cache` under a temporary name, then rename it into place, so a reader
+    (or a restart after a crash) never sees half a record. The final name carries
+    the xxh3 of the tensor bytes (a header cannot hold the checksum of a file it
+    starts). Returns the file's name and size."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    tmp = directory / (stem + TMP_SUFFIX)
+    try:
+        save_prompt_cache(str(tmp), cache, {"kvroute": orjson.dumps(meta).decode()})
+        os.chmod(tmp, 0o600)
+        with open(tmp, "rb") as f:  # just written: read back from the page cache
+            blob = f.read()
+        offset = 8 + struct.unpack("<Q", blob[:8])[0]
+        name = f"{stem}.{xxhash.xxh3_64(memoryview(blob)[offset:]).hexdigest()}{SUFFIX}"
+        os.replace(tmp, directory / name)
+        return name, len(blob)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_header(path: Path, expect_fingerprint: str) -> Record:
+    """The record a file describes, from its header alone."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise BadRecord("truncated", "shorter than a header")
+            n = struct.unpack("<Q", head)[0]
+            if n > min(_MAX_HEADER, size - 8):
+                raise BadRecord("corrupt", "header length out of range")
+            header = orjson.loads(f.read(n))
+    except OSError as exc:
+        raise BadRecord("unreadable", str(exc))
+    except orjson.JSONDecodeError:
+        raise BadRecord("corrupt", "header is not JSON")
+    if not isinstance(header, dict):
+        raise BadRecord("corrupt", "header is not an object")
+    try:
+        # save_prompt_cache flattens [metadata, classes, scalars]: ours is item 0.
+        meta = orjson.loads(header["__metadata__"]["0.kvroute"])
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                  default=0)
+    except (KeyError, TypeError, ValueError, orjson.JSONDecodeError):
+        raise BadRecord("foreign", "not a kvroute record")
+    if 8 + n + end != size:
+        raise BadRecord("truncated", f"{size} bytes on disk, the header describes {8 + n + end}")
+    if meta.get("version") != FORMAT_VERSION:
+        raise BadRecord("version", f"format version {meta.get('version')}, expected {FORMAT_VERSION}")
+    if meta.get("fingerprint") != expect_fingerprint:
+        raise BadRecord("foreign", "written for other model weights")
+    try:
+        return Record(
+            name=path.name,
+            tokens=np.asarray(meta["tokens"], dtype=np.int32),
+            scope=meta["scope"],
+            chain=[int(k) for k in meta["chain"]],
+            trimmable=bool(meta["trimmable"]),
+            exit_path=str(meta["exit_path"]),
+            size=size,
+            data_offset=8 + n,
+            checksum=path.name.removesuffix(SUFFIX).rpartition(".")[2],
+            created=float(meta["created"]),
+            model=str(meta["model"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        raise BadRecord("corrupt", "metadata incomplete")
+
+
+def read_bytes(path: Path, size: int, parallel: int = 4) -> bytearray:
+    """The whole file, read in `parallel` slices at once (one large sequential
+    read leaves an NVMe drive's queue mostly empty)."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if parallel <= 1 or size < (8 << 20):
+            _pread_into(fd, view, 0)
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            step = -(-size // parallel)
+            with ThreadPoolExecutor(parallel) as pool:
+                list(pool.map(lambda a: _pread_into(fd, view[a:a + step], a), range(0, size, step)))
+    finally:
+        os.close(fd)
+    return buf
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise BadRecord("truncated", "file ended early")
+        done += n
+
+
+_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+           "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8",
+           "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool_"}
+
+
+def load(path: Path, record: Record, parallel: int = 4) -> list[Any]:
+    """The layer caches a record holds, checked against its checksum before any of
+    it is handed out. MLX's own reader is the fast path (one read straight into MLX's
+    memory; the checksum then runs over those buffers); where its buffers cannot be
+    viewed from Python, the file is read into memory, checked, then copied in."""
+    try:
+        return _load_mlx(path, record)
+    except BadRecord:
+        raise
+    except Exception:
+        pass
+    return load_copy(path, record, parallel)
+
+
+def _load_mlx(path: Path, record: Record) -> list[Any]:
+    import mlx.core as mx
+    from mlx_lm.models import cache as cache_mod
+
+    with open(path, "rb") as f:
+        header = orjson.loads(f.read(record.data_offset)[8:])
+    header.pop("__metadata__", None)
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    mx.eval(list(arrays.values()))
+    digest = xxhash.xxh3_64()  # over the tensors in file order: the file's data section
+    for name, _ in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        a = arrays[name]
+        if a.size:
+            a = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+            digest.update(memoryview(np.asarray(a)).cast("B"))
+    if digest.hexdigest() != record.checksum:
+        raise BadRecord("corrupt", "tensor bytes do not match the checksum")
+    return _rebuild(cache_mod, arrays, metadata, mx)
+
+
+def load_copy(path: Path, record: Record, parallel: int = 4) -> list[Any]:
+    """`load` through a read into memory (`parallel` slices at once) and one copy."""
+    try:
+        blob = read_bytes(path, record.size, parallel)
+    except OSError as exc:
+        raise BadRecord("unreadable", str(exc))
+    if xxhash.xxh3_64(memoryview(blob)[record.data_offset:]).hexdigest() != record.checksum:
+        raise BadRecord("corrupt", "tensor bytes do not match the checksum")
+    return from_bytes(blob, record.data_offset)
+
+
+def from_bytes(blob: bytearray, data_offset: int) -> list[Any]:
+    """Arrays straight from the file's bytes: one copy into MLX's memory (through a
+    BytesIO, MLX's reader would copy the whole file once more and slowly)."""
+    import mlx.core as mx
+    from mlx_lm.models import cache as cache_mod
+
+    header = orjson.loads(memoryview(blob)[8:data_offset])
+    metadata = header.pop("__metadata__", {})
+    arrays = {}
+    try:
+        for name, t in header.items():
+            a, b = t["data_offsets"]
+            kind = _DTYPES[t["dtype"]]
+            raw = np.frombuffer(blob, dtype=np.uint16 if kind == "bfloat16" else kind,
+                                count=(b - a) // (2 if kind == "bfloat16" else np.dtype(kind).itemsize),
+                                offset=data_offset + a)
+            arr = mx.array(raw.reshape(t["shape"]))
+            arrays[name] = arr.view(mx.bfloat16) if kind == "bfloat16" else arr
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadRecord("corrupt", f"tensor table: {exc}")
+    return _rebuild(cache_mod, arrays, metadata, mx)
+
+
+def _rebuild(cache_mod: Any, arrays: dict, metadata: dict, mx: Any) -> list[Any]:
+    # mlx-lm's load_prompt_cache, fed from arrays already in memory.
+    from mlx.utils import tree_unflatten
+
+    _, classes, scalars = tree_unflatten(list(metadata.items()))
+    for pos, kind in scalars[1:]:
+        array = arrays[pos]
+        if kind == "scalar":
+            arrays[pos] = array.item()
+        elif kind == "string":
+            arrays[pos] = "".join(chr(i) for i in array.tolist())
+        elif kind == "none":
+            arrays[pos] = None
+        else:
+            raise BadRecord("corrupt", f"unknown scalar kind {kind}")
+    states = tree_unflatten(list(arrays.items()))
+    cache = [getattr(cache_mod, c).from_state(s) for c, s in zip(classes, states)]
+    mx.eval([c.state for c in cache])
+    return cache

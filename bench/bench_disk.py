@@ -1,0 +1,297 @@
+"""The disk tier: restore time vs cold prefill, and the capacity-bound hit ratio.
+
+`restore` (in process, no HTTP): builds a random-weight model of a given shape,
+then for each prompt length times a cold prefill (plus the step that samples the
+first token) against restoring the same state from a disk record (plus that same
+step): from the page cache, and cold (the file's pages dropped with
+posix_fadvise). Three readers: MLX's own (`mx.load` of the path, no checksum);
+kvroute's (`mx.load`, then the checksum over MLX's buffers), what the backend runs;
+and its fallback, the copy path (4 parallel preads, checksum, one copy into MLX).
+
+    python bench/bench_disk.py restore --shape 100m --tokens 1024,8192,32768
+    python bench/bench_disk.py restore --shape 7b --tokens 1024,8192,32768   # accelerator
+
+`capacity` (real processes): Redis, 3 backends with small RAM budgets, a proxy;
+12 agent conversations of 4 turns (a long shared system prompt each, new user
+text every turn), turns interleaved across conversations. Hit ratio = cached
+prompt tokens / prompt tokens over all turns, without and with the disk tier.
+
+    python bench/bench_disk.py capacity --cache-bytes 1MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+SHAPES = {
+    # ~110M parameters (vocab 32k untied): prefill is slow enough here to matter.
+    "100m": dict(model_type="llama", hidden_size=768, num_hidden_layers=12, intermediate_size=2048,
+                 num_attention_heads=12, num_key_value_heads=4, vocab_size=32000),
+    # Qwen2.5-7B's shape (vocab cut to 32k: the projection is not what prefill costs).
+    "7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, intermediate_size=18944,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=32000),
+}
+
+
+def build(shape: str, dtype: str):
+    import mlx.core as mx
+    from mlx_lm.models import llama, qwen2
+
+    cfg = dict(SHAPES[shape], rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+               max_position_embeddings=65536)
+    mod = llama if cfg["model_type"] == "llama" else qwen2
+    mx.random.seed(0)
+    model = mod.Model(mod.ModelArgs(**cfg))
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    return model
+
+
+def prefill(model, tokens, cache, step: int):
+    import mlx.core as mx
+
+    for a in range(0, len(tokens), step):
+        logits = model(tokens[None, a:a + step], cache=cache)
+        mx.eval(logits, [c.state for c in cache])
+    return logits
+
+
+def first_token(model, tokens, cache, step: int) -> float:
+    """Prefill all but the last token into `cache` (may already hold them), then
+    the step that samples: what a request's TTFT is made of."""
+    import mlx.core as mx
+
+    t0 = time.perf_counter()
+    held = cache[0].offset
+    if held < len(tokens) - 1:
+        prefill(model, tokens[held:-1], cache, step)
+    logits = model(tokens[None, -1:], cache=cache)
+    mx.eval(mx.argmax(logits[0, -1]))
+    return time.perf_counter() - t0
+
+
+def drop_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def restore_bench(args) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from backend import diskfile
+
+    if args.memory_limit:
+        mx.set_memory_limit(args.memory_limit << 30)
+        mx.set_cache_limit(args.memory_limit << 29)
+    dtype = args.dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
+    model = build(args.shape, dtype)
+    params = sum(v.size for _, v in __import__("mlx.utils").utils.tree_flatten(model.parameters()))
+    directory = Path(args.dir or tempfile.mkdtemp(prefix="kvr-disk-bench-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    console = Console(width=200)
+    console.print(f"model {args.shape}: {params / 1e6:.0f}M parameters, {dtype}; {platform.platform()}; "
+                  f"mlx {mx.__version__}, device {mx.default_device()}; files in {directory}")
+    warm = mx.random.randint(0, 32000, (min(2048, args.prefill_up_to or max(args.tokens)),)).astype(mx.int32)
+    first_token(model, warm, make_prompt_cache(model), args.step)  # compile kernels
+    table = Table(title="restore vs cold prefill")
+    for col in ("tokens", "KV MB", "cold TTFT s", "write s", "read s: mx.load", "kvroute",
+                "copy path", "kvroute, cold", "GB/s", "GB/s cold", "restored TTFT s",
+                "cold ÷ restored"):
+        table.add_column(col, justify="right")
+    for n in args.tokens:
+        tokens = mx.random.randint(0, 32000, (n,)).astype(mx.int32)
+        mx.eval(tokens)
+        synthetic = args.prefill_up_to and n > args.prefill_up_to
+        if synthetic:
+            # Too slow to prefill here: a state of the true shape and size, random values.
+            cold, state = float("nan"), _random_state(model, n - 1)
+        else:
+            # Best of --cold-repeat: the first run at a length compiles its kernels.
+            cold = min(first_token(model, tokens, make_prompt_cache(model), args.step)
+                       for _ in range(args.cold_repeat))
+            state = make_prompt_cache(model)
+            prefill(model, tokens[:-1], state, args.step)
+        t0 = time.perf_counter()
+        name, size = diskfile.write(directory, f"bench-{n}", state, {"tokens": n})
+        write_s = time.perf_counter() - t0
+        del state
+        path = directory / name
+        record = diskfile.Record(name, None, None, [], True, "", size, 0, name.split(".")[-3])
+        with open(path, "rb") as f:
+            record.data_offset = 8 + int.from_bytes(f.read(8), "little")
+        reads = {}
+        for label in ("mx.load", "kvroute", "copy"):
+            reads[label] = min(_read(path, record, label) for _ in range(args.repeat))
+        drop_page_cache(path)
+        cold_read = _read(path, record, "kvroute")
+        restored = diskfile.load(path, record, 4)
+        step = first_token(model, tokens, restored, args.step)  # the state is whole: one step
+        del restored
+        path.unlink()
+        ttft = reads["kvroute"] + step
+        table.add_row(str(n), f"{size / 1e6:.0f}", f"{cold:.3f}", f"{write_s:.3f}",
+                      f"{reads['mx.load']:.3f}", f"{reads['kvroute']:.3f}", f"{reads['copy']:.3f}",
+                      f"{cold_read:.3f}", f"{size / 1e9 / reads['kvroute']:.2f}",
+                      f"{size / 1e9 / cold_read:.2f}", f"{ttft:.3f}", f"{cold / ttft:.1f}×")
+    console.print(table)
+
+
+def _random_state(model, n: int) -> list:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    layer = model.layers[0].self_attn
+    shape = (1, layer.n_kv_heads, n, model.args.hidden_size // model.args.num_attention_heads)
+    dtype = model.layers[0].self_attn.q_proj.weight.dtype
+    for c in cache:
+        c.update_and_fetch(mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype))
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def _read(path: Path, record, how: str) -> float:
+    """Seconds to have the record's state evaluated in MLX memory."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache
+
+    from backend import diskfile
+
+    t0 = time.perf_counter()
+    if how == "mx.load":
+        restored = load_prompt_cache(str(path))  # MLX's reader, no checksum
+        mx.eval([c.state for c in restored])
+    elif how == "kvroute":
+        restored = diskfile.load(path, record)  # what the backend runs
+    else:
+        restored = diskfile.load_copy(path, record, 4)  # 4 preads, checksum, one copy
+    return time.perf_counter() - t0
+
+
+# -- capacity --------------------------------------------------------------------
+
+
+def capacity_bench(args) -> None:
+    from harness import BackendProcess, post_json
+    from test_proxy import KEY, SECRET, TOKEN, ProxyProcess
+
+    from kvroute import demo_model
+    from kvroute.redis_server import RedisServer
+
+    console = Console(width=200)
+    model = args.model or str(demo_model.ensure("text"))
+    table = Table(title=f"capacity-bound: {args.conversations} conversations × {args.turns} turns, "
+                        f"3 backends, --cache-bytes {args.cache_bytes}")
+    for col in ("disk tier", "prompt tokens", "cached tokens", "hit ratio", "turns 2+ hit ratio",
+                "disk hits", "wall s"):
+        table.add_column(col, justify="right")
+    for disk in (False, True):
+        with tempfile.TemporaryDirectory(prefix="kvr-cap-") as tmp:
+            row = _capacity_run(Path(tmp), model, disk, args, BackendProcess, ProxyProcess,
+                                RedisServer, post_json, KEY, SECRET, TOKEN)
+        table.add_row("on" if disk else "off", *row)
+    console.print(table)
+
+
+def _capacity_run(tmp: Path, model: str, disk: bool, args, BackendProcess, ProxyProcess,
+                  RedisServer, post_json, KEY, SECRET, TOKEN) -> list[str]:
+    redis = RedisServer().start()
+    backends = []
+    proxy = None
+    try:
+        for i in range(3):
+            extra = ["--cache-bytes", args.cache_bytes, "--redis-url", redis.url,
+                     "--prefill-step", "256", "--secret", SECRET, "--internal-token", TOKEN]
+            if disk:
+                extra += ["--disk-cache-dir", str(tmp / f"disk-{i}")]
+            b = BackendProcess(model, model_id="demo", log_dir=tmp, extra=extra, backend_id=f"cap-{i}")
+            b.start()
+            backends.append(b)
+        proxy = ProxyProcess(redis.url, tmp)
+        proxy.start(expect_backends=3)
+        t0 = time.perf_counter()
+        prompt = cached = later_prompt = later_cached = 0
+        convs = [[{"role": "system", "content": f"{uuid.uuid4().hex} " + _system(i)}]
+                 for i in range(args.conversations)]
+        for turn in range(args.turns):
+            for i, messages in enumerate(convs):
+                messages.append({"role": "user", "content": f"Turn {turn}: step {i} of the plan?"})
+                status, body = post_json(proxy.url + "/v1/chat/completions",
+                                         {"model": "demo", "messages": messages, "max_tokens": 16,
+                                          "temperature": 0},
+                                         headers={"Authorization": f"Bearer {KEY}"})
+                assert status == 200, body
+                messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+                p = body["usage"]["prompt_tokens"]
+                c = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                prompt, cached = prompt + p, cached + c
+                if turn:
+                    later_prompt, later_cached = later_prompt + p, later_cached + c
+        wall = time.perf_counter() - t0
+        disk_hits = sum(_metric(b, 'kvroute_backend_cache_hits_total{', 'tier="disk"') for b in backends)
+        return [str(prompt), str(cached), f"{cached / prompt:.3f}",
+                f"{later_cached / max(later_prompt, 1):.3f}", str(int(disk_hits)), f"{wall:.0f}"]
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for b in backends:
+            b.stop()
+        redis.stop()
+
+
+def _system(i: int) -> str:
+    return (f"You are agent {i} of a build team. Follow the plan, cite files by path, keep "
+            "answers short, and never invent an API. The repository uses Python 3.11, "
+            "aiohttp and MLX; tests run with pytest and real processes. ") * 6
+
+
+def _metric(backend, prefix: str, label: str) -> float:
+    from harness import request
+
+    text = request(backend.url + "/metrics")[2].decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix) and label in line)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("restore")
+    r.add_argument("--shape", choices=sorted(SHAPES), default="100m")
+    r.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 8192, 32768])
+    r.add_argument("--step", type=int, default=2048, help="prefill chunk")
+    r.add_argument("--repeat", type=int, default=2)
+    r.add_argument("--cold-repeat", type=int, default=1)
+    r.add_argument("--dir", help="where the records go (default: a temporary folder)")
+    r.add_argument("--prefill-up-to", type=int, default=0,
+                   help="longer prompts get a random state of the true size, no cold prefill")
+    r.add_argument("--dtype", help="default: bfloat16 on a GPU, float32 on a CPU")
+    r.add_argument("--memory-limit", type=int, default=0, help="GiB MLX may use (0: its default)")
+    c = sub.add_parser("capacity")
+    c.add_argument("--model", help="default: the demo model")
+    c.add_argument("--cache-bytes", default="1MiB", help="RAM budget of each backend")
+    c.add_argument("--conversations", type=int, default=12)
+    c.add_argument("--turns", type=int, default=4)
+    args = ap.parse_args()
+    restore_bench(args) if args.cmd == "restore" else capacity_bench(args)
+
+
+if __name__ == "__main__":
+    main()

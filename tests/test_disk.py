@@ -1,0 +1,228 @@
+"""The disk tier in process: real mlx-lm caches, real files, the real store."""
+
+import asyncio
+import logging
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from harness import wait_until
+from mlx_lm.models.cache import RotatingKVCache
+
+from backend import diskfile
+from backend.disk import DiskTier
+from backend.metrics import BackendMetrics
+from backend.store import Store, held_tokens
+from test_store import make_cache as lazy_cache
+from test_store import tokens
+
+FP = "f" * 32
+
+
+def make_cache(n: int, **kw) -> list:
+    cache = lazy_cache(n, **kw)
+    mx.eval([c.state for c in cache])  # as the engine commits them
+    return cache
+
+
+def make_tier(path: Path, budget: int = 1 << 30, fingerprint: str = FP) -> tuple[DiskTier, BackendMetrics]:
+    metrics = BackendMetrics("m", "b")
+    tier = DiskTier(path, budget, fingerprint, metrics, queue_bytes=1 << 30)
+    assert tier.open()
+    return tier, metrics
+
+
+def attach(tier: DiskTier) -> Store:
+    store = Store(budget_bytes=1 << 30)
+    store.listeners.append(tier.on_store_event)
+    return store
+
+
+def metric(metrics: BackendMetrics, counter, **labels) -> float:
+    return counter.labels(model="m", backend="b", **labels)._value.get()
+
+
+def restore(tier: DiskTier, prompt: list[int], scope=None):
+    return asyncio.run(tier.prefetch("m", prompt, scope, lambda: 0))
+
+
+def same_state(a: list, b: list) -> bool:
+    for x, y in zip(a, b):
+        for u, v in zip(x.state, y.state):
+            if isinstance(u, mx.array) and not mx.array_equal(u, v).item():
+                return False
+    return len(a) == len(b)
+
+
+def test_write_behind_restart_and_restore(tmp_path):
+    tier, _ = make_tier(tmp_path)
+    store = attach(tier)
+    cache = make_cache(10)
+    store.insert("m", tokens(10), cache, "checkpoint", chain=[1, 2, 3], scope="team-a")
+    wait_until(lambda: len(tier.index) == 1, 30, what="the write-behind")
+    tier.close()
+    files = list(tmp_path.glob("*" + diskfile.SUFFIX))
+    assert len(files) == 1
+    assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700
+
+    again, _ = make_tier(tmp_path)  # a restart: indexed from headers
+    (record,) = again.index.values()
+    assert record.tokens.tolist() == tokens(10)
+    assert (record.scope, record.chain) == ("team-a", [1, 2, 3])
+    assert again.snapshot() == {"m": [[1, 2, 3]]}
+    assert restore(again, tokens(12)) is None  # another scope's entry never serves
+    found = restore(again, tokens(12), "team-a")
+    assert found.tokens == 10 and same_state(found.cache, cache)
+    hit = restore(again, tokens(6) + [99], "team-a").hit()  # trimmed to the shared prefix
+    assert hit.tokens == 6 and held_tokens(hit.cache) == 6
+
+
+def test_untrimmable_state_round_trips(tmp_path):
+    tier, _ = make_tier(tmp_path)
+    store = attach(tier)
+    mx.random.seed(1)
+    cache = [RotatingKVCache(max_size=4) for _ in range(2)]
+    for c in cache:
+        k = mx.random.normal((1, 2, 7, 8))
+        c.update_and_fetch(k, -k)
+    mx.eval([c.state for c in cache])
+    store.insert("m", tokens(7), cache, "checkpoint", chain=[5])
+    wait_until(lambda: len(tier.index) == 1, 30, what="the write-behind")
+    (record,) = tier.index.values()
+    assert not record.trimmable
+    assert restore(tier, tokens(5) + [99]) is None  # a rotated window serves extensions only
+    found = restore(tier, tokens(9))
+    assert found.tokens == 7 and same_state(found.cache, cache)
+    assert [c.offset for c in found.cache] == [7, 7]
+
+
+def test_eviction_keeps_the_file_supersede_replaces_it(tmp_path):
+    tier, _ = make_tier(tmp_path)
+    store = Store(budget_bytes=make_cache(10)[0].nbytes * 2 + 1)
+    store.listeners.append(tier.on_store_event)
+    store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])
+    store.insert("m", tokens(10, 100), make_cache(10), "finish", chain=[2])  # evicts the first
+    assert len(store) == 1
+    wait_until(lambda: len(tier.index) == 2, 30, what="both written")
+    assert restore(tier, tokens(11)).tokens == 10
+    store.insert("m", tokens(12, 100), make_cache(12), "finish", chain=[2, 3])  # supersedes
+    wait_until(lambda: sorted(len(r.tokens) for r in tier.index.values()) == [10, 12], 30,
+               what="the superseded file replaced")
+    assert len(list(tmp_path.glob("*" + diskfile.SUFFIX))) == 2
+
+
+def test_disk_budget_is_lru_by_bytes(tmp_path):
+    tier, metrics = make_tier(tmp_path)
+    store = attach(tier)
+    store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])
+    wait_until(lambda: len(tier.index) == 1, 30, what="first written")
+    size = tier.nbytes
+    tier.budget_bytes = int(size * 2.5)
+    store.insert("m", tokens(10, 100), make_cache(10), "finish", chain=[2])
+    wait_until(lambda: len(tier.index) == 2, 30, what="second written")
+    assert restore(tier, tokens(11)).tokens == 10  # the first is now the most recent
+    store.insert("m", tokens(10, 200), make_cache(10), "finish", chain=[3])
+    wait_until(lambda: metric(metrics, metrics.disk_evictions) == 1, 30, what="an eviction")
+    assert sorted(r.chain[0] for r in tier.index.values()) == [1, 3]
+    assert tier.nbytes <= tier.budget_bytes
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt", "foreign", "partial", "garbage"])
+def test_bad_files_are_dropped_never_loaded(tmp_path, damage, caplog):
+    tier, _ = make_tier(tmp_path)
+    store = attach(tier)
+    store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])
+    wait_until(lambda: len(tier.index) == 1, 30, what="written")
+    tier.close()
+    (path,) = tmp_path.glob("*" + diskfile.SUFFIX)
+    data = bytearray(path.read_bytes())
+    fingerprint = FP
+    if damage == "truncate":
+        path.write_bytes(data[:-100])
+    elif damage == "corrupt":
+        data[-50] ^= 0xFF  # a tensor byte: found by the checksum when loading
+        path.write_bytes(data)
+    elif damage == "foreign":
+        fingerprint = "0" * 32  # the same file read by a backend of other weights
+    elif damage == "partial":
+        path.rename(tmp_path / ("x" + diskfile.TMP_SUFFIX))
+    else:
+        path.write_bytes(os.urandom(300))
+    caplog.set_level(logging.WARNING, "kvroute.backend.disk")
+    again, metrics = make_tier(tmp_path, fingerprint=fingerprint)
+    assert restore(again, tokens(12)) is None
+    assert not list(tmp_path.glob("*.safetensors"))
+    (line,) = [r.getMessage() for r in caplog.records if "dropping" in r.getMessage()]
+    reason = {"truncate": "truncated", "corrupt": "corrupt", "foreign": "foreign",
+              "partial": "partial", "garbage": "corrupt"}[damage]
+    assert metric(metrics, metrics.disk_dropped, reason=reason) == 1, line
+
+
+def test_unusable_directory_means_ram_only(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    caplog.set_level(logging.WARNING, "kvroute.backend.disk")
+    tier = DiskTier(blocker / "sub", 1 << 30, FP, BackendMetrics("m", "b"), 1 << 30)
+    assert not tier.open()
+    assert "RAM only" in caplog.text
+    first, _ = make_tier(tmp_path / "d")
+    second = DiskTier(tmp_path / "d", 1 << 30, FP, BackendMetrics("m", "b"), 1 << 30)
+    assert not second.open()  # one process per directory
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_full_disk_counts_failures_and_keeps_going(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    tier = None
+    try:
+        tier, metrics = make_tier(mount / "cache")
+        store = attach(tier)
+        store.insert("m", tokens(2000), make_cache(2000), "finish", chain=[1])  # 512 kB
+        wait_until(lambda: metric(metrics, metrics.disk_writes, result="failed") == 1, 30,
+                   what="a failed write")
+        assert metric(metrics, metrics.disk_write_failures, reason="ENOSPC") == 1
+        assert not list((mount / "cache").glob("*.safetensors"))  # no partial file left
+        store.insert("m", tokens(10, 500), make_cache(10), "finish", chain=[2])
+        wait_until(lambda: len(tier.index) == 1, 30, what="a small write after the failure")
+    finally:
+        if tier is not None:
+            tier.close()
+        subprocess.run(["umount", str(mount)])
+
+
+def test_a_prefill_faster_than_the_disk_skips_the_restore(tmp_path):
+    tier, metrics = make_tier(tmp_path)
+    store = attach(tier)
+    store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])
+    wait_until(lambda: len(tier.index) == 1, 30, what="written")
+    tier.restore_tps = 100.0  # measured: 10 tokens take 0.1 s to restore
+    fast = asyncio.run(tier.prefetch("m", tokens(12), None, lambda: 0, prefill_tps=1000.0))
+    assert fast is None and metric(metrics, metrics.disk_skipped) == 1
+    slow = asyncio.run(tier.prefetch("m", tokens(12), None, lambda: 0, prefill_tps=10.0))
+    assert slow.tokens == 10
+
+
+def test_concurrent_hits_on_one_file_share_one_read(tmp_path):
+    tier, metrics = make_tier(tmp_path)
+    store = attach(tier)
+    store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])
+    wait_until(lambda: len(tier.index) == 1, 30, what="written")
+
+    async def both():
+        return await asyncio.gather(*(tier.prefetch("m", tokens(12) + [i], None, lambda: 0)
+                                      for i in range(3)))
+
+    found = asyncio.run(both())
+    assert [f.tokens for f in found] == [10, 10, 10]
+    (record,) = tier.index.values()
+    assert metric(metrics, metrics.disk_restore_bytes) == record.size  # read once
+    views = [f.hit().cache for f in found]  # each request still gets its own arrays
+    assert views[0][0].keys is not views[1][0].keys
