@@ -42,6 +42,7 @@ from kvroute.errors import APIError, overloaded, server_error
 from kvroute.hits import is_cache_hit
 from kvroute.wire import SamplingParams
 
+from .attention import fast, new_cache
 from .metrics import BackendMetrics
 from .output import Chunk, OutputParser
 from mlx_lm.models.cache import make_prompt_cache
@@ -49,6 +50,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from .store import Store, always_trimmable, held_tokens
 
 log = logging.getLogger("kvroute.backend.engine")
+
+GAUGE_PERIOD = 0.05  # seconds between gauge updates while only decoding
 
 
 @dataclass
@@ -205,6 +208,8 @@ class Engine:
         self._submitted = 0
         self._taken = 0
         self._stopping = False
+        self._gauges_at = 0.0
+        self._faults = False  # any job with a test fault admitted: look for delays
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
         self._gen = self._new_generator()
 
@@ -213,10 +218,15 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread after its current step, and wait for the device
+        to finish what was queued: a process may only exit (on CUDA, without
+        aborting in a destructor) once no thread or stream is still working."""
         self._stopping = True
         self._inbox.put(None)
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine thread did not stop within %.0fs", timeout)
 
     @property
     def waiting(self) -> int:
@@ -266,6 +276,31 @@ class Engine:
             prefill_step_size=self.prefill_step,
         )
 
+    def warm_up(self) -> float:
+        """Run the shapes serving will use once, on the engine thread, so that
+        kernels are compiled before the backend says it is healthy: a full and a
+        partial prefill chunk on the fused path, a cache hit, and padded batched
+        prefill and decode on the masked path. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        gen = BatchGenerator(self.model, stop_tokens=[], completion_batch_size=self.max_batch,
+                             prefill_batch_size=min(8, self.max_batch),
+                             prefill_step_size=self.prefill_step)
+        try:
+            long_ = _warm_tokens(self.prefill_step + self.prefill_step // 2 + 7)
+            done = _drain(gen, gen.insert([long_], max_tokens=[3], caches=[new_cache(self.model)]))
+            cache, tokens = done[0]
+            if always_trimmable(cache):  # a hit: the stored prefix plus a suffix
+                _drain(gen, gen.insert([long_[-5:] + long_[:9]], max_tokens=[3],
+                                       caches=[fast(cache)], all_tokens=[tokens]))
+            short = [_warm_tokens(n, salt=n) for n in (9, 33, 33, 70)]
+            _drain(gen, gen.insert(short, max_tokens=[4, 6, 6, 8],
+                                   caches=[new_cache(self.model) for _ in short]))
+        finally:
+            gen.close()
+            mx.synchronize()
+            mx.clear_cache()
+        return time.perf_counter() - t0
+
     def _run(self) -> None:
         while not self._stopping:
             try:
@@ -278,6 +313,7 @@ class Engine:
                 self._fail_all("Internal engine error.")
                 self._gen = self._new_generator()
         self._fail_all("The backend is shutting down.", status=503)
+        mx.synchronize()  # this thread's streams are idle before the process may exit
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -323,11 +359,12 @@ class Engine:
             p: k for p, k in job.checkpoints.items() if p == len(job.prompt) - 1}
         job.boundaries = sorted(p for p in wanted if hit.tokens < p < len(job.prompt))
         sampler = make_sampler(job.params)
+        cache = fast(hit.cache) if hit.cache is not None else new_cache(self.model)
         (job.uid,) = self._gen.insert_segments(
             [self._segments(job.prompt, hit.tokens, job.boundaries)],
             max_tokens=[job.max_tokens],
-            caches=[hit.cache] if hit.cache is not None else None,
-            all_tokens=[list(job.prompt[: hit.tokens])] if hit.cache is not None else None,
+            caches=[cache],
+            all_tokens=[list(job.prompt[: hit.tokens])],
             samplers=[sampler] if sampler else None,
             logits_processors=[make_processors(job, self.tokenizer)],
         )
@@ -341,6 +378,7 @@ class Engine:
             job.tools,
         )
         job.phase = "prefill"
+        self._faults = self._faults or bool(job.fault)
         self._jobs[job.uid] = job
         if not job.readmitted:
             job.cached_tokens = hit.tokens
@@ -420,8 +458,9 @@ class Engine:
                     self._fail(job, f"Generation failed: {exc}")
         decoding = sum(j.phase == "decode" for j in self._jobs.values())
         self.peak_batch = max(self.peak_batch, decoding)
-        self._update_gauges()
-        self._injected_delay()
+        self._update_gauges(force=bool(prompt_responses))
+        if self._faults:
+            self._injected_delay()
 
     def _injected_delay(self) -> None:
         # Test-only: "slow_prefill:SECONDS" stretches each prefill chunk so a test
@@ -592,7 +631,13 @@ class Engine:
         except Exception:
             return set()
 
-    def _update_gauges(self) -> None:
+    def _update_gauges(self, force: bool = True) -> None:
+        # Per decode step only every GAUGE_PERIOD: at 200 steps/s the gauges
+        # cost more Python time than one token's worth of the step budget allows.
+        now = time.perf_counter()
+        if not force and now - self._gauges_at < GAUGE_PERIOD:
+            return
+        self._gauges_at = now
         m = self.metrics
         stats = self.store.stats()
         m.l(m.queue_depth).set(self.queue_depth)
@@ -609,3 +654,19 @@ def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None
         fut.set_exception(exc)
     else:
         fut.set_result(result)
+
+
+def _warm_tokens(n: int, salt: int = 0) -> list[int]:
+    # Ids below 1000 exist in every vocabulary; their text does not matter.
+    return [(31 * i + salt) % 997 + 3 for i in range(n)]
+
+
+def _drain(gen: BatchGenerator, uids: list[int]) -> list[tuple[list, list[int]]]:
+    """Step `gen` until the sequences `uids` finish; their final caches."""
+    done: dict[int, tuple[list, list[int]]] = {}
+    while len(done) < len(uids):
+        _, responses = gen.next()
+        for r in responses:
+            if r.finish_reason is not None:
+                done[r.uid] = (r.prompt_cache, r.all_tokens)
+    return [done[u] for u in uids]

@@ -15,14 +15,14 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from kvroute import openapi, prefix
+from kvroute import accel, openapi, prefix
 from kvroute.process import start_site, wait_for_stop
 from kvroute.errors import APIError, bad_request, error_middleware, not_found
 from kvroute.registry import BackendRecord, Registry, new_instance_id
@@ -51,7 +51,10 @@ class BackendConfig:
     backend_id: str  # empty: <hostname>-<port>
     model_id: str  # the name clients use; empty: the model path's last part
     cache_bytes: int
-    prefill_step: int
+    prefill_step: int  # 0: by platform (GPU 2048, CPU 512)
+    memory_limit: int  # 0: MLX's default
+    cache_limit: int  # 0: a tenth of memory_limit
+    no_warmup: bool
     max_batch: int
     max_queue: int
     max_body_bytes: int
@@ -77,6 +80,7 @@ class State:
     instance_id: str = ""
     publisher: Publisher | None = None
     vocab_size: int = 0  # rows of the logits: logit_bias token ids must index inside them
+    device: dict = field(default_factory=dict)  # accelerator, memory limits, warm-up seconds
 
 
 def _state(request: web.Request) -> State:
@@ -412,6 +416,7 @@ async def health(request: web.Request) -> web.Response:
         "model": state.config.model_id,
         "uptime_s": round(time.time() - state.started, 1),
         "cache": state.store.stats(),
+        "device": state.device,
         "engine": state.engine.snapshot(),
     }
     return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
@@ -529,6 +534,9 @@ def load_state(config: BackendConfig) -> State:
     from mlx_lm import load
 
     t0 = time.perf_counter()
+    device = accel.detect()
+    limits = accel.apply_limits(config.memory_limit, config.cache_limit)
+    config.prefill_step = config.prefill_step or (512 if device.kind == "cpu" else 2048)
     model, tokenizer, model_config = load(config.model, return_config=True)
     _evaluate_private_arrays(model)
     config.model_id = config.model_id or Path(config.model.rstrip("/")).name
@@ -556,7 +564,9 @@ def load_state(config: BackendConfig) -> State:
     )
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
     return State(config, engine, tokenizer, metrics_, store, context, time.time(), new_instance_id(),
-                 vocab_size=_vocab_size(model_config, tokenizer))
+                 vocab_size=_vocab_size(model_config, tokenizer),
+                 device={"kind": device.kind, "name": device.name, "memory": device.memory,
+                         "prefill_step": config.prefill_step, **limits})
 
 
 def _evaluate_private_arrays(model) -> None:
@@ -615,10 +625,15 @@ async def serve(config: BackendConfig) -> None:
                     "http://%s:%d, which they cannot reach", config.host, config.host, config.port)
     if not config.secret and config.redis_url:
         log.warning("no --secret set: prefix keys in Redis are salted with a public default")
+    state.engine.start()
+    if not config.no_warmup:
+        # Before the registry or a proxy hears of this backend: healthy means warm.
+        seconds = await state.engine.call(state.engine.warm_up)
+        state.device["warmup_s"] = round(seconds, 2)
+        log.info("warmed up in %.1fs (prefill step %d)", seconds, config.prefill_step)
     if config.redis_url:
         state.publisher = start_publisher(state)
         await state.publisher.start()
-    state.engine.start()
     runner = await start_site(create_app(state), config.host, config.port)
     log.info("backend %s serving %s on http://%s:%d", config.backend_id, config.model_id,
              config.host, config.port)

@@ -11,7 +11,7 @@ error that names it: a typo must not silently fall back to a default.
 The file (every key optional):
 
     secret = "change-me"                 # salts prefix keys; random per launch if unset
-    memory_fraction = 0.85               # of physical memory weights and caches may take
+    memory_fraction = 0.85               # of the GPU's (else physical) memory weights and caches may take
 
     [redis]
     url = "redis://127.0.0.1:6379/0"     # unset: an embedded redis-server on a free port
@@ -140,8 +140,15 @@ BACKEND = [
          "<hostname>-<port>)", flag="--id"),
     _opt("cache_bytes", parse_bytes, 2 << 30, "byte budget of the prompt-cache store, e.g. 512MiB, "
          "8GiB", toml="models.cache_bytes"),
-    _opt("prefill_step", int, 512, "tokens per prefill chunk; decoding of other requests "
-         "interleaves between chunks", toml="models.prefill_step"),
+    _opt("prefill_step", int, 0, "tokens per prefill chunk; decoding of other requests "
+         "interleaves between chunks (0: 2048 on a GPU, 512 on the CPU)", toml="models.prefill_step"),
+    _opt("memory_limit", parse_bytes, 0, "cap on this backend's MLX memory, e.g. 40GiB (0: MLX's "
+         "default; `serve` gives each replica its share of the accelerator)",
+         toml="models.memory_limit"),
+    _opt("cache_limit", parse_bytes, 0, "MLX buffer cache kept for reuse (0: a tenth of "
+         "--memory-limit)", toml="models.cache_limit"),
+    _opt("no_warmup", bool, False, "report healthy without first compiling kernels of typical "
+         "shapes", switch=True),
     _opt("max_batch", int, 32, "sequences decoded together", toml="models.max_batch"),
     _opt("max_queue", int, 64, "requests admitted at once; more get 429", toml="models.max_queue"),
     _MAX_BODY,
@@ -201,11 +208,14 @@ SERVE = [
          toml="proxy.api_keys"),
     _opt("redis_url", str, "", "use this Redis instead of an embedded one", toml="redis.url"),
     _opt("secret", str, "", "prefix-key salt (default: random per launch)", toml="secret"),
+    _opt("prefill_step", int, None, "tokens per prefill chunk of every backend (default: the "
+         "file's, else 2048 on a GPU and 512 on the CPU)", env=False),
     Setting("backend_host", str, "127.0.0.1", "backends' bind address", toml="backends.host"),
     _opt("backend_port_base", int, 8100, "first port tried for backends", env=False,
          toml="backends.port_base"),
-    Setting("memory_fraction", float, 0.85, "of physical memory that weights and caches may take",
-            toml="memory_fraction"),
+    Setting("memory_fraction", float, 0.85, "of the accelerator's memory (a GPU's own, else "
+            "physical memory) that weights and caches may take; each replica's MLX memory "
+            "is capped at its share", toml="memory_fraction"),
     _opt("log_level", str, "info", "logging level", choices=LOG_LEVELS),
     _opt("json_logs", bool, False, "one JSON object per log line, with the process name",
          switch=True),
@@ -299,6 +309,8 @@ class ModelSpec:
     # Per-replica backend settings: defaults from the BACKEND table.
     cache_bytes: int = _MODEL["cache_bytes"]
     prefill_step: int = _MODEL["prefill_step"]
+    memory_limit: int = _MODEL["memory_limit"]
+    cache_limit: int = _MODEL["cache_limit"]
     max_batch: int = _MODEL["max_batch"]
     max_queue: int = _MODEL["max_queue"]
     max_prompt_tokens: int = _MODEL["max_prompt_tokens"]
@@ -401,6 +413,8 @@ def build(flags: argparse.Namespace | Mapping[str, Any], env: Mapping[str, str])
             spec.replicas = 2  # the zero-argument demo shows routing between two
         if values["cache_bytes"] is not None:
             spec.cache_bytes = values["cache_bytes"]
+        if values["prefill_step"] is not None:
+            spec.prefill_step = values["prefill_step"]
         if spec.replicas < 1:
             raise ConfigError("--replicas must be at least 1")
     names = {f.name for f in fields(ServeConfig)}

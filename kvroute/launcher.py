@@ -27,7 +27,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from . import demo_model
+from . import accel, demo_model
 from .config import DEMO, ConfigError, ModelSpec, ServeConfig
 from .redis_server import RedisServer
 from .sizes import format_bytes
@@ -61,16 +61,21 @@ def weights_bytes(path: str) -> int | None:
     return sum(f.stat().st_size for f in files) if files else None
 
 
-def physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_memory(config: ServeConfig, paths: dict[str, str], total: int | None = None) -> list[str]:
+def check_memory(config: ServeConfig, paths: dict[str, str], total: int | None = None,
+                 device: accel.Accelerator | None = None) -> list[str]:
     """Refuse, with the arithmetic, a deployment whose weights and caches cannot fit.
-    Returns notes about models whose size is unknown (not downloaded yet)."""
-    total = physical_memory() if total is None else total
+    Returns notes about models whose size is unknown (not downloaded yet).
+
+    On a GPU the budget is the accelerator's memory, and each replica without a
+    --memory-limit gets its share of it (so replicas sharing the card never
+    oversubscribe it)."""
+    if total is None:
+        device = device or accel.probe()
+        total = device.memory
+    where = f"{device.kind} memory" if device and device.kind != "cpu" else "physical memory"
     allowed = int(total * config.memory_fraction)
     lines, notes, need = [], [], 0
+    shares: list[tuple[ModelSpec, int]] = []
     for spec in config.models:
         weights = weights_bytes(paths[spec.alias])
         if weights is None:
@@ -78,6 +83,7 @@ def check_memory(config: ServeConfig, paths: dict[str, str], total: int | None =
             weights = 0
         each = weights + spec.cache_bytes + PROCESS_OVERHEAD
         need += spec.replicas * each
+        shares.append((spec, each))
         lines.append(
             f"  {spec.alias}: {spec.replicas} x ({format_bytes(weights)} weights + "
             f"{format_bytes(spec.cache_bytes)} cache + {format_bytes(PROCESS_OVERHEAD)} process) "
@@ -87,9 +93,12 @@ def check_memory(config: ServeConfig, paths: dict[str, str], total: int | None =
         raise ConfigError(
             "these models do not fit in memory:\n" + "\n".join(lines)
             + f"\n  total {format_bytes(need)} > {format_bytes(allowed)} "
-            f"({config.memory_fraction:.0%} of {format_bytes(total)} physical memory)\n"
+            f"({config.memory_fraction:.0%} of {format_bytes(total)} {where})\n"
             "Lower replicas or cache_bytes, or use smaller models."
         )
+    if device and device.kind != "cpu" and need:
+        for spec, each in shares:  # what is left over is shared in proportion to need
+            spec.memory_limit = spec.memory_limit or allowed * each // need
     return notes
 
 
