@@ -103,7 +103,7 @@ def raw_main(args) -> None:
         next(gen)
         return time.perf_counter() - t0
 
-    first_token(tok.encode(text_of(tok, 2100, 1)))  # compile kernels of the prefill shapes
+    first_token(tok.encode(text_of(tok, min(2100, max(args.sizes)), 1)))  # compile kernels
     out: dict = {"cold": {}}
     for size in args.sizes:
         times = [first_token(tok.encode(text_of(tok, size, 100 + size + r)))
@@ -205,9 +205,9 @@ def ttft_s(*a, **kw) -> tuple[float, dict]:
     return asyncio.run(ttft(*a, **kw))
 
 
-async def agents(url: str, model: str, tok, seed: int) -> dict:
-    """8 agents x 4 turns; 4 system prompts of ~6k tokens, each shared by two agents."""
-    systems = [text_of(tok, 6000, seed + k) for k in range(4)]
+async def agents(url: str, model: str, tok, seed: int, system: int) -> dict:
+    """8 agents x 4 turns; 4 system prompts of `system` tokens, each shared by two agents."""
+    systems = [text_of(tok, system, seed + k) for k in range(4)]
     ttfts: list[float] = []
     totals = {"prompt": 0, "cached": 0}
 
@@ -330,7 +330,8 @@ def run_kvroute(args, tok, logs: Path) -> dict:
         out["warmup_s"] = health["device"].get("warmup_s")
         out["prefill_step"] = health["device"].get("prefill_step")
 
-        firsts = [ttft_s(url, "m", text_of(tok, 2048, 9000 + i))[0] for i in range(10)]
+        n = min(2048, max(args.sizes))
+        firsts = [ttft_s(url, "m", text_of(tok, n, 9000 + i))[0] for i in range(10)]
         out["first_vs_tenth"] = (firsts[0], firsts[-1])
         out["cold"] = {}
         for size in args.sizes:
@@ -351,7 +352,8 @@ def run_kvroute(args, tok, logs: Path) -> dict:
         out["decode1"] = asyncio.run(decode_rate(url, "m", tok, 1, args.decode, 6100))
         out["decode8"] = asyncio.run(decode_rate(url, "m", tok, 8, args.decode, 6200))
         if not args.skip_agents:
-            out["agents"] = {p: asyncio.run(agents(proxies[p].url, "m", tok, 20000 + 1000 * k))
+            out["agents"] = {p: asyncio.run(agents(proxies[p].url, "m", tok, 20000 + 1000 * k,
+                                                    args.agent_system))
                              for k, p in enumerate(("cache-aware", "round-robin"))}
     finally:
         for p in procs:
@@ -387,13 +389,14 @@ def report(args, raw: dict, ref: dict | None, kv: dict) -> str:
     else:
         rows.append(("decode 8 streams aggregate", rate(kv["decode8"]), "", "", ""))
     f, t = kv["first_vs_tenth"]
-    add("first request after /health vs the tenth (2k cold)", f, t, secs, "~1x")
+    add("first request after /health vs the tenth (cold)", f, t, secs, "~1x")
     lines = [f"| {' | '.join(r)} |" for r in rows]
     lines.insert(1, "|" + "---|" * len(rows[0]))
     text = "\n".join(lines)
     if "agents" in kv:
         a = kv["agents"]
-        text += ("\n\n| agent workload (8 agents x 4 turns, 6k system prompts) | hit ratio | "
+        text += (f"\n\n| agent workload (8 agents x 4 turns, {args.agent_system}-token system "
+                 "prompts) | hit ratio | "
                  "turns 2-4 mean TTFT |\n|---|---|---|\n")
         for policy, r in a.items():
             text += f"| {policy} | {r['hit_ratio']:.3f} | {r['ttft_turns_2_4']:.3f} s |\n"
@@ -415,6 +418,7 @@ def main() -> None:
     ap.add_argument("--cache-bytes", default="16GiB")
     ap.add_argument("--prefill-step", type=int, default=0, help="kvroute's (0: by platform)")
     ap.add_argument("--raw-prefill-step", type=int, default=2048)
+    ap.add_argument("--agent-system", type=int, default=6000, help="system prompt tokens")
     ap.add_argument("--skip-mlx-server", action="store_true")
     ap.add_argument("--skip-agents", action="store_true")
     ap.add_argument("--logs", default="/tmp/kvroute-bench-hw")

@@ -14,8 +14,8 @@ and every generated token produces visible text.
 
     python bench/models.py OUT_DIR [--preset 7b|cpu] [--layers 28 --hidden 3584 ...]
 
-Presets: `7b` is Qwen2.5-7B's shape in bf16 (15 GiB); `cpu` a 0.4B-class shape,
-big enough on a CPU that prefill dominates a request, small enough to load fast.
+Presets: `7b` is Qwen2.5-7B's shape in bf16 (15 GiB); `cpu` a small float32 shape
+(MLX's CPU matmuls are slow in bf16) in which prefill still dominates long prompts.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from kvroute import demo_model  # noqa: E402
 
 PRESETS = {
     "7b": {"hidden": 3584, "layers": 28, "intermediate": 18944, "heads": 28, "kv_heads": 4},
-    "cpu": {"hidden": 1024, "layers": 16, "intermediate": 2816, "heads": 16, "kv_heads": 2},
+    "cpu": {"hidden": 512, "layers": 8, "intermediate": 1536, "heads": 8, "kv_heads": 2},
 }
+DTYPES = {"7b": "bfloat16", "cpu": "float32"}  # MLX's CPU matmuls are fast in float32 only
 
 
 def main() -> None:
@@ -89,10 +90,11 @@ def main() -> None:
     )
     mx.random.seed(args.seed)
     model = qwen2.Model(margs)
-    model.set_dtype(mx.bfloat16)
+    dtype = getattr(mx, DTYPES[args.preset])
+    model.set_dtype(dtype)
     for layer in model.layers:  # one layer at a time: no fp32 copy of the whole model
         mx.eval(layer.parameters())
-    keep = mx.ones((vocab, 1), dtype=mx.bfloat16)
+    keep = mx.ones((vocab, 1), dtype=dtype)
     if masked:
         keep[mx.array(masked)] = 0
     model.lm_head.weight = model.lm_head.weight * keep
@@ -109,7 +111,7 @@ def main() -> None:
         "bos_token_id": None,
         "eos_token_id": demo_config["eos_token_id"],
         "pad_token_id": demo_config["pad_token_id"],
-        "torch_dtype": "bfloat16",
+        "torch_dtype": DTYPES[args.preset],
         "bench_random_weights": True,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
