@@ -120,3 +120,32 @@ def test_platform_default_prefill_step(text_model, tmp_path):
         backend.proc.send_signal(signal.SIGTERM)
         assert backend.proc.wait(60) == 0, backend.log()
         backend.stop()
+
+
+def test_serve_shares_the_gpu_memory_among_replicas(text_model):
+    """On a GPU the budget is the card's memory and every replica gets a cap, in
+    proportion to its need, that together stay within memory_fraction of it."""
+    from kvroute import accel, config
+    from kvroute.launcher import check_memory
+
+    cfg = config.build({"models": [str(text_model)], "replicas": 2, "cache_bytes": 8 << 30,
+                        "prefill_step": 4096}, {})
+    card = accel.Accelerator("cuda", "test GPU", 140 << 30)
+    check_memory(cfg, {cfg.models[0].alias: str(text_model)}, device=card)
+    spec = cfg.models[0]
+    assert spec.prefill_step == 4096
+    assert 8 << 30 < spec.memory_limit and spec.replicas * spec.memory_limit <= int(0.85 * card.memory)
+    assert ["--memory-limit", str(spec.memory_limit)] == spec.backend_flags()[
+        spec.backend_flags().index("--memory-limit"):][:2]
+    with pytest.raises(config.ConfigError, match="cuda memory"):
+        cfg.models[0].memory_limit = 0
+        check_memory(cfg, {cfg.models[0].alias: str(text_model)},
+                     device=accel.Accelerator("cuda", "small", 10 << 30))
+
+
+def test_the_accelerator_probe_answers():
+    from kvroute import accel
+
+    device = accel.probe()
+    assert device.kind in ("cpu", "cuda", "metal") and device.memory > 1 << 30
+
