@@ -25,6 +25,7 @@ with the same system prompt all find a state they can extend (DESIGN.md).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue
@@ -203,6 +204,7 @@ class Engine:
         self.checkpointing = not always_trimmable(make_prompt_cache(model))
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[int, Job] = {}
+        self._held: collections.deque[Job] = collections.deque()  # long prompts waiting their turn
         # Jobs in the inbox = submitted - taken; each counter has one writer
         # (the event loop and the engine thread), so neither update can be lost.
         self._submitted = 0
@@ -234,7 +236,7 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        return self.waiting + len(self._jobs)
+        return self.waiting + len(self._held) + len(self._jobs)
 
     def submit(self, job: Job) -> None:
         if self.queue_depth >= self.max_queue:
@@ -252,7 +254,7 @@ class Engine:
     def snapshot(self) -> dict:
         jobs = list(self._jobs.values())
         return {
-            "queued": self.waiting + sum(j.phase == "queued" for j in jobs),
+            "queued": self.waiting + len(self._held) + sum(j.phase == "queued" for j in jobs),
             "prefilling": sum(j.phase == "prefill" for j in jobs),
             "decoding": sum(j.phase == "decode" for j in jobs),
             "peak_batch": self.peak_batch,
@@ -304,8 +306,10 @@ class Engine:
     def _run(self) -> None:
         while not self._stopping:
             try:
-                self._drain_inbox(block=not self._jobs)
+                self._release_held()
+                self._drain_inbox(block=not (self._jobs or self._held))
                 self._reap_cancelled()
+                self._release_held()
                 if self._jobs:
                     self._step()
             except Exception:
@@ -326,7 +330,7 @@ class Engine:
                 return
             if item[0] == "job":
                 self._taken += 1
-                self._admit_or_fail(item[1])
+                self._route(item[1])
             else:
                 _, fn, loop, fut = item
                 try:
@@ -334,6 +338,31 @@ class Engine:
                 except Exception as e:  # handed to the caller, not the engine
                     result, exc = None, e
                 loop.call_soon_threadsafe(_settle, fut, result, exc)
+
+    # -- one long prefill at a time ---------------------------------------------
+    # A prompt with more than one chunk left to prefill enters the generator only
+    # when no other such prompt is prefilling: alone, its chunks have no padding
+    # and run on the fused causal kernel (attention.py), while the batch keeps
+    # decoding between chunks. Two long prompts prefilled together would be padded
+    # against each other for their whole length, on the slower masked path, and
+    # would both finish late. Short prompts join at once, as before; the wait also
+    # lets a request behind another with the same prefix find it committed.
+
+    def _long(self, job: Job) -> bool:
+        return len(job.prompt) - job.start > self.prefill_step
+
+    def _long_prefill(self) -> bool:
+        return any(j.phase == "prefill" and self._long(j) for j in self._jobs.values())
+
+    def _route(self, job: Job) -> None:
+        if len(job.prompt) > self.prefill_step and (self._held or self._long_prefill()):
+            self._held.append(job)
+            return
+        self._admit_or_fail(job)
+
+    def _release_held(self) -> None:
+        while self._held and not self._long_prefill():
+            self._admit_or_fail(self._held.popleft())
 
     def _admit_or_fail(self, job: Job) -> None:
         try:
@@ -396,6 +425,12 @@ class Engine:
         return [prompt[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
 
     def _reap_cancelled(self) -> None:
+        if any(j.cancelled for j in self._held):
+            waiting = self._held
+            self._held = collections.deque(j for j in waiting if not j.cancelled)
+            for job in waiting:
+                if job.cancelled:
+                    self._admit_or_fail(job)  # answers 499
         gone = [j for j in self._jobs.values() if j.cancelled]
         for job in gone:
             if job.phase == "prefill":
@@ -596,7 +631,10 @@ class Engine:
         job.emit(server_error(message) if status == 500 else APIError(status, message, "server_error"))
 
     def _fail_all(self, message: str, status: int = 500) -> None:
-        for job in list(self._jobs.values()):
+        held = []
+        if self._stopping:  # after a failed step, waiting prompts are unaffected
+            held, self._held = list(self._held), collections.deque()
+        for job in [*held, *self._jobs.values()]:
             self._fail(job, message, status)
         self._update_gauges()
 
