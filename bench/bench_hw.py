@@ -286,6 +286,11 @@ def run_mlx_server(args, tok, logs: Path) -> dict:
     return out
 
 
+def progress(out: dict) -> None:
+    # A run cut short by a time limit still shows what it measured.
+    print("kvroute so far:", json.dumps(out, default=str), flush=True)
+
+
 def run_kvroute(args, tok, logs: Path) -> dict:
     device = accel.probe()
     redis = RedisServer()
@@ -338,6 +343,7 @@ def run_kvroute(args, tok, logs: Path) -> dict:
             times = [ttft_s(url, "m", text_of(tok, size, 100 + size + r))[0]
                      for r in range(args.repeat)]
             out["cold"][size] = statistics.median(times)
+            progress(out)
         turn1 = text_of(tok, args.turn2, 7)
         times = []
         for r in range(args.repeat):
@@ -348,9 +354,11 @@ def run_kvroute(args, tok, logs: Path) -> dict:
             out["turn2_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             out["turn2_prompt_tokens"] = usage.get("prompt_tokens")
         out["turn2"] = statistics.median(times)
+        progress(out)
         asyncio.run(decode_rate(url, "m", tok, 8, 16, 6000))
         out["decode1"] = asyncio.run(decode_rate(url, "m", tok, 1, args.decode, 6100))
         out["decode8"] = asyncio.run(decode_rate(url, "m", tok, 8, args.decode, 6200))
+        progress(out)
         if not args.skip_agents:
             out["agents"] = {p: asyncio.run(agents(proxies[p].url, "m", tok, 20000 + 1000 * k,
                                                     args.agent_system))
