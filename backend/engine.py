@@ -187,6 +187,7 @@ class Engine:
         metrics: BackendMetrics,
         *,
         prefill_step: int = 512,
+        serial_prefill: bool = False,
         max_batch: int = 32,
         max_queue: int = 64,
     ):
@@ -196,6 +197,7 @@ class Engine:
         self.store = store
         self.metrics = metrics
         self.prefill_step = prefill_step
+        self.serial_prefill = serial_prefill
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_tps = 0.0
@@ -339,14 +341,15 @@ class Engine:
                     result, exc = None, e
                 loop.call_soon_threadsafe(_settle, fut, result, exc)
 
-    # -- one long prefill at a time ---------------------------------------------
+    # -- one long prefill at a time (serial_prefill) -----------------------------
     # A prompt with more than one chunk left to prefill enters the generator only
     # when no other such prompt is prefilling: alone, its chunks have no padding
     # and run on the fused causal kernel (attention.py), while the batch keeps
     # decoding between chunks. Two long prompts prefilled together would be padded
     # against each other for their whole length, on the slower masked path, and
     # would both finish late. Short prompts join at once, as before; the wait also
-    # lets a request behind another with the same prefix find it committed.
+    # lets a request behind another with the same prefix find it committed. On the
+    # CPU, where attention has no fused kernel, prompts are batched as they come.
 
     def _long(self, job: Job) -> bool:
         return len(job.prompt) - job.start > self.prefill_step
@@ -355,7 +358,8 @@ class Engine:
         return any(j.phase == "prefill" and self._long(j) for j in self._jobs.values())
 
     def _route(self, job: Job) -> None:
-        if len(job.prompt) > self.prefill_step and (self._held or self._long_prefill()):
+        if (self.serial_prefill and len(job.prompt) > self.prefill_step
+                and (self._held or self._long_prefill())):
             self._held.append(job)
             return
         self._admit_or_fail(job)

@@ -53,6 +53,7 @@ class BackendConfig:
     cache_bytes: int
     prefill_step: int  # 0: by platform (GPU 2048, CPU 512)
     memory_limit: int  # 0: MLX's default
+    long_prefill: str  # auto, serial, batched
     cache_limit: int  # 0: a tenth of memory_limit
     no_warmup: bool
     max_batch: int
@@ -559,6 +560,8 @@ def load_state(config: BackendConfig) -> State:
         store,
         metrics_,
         prefill_step=config.prefill_step,
+        serial_prefill=config.long_prefill == "serial"
+        or (config.long_prefill == "auto" and device.kind != "cpu"),
         max_batch=config.max_batch,
         max_queue=config.max_queue,
     )
@@ -566,7 +569,8 @@ def load_state(config: BackendConfig) -> State:
     return State(config, engine, tokenizer, metrics_, store, context, time.time(), new_instance_id(),
                  vocab_size=_vocab_size(model_config, tokenizer),
                  device={"kind": device.kind, "name": device.name, "memory": device.memory,
-                         "prefill_step": config.prefill_step, **limits})
+                         "prefill_step": config.prefill_step,
+                         "serial_prefill": engine.serial_prefill, **limits})
 
 
 def _evaluate_private_arrays(model) -> None:

@@ -142,6 +142,10 @@ BACKEND = [
          "8GiB", toml="models.cache_bytes"),
     _opt("prefill_step", int, 0, "tokens per prefill chunk; decoding of other requests "
          "interleaves between chunks (0: 2048 on a GPU, 512 on the CPU)", toml="models.prefill_step"),
+    _opt("long_prefill", str, "auto", "prompts with more than one chunk to prefill: 'serial' "
+         "(one at a time, unpadded on the fused attention kernel), 'batched' (together, "
+         "padded), 'auto' (serial on a GPU, batched on the CPU)",
+         choices=("auto", "serial", "batched"), toml="models.long_prefill"),
     _opt("memory_limit", parse_bytes, 0, "cap on this backend's MLX memory, e.g. 40GiB (0: MLX's "
          "default; `serve` gives each replica its share of the accelerator)",
          toml="models.memory_limit"),
@@ -310,6 +314,7 @@ class ModelSpec:
     cache_bytes: int = _MODEL["cache_bytes"]
     prefill_step: int = _MODEL["prefill_step"]
     memory_limit: int = _MODEL["memory_limit"]
+    long_prefill: str = _MODEL["long_prefill"]
     cache_limit: int = _MODEL["cache_limit"]
     max_batch: int = _MODEL["max_batch"]
     max_queue: int = _MODEL["max_queue"]

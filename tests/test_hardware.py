@@ -13,7 +13,7 @@ import signal
 
 import mlx.core as mx
 import pytest
-from harness import BackendProcess, SSEStream, post_json
+from harness import BackendProcess, SSEStream, post_json, wait_until
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
@@ -149,3 +149,35 @@ def test_the_accelerator_probe_answers():
     device = accel.probe()
     assert device.kind in ("cpu", "cuda", "metal") and device.memory > 1 << 30
 
+
+
+def test_serial_long_prefill_holds_the_second_and_it_hits_the_first(text_model, tmp_path):
+    """With --long-prefill serial a second long prompt waits while the first is
+    prefilled, then enters and finds the shared prefix committed; both answer."""
+    backend = BackendProcess(text_model, model_id="demo", log_dir=tmp_path,
+                             extra=["--long-prefill", "serial", "--prefill-step", "32",
+                                    "--enable-faults", "--no-warmup"])
+    backend.start(timeout=180)
+    try:
+        shared = " ".join(f"word{i % 50}" for i in range(300))
+        first = SSEStream(backend.url + "/v1/completions",
+                          {"model": "demo", "prompt": shared + " one", "max_tokens": 3,
+                           "kvroute_fault": "slow_prefill:0.05"})
+        wait_until(lambda: backend.health()["engine"]["prefilling"] == 1, timeout=60,
+                   what="the first prompt's prefill")
+        second = SSEStream(backend.url + "/v1/completions",
+                           {"model": "demo", "prompt": shared + " two", "max_tokens": 3,
+                            "stream_options": {"include_usage": True}})
+
+        def held() -> bool:
+            engine = backend.health()["engine"]
+            return engine["prefilling"] == 1 and engine["queued"] == 1
+        wait_until(held, timeout=60, what="the second prompt to wait for the first")
+        assert [e for e in first.events() if e == "[DONE]"]
+        events = [e for e in second.events() if isinstance(e, dict)]
+        usage = events[-1]["usage"]
+        assert usage["completion_tokens"] == 3
+        assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] // 2
+        assert backend.health()["device"]["serial_prefill"] is True
+    finally:
+        backend.stop()
