@@ -234,11 +234,12 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        return self._submitted - self._taken
+        # In the inbox, or held back behind a long prefill (serial_prefill).
+        return self._submitted - self._taken + len(self._held)
 
     @property
     def queue_depth(self) -> int:
-        return self.waiting + len(self._held) + len(self._jobs)
+        return self.waiting + len(self._jobs)
 
     def submit(self, job: Job) -> None:
         if self.queue_depth >= self.max_queue:
@@ -256,7 +257,7 @@ class Engine:
     def snapshot(self) -> dict:
         jobs = list(self._jobs.values())
         return {
-            "queued": self.waiting + len(self._held) + sum(j.phase == "queued" for j in jobs),
+            "queued": self.waiting + sum(j.phase == "queued" for j in jobs),
             "prefilling": sum(j.phase == "prefill" for j in jobs),
             "decoding": sum(j.phase == "decode" for j in jobs),
             "peak_batch": self.peak_batch,
