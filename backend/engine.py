@@ -48,7 +48,7 @@ from .metrics import BackendMetrics
 from .output import Chunk, OutputParser
 from mlx_lm.models.cache import make_prompt_cache
 
-from .store import Store, always_trimmable, held_tokens
+from .store import Store, always_trimmable, common_prefix, held_tokens
 
 log = logging.getLogger("kvroute.backend.engine")
 
@@ -358,9 +358,18 @@ class Engine:
     def _long_prefill(self) -> bool:
         return any(j.phase == "prefill" and self._long(j) for j in self._jobs.values())
 
+    def _uncached(self, job: Job) -> int:
+        """Tokens of the prompt no stored entry holds (a read-only estimate, so
+        that a cache hit with a short remainder is not held back)."""
+        prompt = np.asarray(job.prompt, dtype=np.int32)
+        best = max((common_prefix(e.tokens, prompt) for e in list(self.store.entries.values())
+                    if e.model == self.model_id and e.scope == job.scope), default=0)
+        return len(prompt) - best
+
     def _route(self, job: Job) -> None:
         if (self.serial_prefill and len(job.prompt) > self.prefill_step
-                and (self._held or self._long_prefill())):
+                and (self._held or self._long_prefill())
+                and self._uncached(job) > self.prefill_step):
             self._held.append(job)
             return
         self._admit_or_fail(job)
