@@ -350,8 +350,8 @@ def run_kvroute(args, tok, logs: Path) -> dict:
             first = turn1 if r == 0 else text_of(tok, args.turn2, 70 + r)
             ttft_s(url, "m", first, max_tokens=1)
             # The next turn of an agent comes after it read the reply: let the
-            # backend's advertisement reach the registry, as it would by then.
-            time.sleep(0.3)
+            # backend's record and advertisement reach the registry (1 s heartbeat).
+            time.sleep(1.1)
             t, usage = ttft_s(url, "m", first + "\n\n" + text_of(tok, 60, 8))
             times.append(t)
             out["turn2_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
