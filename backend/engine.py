@@ -105,11 +105,15 @@ class Job:
     parser: OutputParser | None = None
     detokenizer: Any = None
     pending_logprobs: list[dict] = field(default_factory=list)
+    outbox: list | None = None
     reply_text: list[str] = field(default_factory=list)
     reply_tool_calls: list[dict] = field(default_factory=list)
 
     def emit(self, event: Any) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        if self.outbox is not None:  # the engine delivers a step's events together
+            self.outbox.append((self, event))
+        else:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -207,6 +211,9 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[int, Job] = {}
         self._held: collections.deque[Job] = collections.deque()  # long prompts waiting their turn
+        # Events of one loop turn, handed to the event loop in one call: one wake-up
+        # per decode step instead of one per token of every sequence in the batch.
+        self._outbox: list[tuple[Job, Any]] = []
         # Jobs in the inbox = submitted - taken; each counter has one writer
         # (the event loop and the engine thread), so neither update can be lost.
         self._submitted = 0
@@ -319,7 +326,10 @@ class Engine:
                 log.exception("engine loop error; failing active requests")
                 self._fail_all("Internal engine error.")
                 self._gen = self._new_generator()
+            finally:
+                self._flush()
         self._fail_all("The backend is shutting down.", status=503)
+        self._flush()
         mx.synchronize()  # this thread's streams are idle before the process may exit
 
     def _drain_inbox(self, block: bool) -> None:
@@ -366,7 +376,19 @@ class Engine:
                     if e.model == self.model_id and e.scope == job.scope), default=0)
         return len(prompt) - best
 
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        items = self._outbox[:]
+        del self._outbox[:]  # jobs hold this very list
+        by_loop: dict[Any, list] = {}
+        for job, event in items:
+            by_loop.setdefault(job.loop, []).append((job.events, event))
+        for loop, events in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, events)
+
     def _route(self, job: Job) -> None:
+        job.outbox = self._outbox
         if (self.serial_prefill and len(job.prompt) > self.prefill_step
                 and (self._held or self._long_prefill())
                 and self._uncached(job) > self.prefill_step):
@@ -722,3 +744,8 @@ def _drain(gen: BatchGenerator, uids: list[int]) -> list[tuple[list, list[int]]]
             if r.finish_reason is not None:
                 done[r.uid] = (r.prompt_cache, r.all_tokens)
     return [done[u] for u in uids]
+
+
+def _deliver(events: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue_, event in events:
+        queue_.put_nowait(event)
