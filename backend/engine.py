@@ -40,6 +40,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_top_p, make_logits_processors
 
 from kvroute.errors import APIError, overloaded, server_error
+from kvroute.accel import keep_wired_limit
 from kvroute.hits import is_cache_hit
 from kvroute.wire import SamplingParams
 
@@ -280,13 +281,15 @@ class Engine:
 
     def _new_generator(self) -> BatchGenerator:
         eos = [[t] for t in sorted(self.tokenizer.eos_token_ids)]
-        return BatchGenerator(
+        gen = BatchGenerator(
             self.model,
             stop_tokens=eos,
             completion_batch_size=self.max_batch,
             prefill_batch_size=min(8, self.max_batch),
             prefill_step_size=self.prefill_step,
         )
+        keep_wired_limit()
+        return gen
 
     def warm_up(self) -> float:
         """Run the shapes serving will use once, on the engine thread, so that
@@ -297,6 +300,7 @@ class Engine:
         gen = BatchGenerator(self.model, stop_tokens=[], completion_batch_size=self.max_batch,
                              prefill_batch_size=min(8, self.max_batch),
                              prefill_step_size=self.prefill_step)
+        keep_wired_limit()
         try:
             long_ = _warm_tokens(self.prefill_step + self.prefill_step // 2 + 7)
             done = _drain(gen, gen.insert([long_], max_tokens=[3], caches=[new_cache(self.model)]))

@@ -64,12 +64,26 @@ def apply_limits(memory_limit: int, cache_limit: int) -> dict[str, int]:
         if mx.metal.is_available():
             # Wired memory is never paged out: replicas sharing the GPU must not
             # each wire the whole recommended working set.
-            mx.set_wired_limit(min(memory_limit, detect().memory))
-            applied["wired_limit"] = min(memory_limit, detect().memory)
+            global _wired
+            _wired = min(memory_limit, detect().memory)
+            mx.set_wired_limit(_wired)
+            applied["wired_limit"] = _wired
     if cache_limit > 0:
         mx.set_cache_limit(cache_limit)
         applied["cache_limit"] = cache_limit
     return applied
+
+
+_wired = 0  # the wired limit apply_limits chose (Metal), 0: none
+
+
+def keep_wired_limit() -> None:
+    """mlx-lm's BatchGenerator raises the wired limit to the whole recommended
+    working set when it is made; put this process's share back."""
+    if _wired:
+        import mlx.core as mx
+
+        mx.set_wired_limit(_wired)
 
 
 if __name__ == "__main__":
