@@ -221,6 +221,7 @@ class Engine:
         self._taken = 0
         self._stopping = False
         self._gauges_at = 0.0
+        self._gauged_jobs = 0
         self._faults = False  # any job with a test fault admitted: look for delays
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
         self._gen = self._new_generator()
@@ -533,7 +534,8 @@ class Engine:
                     self._fail(job, f"Generation failed: {exc}")
         decoding = sum(j.phase == "decode" for j in self._jobs.values())
         self.peak_batch = max(self.peak_batch, decoding)
-        self._update_gauges(force=bool(prompt_responses))
+        # Every change of who is in the batch shows at once; pure decoding, at a rate.
+        self._update_gauges(force=bool(prompt_responses) or len(self._jobs) != self._gauged_jobs)
         if self._faults:
             self._injected_delay()
 
@@ -716,6 +718,7 @@ class Engine:
         if not force and now - self._gauges_at < GAUGE_PERIOD:
             return
         self._gauges_at = now
+        self._gauged_jobs = len(self._jobs)
         m = self.metrics
         stats = self.store.stats()
         m.l(m.queue_depth).set(self.queue_depth)
