@@ -14,6 +14,11 @@ mask, so results are the same either way (tested against the masked path).
 
 Only the generator's working caches are of these classes: `extract` gives plain
 `KVCache`s back, so what the prompt-cache store keeps is mlx-lm's own type.
+
+The same mirror makes a decode step cheaper: unpadded, every row's position is
+one Python int, so RoPE takes its scalar path and no per-layer array update of
+the offsets is queued (on a GPU, where a 7B decode step is a few milliseconds of
+small kernels, each of those costs a launch).
 """
 
 from __future__ import annotations
@@ -34,15 +39,56 @@ class FastKVCache(KVCache):
 
 class FastBatchKVCache(BatchKVCache):
     def __init__(self, left_padding: list[int]):
-        super().__init__(left_padding)
         self._pad = [int(p) for p in left_padding]  # mirrors self.left_padding
         self._rpad: list[int] | None = None  # mirrors right padding while it is pending
+        self._array_offset = False
+        self._offsets: tuple[tuple, mx.array] | None = None
+        super().__init__(left_padding)
+
+    # Each row's position is always _idx - its left padding (mlx-lm keeps the same
+    # quantity as an array, updated by one more kernel per layer and step). Unpadded,
+    # every row is at _idx: a plain int, which RoPE takes on its scalar path, as for
+    # a single sequence's KVCache. Assignments from mlx-lm's own methods are ignored.
+    @property
+    def offset(self) -> Any:
+        if not self._array_offset and not self.padded:
+            return self._idx
+        key = (self._idx, tuple(self._pad))
+        if self._offsets is None or self._offsets[0] != key:
+            self._offsets = (key, mx.array([self._idx - p for p in self._pad]))
+        return self._offsets[1]
+
+    @offset.setter
+    def offset(self, value: Any) -> None:
+        pass
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        prev = self._idx
+        if self.keys is None or (prev + keys.shape[2]) > self.keys.shape[2]:
+            B, n_kv_heads, _, k_head_dim = keys.shape
+            n_steps = (self.step + keys.shape[2] - 1) // self.step
+            new_k = mx.zeros((B, n_kv_heads, n_steps * self.step, k_head_dim), keys.dtype)
+            new_v = mx.zeros((B, n_kv_heads, n_steps * self.step, values.shape[3]), values.dtype)
+            if self.keys is not None:
+                if prev % self.step != 0:
+                    self.keys = self.keys[..., :prev, :]
+                    self.values = self.values[..., :prev, :]
+                self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                self.values = mx.concatenate([self.values, new_v], axis=2)
+            else:
+                self.keys, self.values = new_k, new_v
+        self._idx += keys.shape[2]
+        self.keys[..., prev : self._idx, :] = keys
+        self.values[..., prev : self._idx, :] = values
+        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
 
     @classmethod
     def merge(cls, caches: list[Any]) -> "FastBatchKVCache":
         if all(c.size() == 0 for c in caches):
             return cls([0] * len(caches))  # mlx-lm's merge names its own class here
-        return super().merge(caches)
+        cache = super().merge(caches)
+        cache._offsets = None  # its `offset += n` may have changed the cached array in place
+        return cache
 
     @property
     def padded(self) -> bool:
@@ -75,7 +121,6 @@ class FastBatchKVCache(BatchKVCache):
         if self.keys is not None:
             self.keys = self.keys[batch_indices]
             self.values = self.values[batch_indices]
-        self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
         self._pad = [self._pad[i] for i in batch_indices]
         shift = min(self._pad) if self._pad else 0
@@ -94,7 +139,16 @@ class FastBatchKVCache(BatchKVCache):
         else:
             top = max(self._idx, other._idx)
             pad = [p + top - self._idx for p in self._pad] + [p + top - other._idx for p in theirs]
-        super().extend(other)
+        # mlx-lm concatenates the rows' offsets: let both caches answer with arrays.
+        self._array_offset = True
+        if isinstance(other, FastBatchKVCache):
+            other._array_offset = True
+        try:
+            super().extend(other)
+        finally:
+            self._array_offset = False
+            if isinstance(other, FastBatchKVCache):
+                other._array_offset = False
         self._pad = pad
 
     def extract(self, idx: int) -> KVCache:

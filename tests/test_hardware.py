@@ -73,10 +73,12 @@ def test_padded_rows_take_the_masked_path_and_extract_exactly(demo):
     merged = [c.merge([a, b]) for c, a, b in zip(fast(short), fast(short), fast(long_))]
     assert all(isinstance(c, FastBatchKVCache) for c in merged)
     assert merged[0].padded and not isinstance(merged[0].make_mask(1), (str, type(None)))
+    assert merged[0].offset.tolist() == [3, 6]  # each row's position, as mlx-lm keeps it
     first = merged[0].extract(0)
     assert first.offset == 3 and mx.array_equal(first.keys, short[0].keys[..., :3, :]).item()
     merged[0].filter([1])  # the long row alone: no padding left
     assert not merged[0].padded and merged[0].make_mask(1) is None
+    assert merged[0].offset == 6  # unpadded: a plain int, RoPE's scalar path
 
 
 def test_backend_is_warm_when_healthy_applies_limits_and_exits_0(text_model, tmp_path):
