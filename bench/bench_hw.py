@@ -158,13 +158,16 @@ async def stream(session: aiohttp.ClientSession, url: str, path: str, body: dict
     async with session.post(url + path, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}{path}: {resp.status} {(await resp.text())[:300]}")
+        usage["route"] = {k[len("x-kvroute-"):]: v for k, v in resp.headers.items()
+                          if k.lower() in ("x-kvroute-backend", "x-kvroute-prefix-blocks",
+                                           "x-kvroute-route-reason")}
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
             if event.get("usage"):
-                usage = event["usage"]
+                usage = {**event["usage"], "route": usage.get("route")}
             for choice in event.get("choices") or []:
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content")
                 if piece:
@@ -199,6 +202,14 @@ async def ttft(url: str, model: str, prompt: str, max_tokens: int = 2) -> tuple[
                                       {"model": model, "prompt": prompt,
                                        "max_tokens": max_tokens, "temperature": 0})
     return t, usage
+
+
+async def chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, dict, str]:
+    async with _session() as s:
+        t, _, usage, text = await stream(s, url, "/v1/chat/completions",
+                                         {"model": "m", "messages": messages,
+                                          "max_tokens": max_tokens, "temperature": 0})
+    return t, usage, text
 
 
 def ttft_s(*a, **kw) -> tuple[float, dict]:
@@ -344,18 +355,20 @@ def run_kvroute(args, tok, logs: Path) -> dict:
                      for r in range(args.repeat)]
             out["cold"][size] = statistics.median(times)
             progress(out)
-        turn1 = text_of(tok, args.turn2, 7)
         times = []
         for r in range(args.repeat):
-            first = turn1 if r == 0 else text_of(tok, args.turn2, 70 + r)
-            ttft_s(url, "m", first, max_tokens=1)
-            # The next turn of an agent comes after it read the reply: let the
-            # backend's record and advertisement reach the registry (1 s heartbeat).
-            time.sleep(1.1)
-            t, usage = ttft_s(url, "m", first + "\n\n" + text_of(tok, 60, 8))
+            # A conversation, as agents send it: turn 2 is turn 1's messages, the reply
+            # and a new user message (a chat prefix is a whole-block prefix of the
+            # next turn's key chain; a completions prompt extended by text is not).
+            messages = [{"role": "user", "content": text_of(tok, args.turn2, 70 + r)}]
+            _, _, reply = asyncio.run(chat(url, messages, 1))
+            messages += [{"role": "assistant", "content": reply},
+                         {"role": "user", "content": text_of(tok, 60, 8)}]
+            t, usage, _ = asyncio.run(chat(url, messages, 2))
             times.append(t)
             out["turn2_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             out["turn2_prompt_tokens"] = usage.get("prompt_tokens")
+            out["turn2_route"] = usage.get("route")  # which backend, matched blocks, why
         out["turn2"] = statistics.median(times)
         progress(out)
         asyncio.run(decode_rate(url, "m", tok, 8, 16, 6000))
@@ -413,7 +426,7 @@ def report(args, raw: dict, ref: dict | None, kv: dict) -> str:
             text += f"| {policy} | {r['hit_ratio']:.3f} | {r['ttft_turns_2_4']:.3f} s |\n"
     extra = {k: kv.get(k) for k in ("device", "ready_s", "warmup_s", "prefill_step",
                                     "memory_limit_each", "device_memory", "exit_codes",
-                                    "turn2_prompt_tokens", "turn2_cached_tokens")}
+                                    "turn2_prompt_tokens", "turn2_cached_tokens", "turn2_route")}
     text += "\n\n" + ", ".join(f"{k}: {v}" for k, v in extra.items() if v is not None)
     return text
 
