@@ -25,6 +25,7 @@ with the same system prompt all find a state they can extend (DESIGN.md).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue
@@ -39,16 +40,20 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_top_p, make_logits_processors
 
 from kvroute.errors import APIError, overloaded, server_error
+from kvroute.accel import keep_wired_limit
 from kvroute.hits import is_cache_hit
 from kvroute.wire import SamplingParams
 
+from .attention import fast, new_cache
 from .metrics import BackendMetrics
 from .output import Chunk, OutputParser
 from mlx_lm.models.cache import make_prompt_cache
 
-from .store import Store, always_trimmable, held_tokens
+from .store import Store, always_trimmable, common_prefix, held_tokens
 
 log = logging.getLogger("kvroute.backend.engine")
+
+GAUGE_PERIOD = 0.05  # seconds between gauge updates while only decoding
 
 
 @dataclass
@@ -102,11 +107,15 @@ class Job:
     parser: OutputParser | None = None
     detokenizer: Any = None
     pending_logprobs: list[dict] = field(default_factory=list)
+    outbox: list | None = None
     reply_text: list[str] = field(default_factory=list)
     reply_tool_calls: list[dict] = field(default_factory=list)
 
     def emit(self, event: Any) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        if self.outbox is not None:  # the engine delivers a step's events together
+            self.outbox.append((self, event))
+        else:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -184,6 +193,7 @@ class Engine:
         metrics: BackendMetrics,
         *,
         prefill_step: int = 512,
+        serial_prefill: bool = False,
         max_batch: int = 32,
         max_queue: int = 64,
     ):
@@ -193,6 +203,7 @@ class Engine:
         self.store = store
         self.metrics = metrics
         self.prefill_step = prefill_step
+        self.serial_prefill = serial_prefill
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_tps = 0.0
@@ -204,11 +215,18 @@ class Engine:
         self.checkpointing = not always_trimmable(make_prompt_cache(model))
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[int, Job] = {}
+        self._held: collections.deque[Job] = collections.deque()  # long prompts waiting their turn
+        # Events of one loop turn, handed to the event loop in one call: one wake-up
+        # per decode step instead of one per token of every sequence in the batch.
+        self._outbox: list[tuple[Job, Any]] = []
         # Jobs in the inbox = submitted - taken; each counter has one writer
         # (the event loop and the engine thread), so neither update can be lost.
         self._submitted = 0
         self._taken = 0
         self._stopping = False
+        self._gauges_at = 0.0
+        self._gauged_jobs = 0
+        self._faults = False  # any job with a test fault admitted: look for delays
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
         self._gen = self._new_generator()
 
@@ -217,14 +235,20 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread after its current step, and wait for the device
+        to finish what was queued: a process may only exit (on CUDA, without
+        aborting in a destructor) once no thread or stream is still working."""
         self._stopping = True
         self._inbox.put(None)
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine thread did not stop within %.0fs", timeout)
 
     @property
     def waiting(self) -> int:
-        return self._submitted - self._taken
+        # In the inbox, or held back behind a long prefill (serial_prefill).
+        return self._submitted - self._taken + len(self._held)
 
     @property
     def queue_depth(self) -> int:
@@ -262,26 +286,60 @@ class Engine:
 
     def _new_generator(self) -> BatchGenerator:
         eos = [[t] for t in sorted(self.tokenizer.eos_token_ids)]
-        return BatchGenerator(
+        gen = BatchGenerator(
             self.model,
             stop_tokens=eos,
             completion_batch_size=self.max_batch,
             prefill_batch_size=min(8, self.max_batch),
             prefill_step_size=self.prefill_step,
         )
+        keep_wired_limit()
+        return gen
+
+    def warm_up(self) -> float:
+        """Run the shapes serving will use once, on the engine thread, so that
+        kernels are compiled before the backend says it is healthy: a full and a
+        partial prefill chunk on the fused path, a cache hit, and padded batched
+        prefill and decode on the masked path. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        gen = BatchGenerator(self.model, stop_tokens=[], completion_batch_size=self.max_batch,
+                             prefill_batch_size=min(8, self.max_batch),
+                             prefill_step_size=self.prefill_step)
+        keep_wired_limit()
+        try:
+            long_ = _warm_tokens(self.prefill_step + self.prefill_step // 2 + 7)
+            done = _drain(gen, gen.insert([long_], max_tokens=[3], caches=[new_cache(self.model)]))
+            cache, tokens = done[0]
+            if always_trimmable(cache):  # a hit: the stored prefix plus a suffix
+                _drain(gen, gen.insert([long_[-5:] + long_[:9]], max_tokens=[3],
+                                       caches=[fast(cache)], all_tokens=[tokens]))
+            short = [_warm_tokens(n, salt=n) for n in (9, 33, 33, 70)]
+            _drain(gen, gen.insert(short, max_tokens=[4, 6, 6, 8],
+                                   caches=[new_cache(self.model) for _ in short]))
+        finally:
+            gen.close()
+            mx.synchronize()
+            mx.clear_cache()
+        return time.perf_counter() - t0
 
     def _run(self) -> None:
         while not self._stopping:
             try:
-                self._drain_inbox(block=not self._jobs)
+                self._release_held()
+                self._drain_inbox(block=not (self._jobs or self._held))
                 self._reap_cancelled()
+                self._release_held()
                 if self._jobs:
                     self._step()
             except Exception:
                 log.exception("engine loop error; failing active requests")
                 self._fail_all("Internal engine error.")
                 self._gen = self._new_generator()
+            finally:
+                self._flush()
         self._fail_all("The backend is shutting down.", status=503)
+        self._flush()
+        mx.synchronize()  # this thread's streams are idle before the process may exit
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -294,7 +352,7 @@ class Engine:
                 return
             if item[0] == "job":
                 self._taken += 1
-                self._admit_or_fail(item[1])
+                self._route(item[1])
             else:
                 _, fn, loop, fut = item
                 try:
@@ -302,6 +360,54 @@ class Engine:
                 except Exception as e:  # handed to the caller, not the engine
                     result, exc = None, e
                 loop.call_soon_threadsafe(_settle, fut, result, exc)
+
+    # -- one long prefill at a time (serial_prefill) -----------------------------
+    # A prompt with more than one chunk left to prefill enters the generator only
+    # when no other such prompt is prefilling: alone, its chunks have no padding
+    # and run on the fused causal kernel (attention.py), while the batch keeps
+    # decoding between chunks. Two long prompts prefilled together would be padded
+    # against each other for their whole length, on the slower masked path, and
+    # would both finish late. Short prompts join at once, as before; the wait also
+    # lets a request behind another with the same prefix find it committed. On the
+    # CPU, where attention has no fused kernel, prompts are batched as they come.
+
+    def _long(self, job: Job) -> bool:
+        return len(job.prompt) - job.start > self.prefill_step
+
+    def _long_prefill(self) -> bool:
+        return any(j.phase == "prefill" and self._long(j) for j in self._jobs.values())
+
+    def _uncached(self, job: Job) -> int:
+        """Tokens of the prompt no stored entry holds (a read-only estimate, so
+        that a cache hit with a short remainder is not held back)."""
+        prompt = np.asarray(job.prompt, dtype=np.int32)
+        best = max((common_prefix(e.tokens, prompt) for e in list(self.store.entries.values())
+                    if e.model == self.model_id and e.scope == job.scope), default=0)
+        return len(prompt) - best
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        items = self._outbox[:]
+        del self._outbox[:]  # jobs hold this very list
+        by_loop: dict[Any, list] = {}
+        for job, event in items:
+            by_loop.setdefault(job.loop, []).append((job.events, event))
+        for loop, events in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, events)
+
+    def _route(self, job: Job) -> None:
+        job.outbox = self._outbox
+        if (self.serial_prefill and len(job.prompt) > self.prefill_step
+                and (self._held or self._long_prefill())
+                and self._uncached(job) > self.prefill_step):
+            self._held.append(job)
+            return
+        self._admit_or_fail(job)
+
+    def _release_held(self) -> None:
+        while self._held and not self._long_prefill():
+            self._admit_or_fail(self._held.popleft())
 
     def _admit_or_fail(self, job: Job) -> None:
         try:
@@ -328,11 +434,12 @@ class Engine:
             p: k for p, k in job.checkpoints.items() if p == len(job.prompt) - 1}
         job.boundaries = sorted(p for p in wanted if hit.tokens < p < len(job.prompt))
         sampler = make_sampler(job.params)
+        cache = fast(hit.cache) if hit.cache is not None else new_cache(self.model)
         (job.uid,) = self._gen.insert_segments(
             [self._segments(job.prompt, hit.tokens, job.boundaries)],
             max_tokens=[job.max_tokens],
-            caches=[hit.cache] if hit.cache is not None else None,
-            all_tokens=[list(job.prompt[: hit.tokens])] if hit.cache is not None else None,
+            caches=[cache],
+            all_tokens=[list(job.prompt[: hit.tokens])],
             samplers=[sampler] if sampler else None,
             logits_processors=[make_processors(job, self.tokenizer)],
         )
@@ -346,6 +453,7 @@ class Engine:
             job.tools,
         )
         job.phase = "prefill"
+        self._faults = self._faults or bool(job.fault)
         self._jobs[job.uid] = job
         if not job.readmitted:
             job.cached_tokens = hit.tokens
@@ -375,6 +483,12 @@ class Engine:
         return [prompt[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
 
     def _reap_cancelled(self) -> None:
+        if any(j.cancelled for j in self._held):
+            waiting = self._held
+            self._held = collections.deque(j for j in waiting if not j.cancelled)
+            for job in waiting:
+                if job.cancelled:
+                    self._admit_or_fail(job)  # answers 499
         gone = [j for j in self._jobs.values() if j.cancelled]
         for job in gone:
             if job.phase == "prefill":
@@ -441,8 +555,10 @@ class Engine:
                     self._fail(job, f"Generation failed: {exc}")
         decoding = self.decoding = sum(j.phase == "decode" for j in self._jobs.values())
         self.peak_batch = max(self.peak_batch, decoding)
-        self._update_gauges()
-        self._injected_delay()
+        # Every change of who is in the batch shows at once; pure decoding, at a rate.
+        self._update_gauges(force=bool(prompt_responses) or len(self._jobs) != self._gauged_jobs)
+        if self._faults:
+            self._injected_delay()
 
     def _injected_delay(self) -> None:
         # Test-only: "slow_prefill:SECONDS" stretches each prefill chunk so a test
@@ -580,7 +696,10 @@ class Engine:
         job.emit(server_error(message) if status == 500 else APIError(status, message, "server_error"))
 
     def _fail_all(self, message: str, status: int = 500) -> None:
-        for job in list(self._jobs.values()):
+        held = []
+        if self._stopping:  # after a failed step, waiting prompts are unaffected
+            held, self._held = list(self._held), collections.deque()
+        for job in [*held, *self._jobs.values()]:
             self._fail(job, message, status)
         self._update_gauges()
 
@@ -615,7 +734,14 @@ class Engine:
         except Exception:
             return set()
 
-    def _update_gauges(self) -> None:
+    def _update_gauges(self, force: bool = True) -> None:
+        # Per decode step only every GAUGE_PERIOD: at 200 steps/s the gauges
+        # cost more Python time than one token's worth of the step budget allows.
+        now = time.perf_counter()
+        if not force and now - self._gauges_at < GAUGE_PERIOD:
+            return
+        self._gauges_at = now
+        self._gauged_jobs = len(self._jobs)
         m = self.metrics
         stats = self.store.stats()
         m.l(m.queue_depth).set(self.queue_depth)
@@ -632,3 +758,24 @@ def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None
         fut.set_exception(exc)
     else:
         fut.set_result(result)
+
+
+def _warm_tokens(n: int, salt: int = 0) -> list[int]:
+    # Ids below 1000 exist in every vocabulary; their text does not matter.
+    return [(31 * i + salt) % 997 + 3 for i in range(n)]
+
+
+def _drain(gen: BatchGenerator, uids: list[int]) -> list[tuple[list, list[int]]]:
+    """Step `gen` until the sequences `uids` finish; their final caches."""
+    done: dict[int, tuple[list, list[int]]] = {}
+    while len(done) < len(uids):
+        _, responses = gen.next()
+        for r in responses:
+            if r.finish_reason is not None:
+                done[r.uid] = (r.prompt_cache, r.all_tokens)
+    return [done[u] for u in uids]
+
+
+def _deliver(events: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue_, event in events:
+        queue_.put_nowait(event)

@@ -15,14 +15,14 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from kvroute import openapi, prefix
+from kvroute import accel, openapi, prefix
 from kvroute.process import start_site, wait_for_stop
 from kvroute.errors import APIError, bad_request, error_middleware, not_found
 from kvroute.registry import BackendRecord, Registry, new_instance_id
@@ -52,7 +52,11 @@ class BackendConfig:
     backend_id: str  # empty: <hostname>-<port>
     model_id: str  # the name clients use; empty: the model path's last part
     cache_bytes: int
-    prefill_step: int
+    prefill_step: int  # 0: by platform (GPU 2048, CPU 512)
+    memory_limit: int  # 0: MLX's default
+    long_prefill: str  # auto, serial, batched
+    cache_limit: int  # 0: a tenth of memory_limit
+    no_warmup: bool
     max_batch: int
     max_queue: int
     max_body_bytes: int
@@ -84,6 +88,7 @@ class State:
     drops_reasoning: str = ""  # see _drops_reasoning
     disk: DiskTier | None = None
     disk_publisher: Publisher | None = None  # keeps the disk tier's key sets in Redis
+    device: dict = field(default_factory=dict)  # accelerator, memory limits, warm-up seconds
 
 
 def _state(request: web.Request) -> State:
@@ -468,6 +473,7 @@ async def health(request: web.Request) -> web.Response:
         "uptime_s": round(time.time() - state.started, 1),
         "cache": state.store.stats(),
         "disk": state.disk.stats() if state.disk is not None else None,
+        "device": state.device,
         "engine": state.engine.snapshot(),
     }
     return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
@@ -585,6 +591,9 @@ def load_state(config: BackendConfig) -> State:
     from mlx_lm import load
 
     t0 = time.perf_counter()
+    device = accel.detect()
+    limits = accel.apply_limits(config.memory_limit, config.cache_limit)
+    config.prefill_step = config.prefill_step or (512 if device.kind == "cpu" else 2048)
     model, tokenizer, model_config = load(config.model, return_config=True)
     _evaluate_private_arrays(model)
     config.model_id = config.model_id or Path(config.model.rstrip("/")).name
@@ -607,6 +616,8 @@ def load_state(config: BackendConfig) -> State:
         store,
         metrics_,
         prefill_step=config.prefill_step,
+        serial_prefill=config.long_prefill == "serial"
+        or (config.long_prefill == "auto" and device.kind != "cpu"),
         max_batch=config.max_batch,
         max_queue=config.max_queue,
     )
@@ -615,7 +626,10 @@ def load_state(config: BackendConfig) -> State:
                           config.cache_bytes, store, metrics_)
     return State(config, engine, tokenizer, metrics_, store, context, time.time(), new_instance_id(),
                  vocab_size=_vocab_size(model_config, tokenizer), disk=disk,
-                 drops_reasoning=_drops_reasoning(tokenizer))
+                 drops_reasoning=_drops_reasoning(tokenizer),
+                 device={"kind": device.kind, "name": device.name, "memory": device.memory,
+                         "prefill_step": config.prefill_step,
+                         "serial_prefill": engine.serial_prefill, **limits})
 
 
 def _evaluate_private_arrays(model) -> None:
@@ -702,13 +716,18 @@ async def serve(config: BackendConfig) -> None:
                     "http://%s:%d, which they cannot reach", config.host, config.host, config.port)
     if not config.secret and config.redis_url:
         log.warning("no --secret set: prefix keys in Redis are salted with a public default")
+    state.engine.start()
+    if not config.no_warmup:
+        # Before the registry or a proxy hears of this backend: healthy means warm.
+        seconds = await state.engine.call(state.engine.warm_up)
+        state.device["warmup_s"] = round(seconds, 2)
+        log.info("warmed up in %.1fs (prefill step %d)", seconds, config.prefill_step)
     if config.redis_url:
         state.publisher = start_publisher(state)
         await state.publisher.start()
         if state.disk_publisher is not None:
             await state.disk_publisher.start()
         await _first_sync([p for p in (state.publisher, state.disk_publisher) if p])
-    state.engine.start()
     runner = await start_site(create_app(state), config.host, config.port)
     log.info("backend %s serving %s on http://%s:%d", config.backend_id, config.model_id,
              config.host, config.port)

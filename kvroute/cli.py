@@ -150,7 +150,13 @@ def run_backend(s: dict[str, Any]) -> int:
         s["model_id"] = s["model_id"] or (
             "kvroute-demo" if s["demo_variant"] == "text" else "kvroute-demo-tool")
     run_async(serve(BackendConfig(**_fields_of(BackendConfig, s))))
-    return 0
+    # The engine thread has stopped and synchronized its streams. Skip the
+    # interpreter's teardown: destructors of MLX's CUDA backend run at exit in no
+    # defined order and abort ("terminate called without an active exception").
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_demo_model(args: dict[str, Any]) -> int:

@@ -17,7 +17,7 @@ more than one place again. Most of its length is the tables themselves.
 The file (every key optional):
 
     secret = "change-me"                 # salts prefix keys; random per launch if unset
-    memory_fraction = 0.85               # of physical memory weights and caches may take
+    memory_fraction = 0.85               # of the GPU's (else physical) memory weights and caches may take
 
     [redis]
     url = "redis://127.0.0.1:6379/0"     # unset: an embedded redis-server on a free port
@@ -163,8 +163,19 @@ BACKEND = [
          toml="models.disk_cache_dir"),
     _opt("disk_cache_bytes", parse_bytes, 32 << 30, "byte budget of the disk tier (0: off)",
          toml="models.disk_cache_bytes"),
-    _opt("prefill_step", int, 512, "tokens per prefill chunk; decoding of other requests "
-         "interleaves between chunks", toml="models.prefill_step"),
+    _opt("prefill_step", int, 0, "tokens per prefill chunk; decoding of other requests "
+         "interleaves between chunks (0: 2048 on a GPU, 512 on the CPU)", toml="models.prefill_step"),
+    _opt("long_prefill", str, "auto", "prompts with more than one chunk to prefill: 'serial' "
+         "(one at a time, unpadded on the fused attention kernel), 'batched' (together, "
+         "padded), 'auto' (serial on a GPU, batched on the CPU)",
+         choices=("auto", "serial", "batched"), toml="models.long_prefill"),
+    _opt("memory_limit", parse_bytes, 0, "cap on this backend's MLX memory, e.g. 40GiB (0: MLX's "
+         "default; `serve` gives each replica its share of the accelerator)",
+         toml="models.memory_limit"),
+    _opt("cache_limit", parse_bytes, 0, "MLX buffer cache kept for reuse (0: a tenth of "
+         "--memory-limit)", toml="models.cache_limit"),
+    _opt("no_warmup", bool, False, "report healthy without first compiling kernels of typical "
+         "shapes", switch=True),
     _opt("max_batch", int, 32, "sequences decoded together", toml="models.max_batch"),
     _opt("max_queue", int, 64, "requests admitted at once; more get 429", toml="models.max_queue"),
     _MAX_BODY,
@@ -226,11 +237,14 @@ SERVE = [
          toml="proxy.api_keys"),
     _opt("redis_url", str, "", "use this Redis instead of an embedded one", toml="redis.url"),
     _opt("secret", str, "", "prefix-key salt (default: random per launch)", toml="secret"),
+    _opt("prefill_step", int, None, "tokens per prefill chunk of every backend (default: the "
+         "file's, else 2048 on a GPU and 512 on the CPU)", env=False),
     Setting("backend_host", str, "127.0.0.1", "backends' bind address", toml="backends.host"),
     _opt("backend_port_base", int, 8100, "first port tried for backends", env=False,
          toml="backends.port_base"),
-    Setting("memory_fraction", float, 0.85, "of physical memory that weights and caches may take",
-            toml="memory_fraction"),
+    Setting("memory_fraction", float, 0.85, "of the accelerator's memory (a GPU's own, else "
+            "physical memory) that weights and caches may take; each replica's MLX memory "
+            "is capped at its share", toml="memory_fraction"),
     # Loading on demand.
     _opt("max_loaded_models", int, 0, "models loaded at once; loading another unloads the least "
          "recently used unpinned one (0: no limit)", toml="max_loaded_models"),
@@ -344,6 +358,9 @@ class ModelSpec:
     disk_cache_dir: str = _MODEL["disk_cache_dir"]
     disk_cache_bytes: int = _MODEL["disk_cache_bytes"]
     prefill_step: int = _MODEL["prefill_step"]
+    memory_limit: int = _MODEL["memory_limit"]
+    long_prefill: str = _MODEL["long_prefill"]
+    cache_limit: int = _MODEL["cache_limit"]
     max_batch: int = _MODEL["max_batch"]
     max_queue: int = _MODEL["max_queue"]
     max_prompt_tokens: int = _MODEL["max_prompt_tokens"]
@@ -456,6 +473,8 @@ def build(flags: argparse.Namespace | Mapping[str, Any], env: Mapping[str, str])
             spec.cache_bytes = values["cache_bytes"]
         if values["idle_unload"] is not None:
             spec.idle_unload = values["idle_unload"]
+        if values["prefill_step"] is not None:
+            spec.prefill_step = values["prefill_step"]
         if spec.replicas < 1:
             raise ConfigError("--replicas must be at least 1")
     names = {f.name for f in fields(ServeConfig)}

@@ -1,0 +1,185 @@
+"""The hardware path: the fused-attention caches, warm-up, memory limits, shutdown.
+
+The speed itself is measured by bench/bench_hw.py (BENCHMARKS.md); these tests
+check what must hold on every machine: the fused causal path gives the same
+tokens and (within rounding) the same logits as mlx-lm's masked path, a backend
+is warm before it says healthy, it applies its memory limits, and it exits 0 on
+SIGTERM.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import mlx.core as mx
+import pytest
+from harness import BackendProcess, SSEStream, post_json, wait_until
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from backend.attention import FastBatchKVCache, fast, new_cache
+
+
+@pytest.fixture(scope="module")
+def demo(text_model):
+    model, tokenizer = load(str(text_model))
+    return model, tokenizer
+
+
+def _prompts(n: int, lengths: list[int]) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % (n - 10) + 5 for j in range(length)]
+            for i, length in enumerate(lengths)]
+
+
+def _greedy(model, prompts, caches, max_tokens=12, step=16) -> dict[int, list[int]]:
+    gen = BatchGenerator(model, stop_tokens=[], prefill_step_size=step, prefill_batch_size=8)
+    uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts), caches=caches)
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    while any(len(v) < max_tokens for v in out.values()):
+        for r in gen.next_generated():
+            out[r.uid].append(r.token)
+    return [out[u] for u in uids]
+
+
+@pytest.mark.parametrize("lengths", [[40], [33, 33, 33], [5, 47, 20]])
+def test_fused_path_generates_what_the_masked_path_does(demo, lengths):
+    """One sequence, equal lengths (both fused) and unequal ones (masked fallback
+    mid-batch): the tokens equal mlx-lm's own caches' tokens."""
+    model, tok = demo
+    prompts = _prompts(len(tok.vocab) if hasattr(tok, "vocab") else 1000, lengths)
+    ref = _greedy(model, prompts, [make_prompt_cache(model) for _ in prompts])
+    got = _greedy(model, prompts, [new_cache(model) for _ in prompts])
+    assert got == ref
+
+
+def test_fused_prefill_matches_masked_logits(demo):
+    model, _ = demo
+    tokens = mx.array([list(range(10, 74))])
+    masked = BatchKVCache.merge(make_prompt_cache(model))
+    fused = FastBatchKVCache.merge(new_cache(model))
+    assert fused.make_mask(64) == "causal" and fused.make_mask(1) is None
+    a = model(tokens[:, :40], cache=[BatchKVCache([0]) for _ in model.layers])
+    b = model(tokens[:, :40], cache=[FastBatchKVCache([0]) for _ in model.layers])
+    assert mx.allclose(a, b, atol=1e-3, rtol=1e-3).item()
+    del masked
+
+
+def test_padded_rows_take_the_masked_path_and_extract_exactly(demo):
+    model, _ = demo
+    short, long_ = make_prompt_cache(model), make_prompt_cache(model)
+    model(mx.array([[5, 6, 7]]), cache=short)
+    model(mx.array([[5, 6, 7, 8, 9, 10]]), cache=long_)
+    merged = [c.merge([a, b]) for c, a, b in zip(fast(short), fast(short), fast(long_))]
+    assert all(isinstance(c, FastBatchKVCache) for c in merged)
+    assert merged[0].padded and not isinstance(merged[0].make_mask(1), (str, type(None)))
+    assert merged[0].offset.tolist() == [3, 6]  # each row's position, as mlx-lm keeps it
+    first = merged[0].extract(0)
+    assert first.offset == 3 and mx.array_equal(first.keys, short[0].keys[..., :3, :]).item()
+    merged[0].filter([1])  # the long row alone: no padding left
+    assert not merged[0].padded and merged[0].make_mask(1) is None
+    assert merged[0].offset == 6  # unpadded: a plain int, RoPE's scalar path
+
+
+def test_backend_is_warm_when_healthy_applies_limits_and_exits_0(text_model, tmp_path):
+    """Health answers only after the warm-up ran (its time is in /health), the
+    memory limits given are applied, and SIGTERM ends the process with exit 0
+    after an orderly engine stop (on CUDA the teardown used to abort)."""
+    backend = BackendProcess(text_model, model_id="demo", log_dir=tmp_path,
+                             extra=["--memory-limit", "3GiB", "--cache-limit", "256MiB",
+                                    "--prefill-step", "64"])
+    backend.start(timeout=180)
+    try:
+        device = backend.health()["device"]
+        assert device["warmup_s"] >= 0 and "warmed up in" in backend.log()
+        assert device["memory_limit"] == 3 << 30 and device["cache_limit"] == 256 << 20
+        assert device["prefill_step"] == 64 and device["kind"] in ("cpu", "cuda", "metal")
+        # Serving still works after the warm-up (its generator and caches are gone).
+        status, body = post_json(backend.url + "/v1/completions",
+                                 {"model": "demo", "prompt": "hello " * 80, "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+        # A request in flight when SIGTERM arrives does not stop a clean exit.
+        stream = SSEStream(backend.url + "/v1/completions",
+                           {"model": "demo", "prompt": "long " * 300, "max_tokens": 200})
+        assert stream.status == 200
+        backend.proc.send_signal(signal.SIGTERM)
+        assert backend.proc.wait(60) == 0, backend.log()
+        stream.close()
+        assert "terminate called" not in backend.log()
+    finally:
+        backend.stop()
+
+
+def test_platform_default_prefill_step(text_model, tmp_path):
+    backend = BackendProcess(text_model, model_id="demo", log_dir=tmp_path, extra=["--no-warmup"])
+    backend.start(timeout=180)
+    try:
+        device = backend.health()["device"]
+        assert "warmup_s" not in device
+        assert device["prefill_step"] == (512 if device["kind"] == "cpu" else 2048)
+        assert "memory_limit" not in device  # none given: MLX's default
+    finally:
+        backend.proc.send_signal(signal.SIGTERM)
+        assert backend.proc.wait(60) == 0, backend.log()
+        backend.stop()
+
+
+def test_serve_shares_the_gpu_memory_among_replicas(text_model):
+    """On a GPU the budget is the card's memory and every replica gets a cap, in
+    proportion to its need, that together stay within memory_fraction of it."""
+    from kvroute import accel, config
+    from kvroute.launcher import check_memory
+
+    cfg = config.build({"models": [str(text_model)], "replicas": 2, "cache_bytes": 8 << 30,
+                        "prefill_step": 4096}, {})
+    card = accel.Accelerator("cuda", "test GPU", 140 << 30)
+    check_memory(cfg, {cfg.models[0].alias: str(text_model)}, device=card)
+    spec = cfg.models[0]
+    assert spec.prefill_step == 4096
+    assert 8 << 30 < spec.memory_limit and spec.replicas * spec.memory_limit <= int(0.85 * card.memory)
+    assert ["--memory-limit", str(spec.memory_limit)] == spec.backend_flags()[
+        spec.backend_flags().index("--memory-limit"):][:2]
+    with pytest.raises(config.ConfigError, match="cuda memory"):
+        cfg.models[0].memory_limit = 0
+        check_memory(cfg, {cfg.models[0].alias: str(text_model)},
+                     device=accel.Accelerator("cuda", "small", 10 << 30))
+
+
+def test_the_accelerator_probe_answers():
+    from kvroute import accel
+
+    device = accel.probe()
+    assert device.kind in ("cpu", "cuda", "metal") and device.memory > 1 << 30
+
+
+
+def test_serial_long_prefill_holds_the_second_and_it_hits_the_first(text_model, tmp_path):
+    """With --long-prefill serial a second long prompt waits while the first is
+    prefilled, then enters and finds the shared prefix committed; both answer."""
+    backend = BackendProcess(text_model, model_id="demo", log_dir=tmp_path,
+                             extra=["--long-prefill", "serial", "--prefill-step", "32",
+                                    "--enable-faults", "--no-warmup"])
+    backend.start(timeout=180)
+    try:
+        shared = " ".join(f"word{i % 50}" for i in range(300))
+        first = SSEStream(backend.url + "/v1/completions",
+                          {"model": "demo", "prompt": shared + " one", "max_tokens": 3,
+                           "kvroute_fault": "slow_prefill:0.05"})
+        wait_until(lambda: backend.health()["engine"]["prefilling"] == 1, timeout=60,
+                   what="the first prompt's prefill")
+        second = SSEStream(backend.url + "/v1/completions",
+                           {"model": "demo", "prompt": shared + " two", "max_tokens": 3,
+                            "stream_options": {"include_usage": True}})
+
+        def held() -> bool:
+            engine = backend.health()["engine"]
+            return engine["prefilling"] == 1 and engine["queued"] == 1
+        wait_until(held, timeout=60, what="the second prompt to wait for the first")
+        assert [e for e in first.events() if e == "[DONE]"]
+        events = [e for e in second.events() if isinstance(e, dict)]
+        usage = events[-1]["usage"]
+        assert usage["completion_tokens"] == 3
+        assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] // 2
+        assert backend.health()["device"]["serial_prefill"] is True
+    finally:
+        backend.stop()
