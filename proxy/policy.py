@@ -121,7 +121,6 @@ class PolicyConfig:
     default_prefill_tps: float = 1000.0  # until a backend of the model has measured itself
     locality_slack: float = 1.0  # seconds of extra estimated TTFT accepted to keep a prefix hit
     per_request_wait: float = 0.02  # seconds a queued request of another proxy is assumed to cost
-    default_restore_tps: float = 20000.0  # tokens/s from a disk tier that has not restored yet
 
     def weights(self) -> CostWeights:
         return CostWeights(per_request_wait=self.per_request_wait,
