@@ -108,13 +108,29 @@ def replica_cost(path: str, cache_bytes: int, max_batch: int, max_prompt_tokens:
                 weights_known=weights is not None)
 
 
-def budget(memory_budget: int, memory_fraction: float, total: int | None = None) -> tuple[int, str]:
-    """The bytes models may take, and where that figure comes from."""
+def budget(memory_budget: int, memory_fraction: float, device: Any = None) -> tuple[int, str]:
+    """The bytes models may take, and where that figure comes from. On a GPU that is
+    the accelerator's memory (`kvroute.accel.Accelerator`), which the replicas share;
+    on a CPU, or with no device given, physical memory."""
     if memory_budget > 0:
         return memory_budget, "memory_budget"
-    total = physical_memory() if total is None else total
-    return int(total * memory_fraction), (f"{memory_fraction:.0%} of {format_bytes(total)} "
-                                          "physical memory")
+    on_gpu = device is not None and device.kind != "cpu"
+    total = device.memory if on_gpu else physical_memory()
+    where = f"{device.kind} memory" if on_gpu else "physical memory"
+    return int(total * memory_fraction), f"{memory_fraction:.0%} of {format_bytes(total)} {where}"
+
+
+def replica_limits(needs: list[int], budget_bytes: int) -> list[int]:
+    """MLX memory caps for replicas that share one accelerator, one per replica cost
+    in `needs`: when all of them fit the budget together, what is left over is shared
+    in proportion to need; otherwise each gets its own need (the loader keeps what is
+    loaded at once within the budget). Either way the caps of what runs together sum
+    to at most the budget, so replicas never oversubscribe the card."""
+    total = sum(needs)
+    if not total:
+        return [0 for _ in needs]
+    return [max(need, budget_bytes * need // total) if total <= budget_bytes else need
+            for need in needs]
 
 
 def line(alias: str, replicas: int, cost: Cost) -> str:

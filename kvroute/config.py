@@ -249,7 +249,8 @@ SERVE = [
     _opt("max_loaded_models", int, 0, "models loaded at once; loading another unloads the least "
          "recently used unpinned one (0: no limit)", toml="max_loaded_models"),
     _opt("memory_budget", parse_bytes, 0, "bytes loaded models may take, by the accounting of "
-         "weights, caches, running KV and process (0: memory_fraction of physical memory)",
+         "weights, caches, running KV and process (0: memory_fraction of the accelerator's "
+         "memory: physical memory on a CPU)",
          toml="memory_budget"),
     _opt("machine", str, "", "this machine's name when several share one Redis: prefixes its "
          "backend ids and names it in model states", toml="machine"),

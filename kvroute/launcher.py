@@ -30,8 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import accel, capacity, demo_model
-from .capacity import PROCESS_OVERHEAD, weights_bytes
-from .sizes import format_bytes
+from .capacity import weights_bytes
 from .config import DEMO, ConfigError, ModelSpec, ServeConfig
 from .loader import Loader, Slot
 from .redis_server import RedisServer
@@ -62,47 +61,6 @@ def disk_dir(spec: ModelSpec, name: str) -> str:
     base = Path(spec.disk_cache_dir).expanduser() if spec.disk_cache_dir else \
         demo_model.default_cache_dir() / "prompt-cache"
     return str(base / name)
-
-
-def check_memory(config: ServeConfig, paths: dict[str, str], total: int | None = None,
-                 device: accel.Accelerator | None = None) -> list[str]:
-    """Refuse, with the arithmetic, a deployment whose weights and caches cannot fit.
-    Returns notes about models whose size is unknown (not downloaded yet).
-
-    On a GPU the budget is the accelerator's memory, and each replica without a
-    --memory-limit gets its share of it (so replicas sharing the card never
-    oversubscribe it)."""
-    if total is None:
-        device = device or accel.probe()
-        total = device.memory
-    where = f"{device.kind} memory" if device and device.kind != "cpu" else "physical memory"
-    allowed = int(total * config.memory_fraction)
-    lines, notes, need = [], [], 0
-    shares: list[tuple[ModelSpec, int]] = []
-    for spec in config.models:
-        weights = weights_bytes(paths[spec.alias])
-        if weights is None:
-            notes.append(f"{spec.alias}: weights not on disk yet, not counted in the memory check")
-            weights = 0
-        each = weights + spec.cache_bytes + PROCESS_OVERHEAD
-        need += spec.replicas * each
-        shares.append((spec, each))
-        lines.append(
-            f"  {spec.alias}: {spec.replicas} x ({format_bytes(weights)} weights + "
-            f"{format_bytes(spec.cache_bytes)} cache + {format_bytes(PROCESS_OVERHEAD)} process) "
-            f"= {format_bytes(spec.replicas * each)}"
-        )
-    if need > allowed:
-        raise ConfigError(
-            "these models do not fit in memory:\n" + "\n".join(lines)
-            + f"\n  total {format_bytes(need)} > {format_bytes(allowed)} "
-            f"({config.memory_fraction:.0%} of {format_bytes(total)} {where})\n"
-            "Lower replicas or cache_bytes, or use smaller models."
-        )
-    if device and device.kind != "cpu" and need:
-        for spec, each in shares:  # what is left over is shared in proportion to need
-            spec.memory_limit = spec.memory_limit or allowed * each // need
-    return notes
 
 
 # -- child processes ----------------------------------------------------------------
@@ -161,10 +119,7 @@ class Launcher:
             raise ConfigError(f"model aliases must be unique, got {aliases}")
         notes = [f"{spec.alias}: weights not on disk yet, not counted in the memory check"
                  for spec in self.config.models if weights_bytes(self.paths[spec.alias]) is None]
-        device = accel.probe()
-        if device.kind != "cpu":  # cap each replica's share of the card before planning
-            check_memory(self.config, self.paths, device=device)
-        self._plan()
+        self._plan(accel.probe())
         self.initial, more = self.loader.initial()
         return notes + more
 
@@ -173,11 +128,19 @@ class Launcher:
         out = ["--log-level", c.log_level]
         return out + (["--json-logs"] if c.json_logs else [])
 
-    def _plan(self) -> None:
+    def _plan(self, device: accel.Accelerator) -> None:
         c = self.config
+        costs = [replica_cost(spec, self.paths[spec.alias]) for spec in c.models]
+        budget = capacity.budget(c.memory_budget, c.memory_fraction, device)
+        if device.kind != "cpu":  # replicas share the card: each gets a cap (--memory-limit)
+            needs = [cost.total for spec, cost in zip(c.models, costs) for _ in range(spec.replicas)]
+            caps = iter(capacity.replica_limits(needs, budget[0]))
+            for spec in c.models:
+                mine = [next(caps) for _ in range(spec.replicas)]
+                spec.memory_limit = spec.memory_limit or min(mine)
         taken: set[int] = {c.port}
         slots, i = [], 0
-        for spec in c.models:
+        for spec, cost in zip(c.models, costs):
             children = []
             for r in range(spec.replicas):
                 port = free_port(c.backend_port_base, taken)
@@ -194,8 +157,8 @@ class Launcher:
                                       COLORS[i % len(COLORS)], wanted=False))
                 i += 1
             self.children += children
-            slots.append(Slot(spec, children, replica_cost(spec, self.paths[spec.alias])))
-        self.loader = Loader(self, slots)
+            slots.append(Slot(spec, children, cost))
+        self.loader = Loader(self, slots, budget)
         args = ["proxy", "--host", c.host, "--port", str(c.port), "--policy", c.policy,
                 "--load-timeout", str(c.load_timeout), *self._common()]
         keys = ",".join(f"{key}:{scope}" if scope else key for key, scope in c.api_keys.items())

@@ -77,7 +77,7 @@ class Slot:
 
 
 class Loader:
-    def __init__(self, launcher: "Launcher", slots: list[Slot]):
+    def __init__(self, launcher: "Launcher", slots: list[Slot], budget: tuple[int, str]):
         self.launcher = launcher
         self.config = launcher.config
         self.slots = {s.alias: s for s in slots}
@@ -86,8 +86,7 @@ class Loader:
         self.changed = asyncio.Event()
         self.admit = asyncio.Lock()  # one admission decision at a time
         self.tasks: list[asyncio.Task] = []
-        self.budget, self.budget_source = capacity.budget(self.config.memory_budget,
-                                                          self.config.memory_fraction)
+        self.budget, self.budget_source = budget  # bytes, and where the figure comes from
 
     # -- start and stop -----------------------------------------------------------
 

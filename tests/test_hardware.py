@@ -126,23 +126,39 @@ def test_platform_default_prefill_step(text_model, tmp_path):
 
 def test_serve_shares_the_gpu_memory_among_replicas(text_model):
     """On a GPU the budget is the card's memory and every replica gets a cap, in
-    proportion to its need, that together stay within memory_fraction of it."""
+    proportion to its need, that together stay within memory_fraction of it; a
+    deployment that cannot fit the card is refused with the arithmetic."""
     from kvroute import accel, config
-    from kvroute.launcher import check_memory
+    from kvroute.launcher import Launcher
 
-    cfg = config.build({"models": [str(text_model)], "replicas": 2, "cache_bytes": 8 << 30,
-                        "prefill_step": 4096}, {})
+    def plan(card: accel.Accelerator) -> config.ModelSpec:
+        cfg = config.build({"models": [str(text_model)], "replicas": 2, "cache_bytes": 8 << 30,
+                            "prefill_step": 4096}, {})
+        launcher = Launcher(cfg)
+        launcher.paths = {cfg.models[0].alias: str(text_model)}
+        launcher._plan(card)
+        launcher.loader.initial()
+        return cfg.models[0]
+
     card = accel.Accelerator("cuda", "test GPU", 140 << 30)
-    check_memory(cfg, {cfg.models[0].alias: str(text_model)}, device=card)
-    spec = cfg.models[0]
+    spec = plan(card)
     assert spec.prefill_step == 4096
     assert 8 << 30 < spec.memory_limit and spec.replicas * spec.memory_limit <= int(0.85 * card.memory)
     assert ["--memory-limit", str(spec.memory_limit)] == spec.backend_flags()[
         spec.backend_flags().index("--memory-limit"):][:2]
     with pytest.raises(config.ConfigError, match="cuda memory"):
-        cfg.models[0].memory_limit = 0
-        check_memory(cfg, {cfg.models[0].alias: str(text_model)},
-                     device=accel.Accelerator("cuda", "small", 10 << 30))
+        plan(accel.Accelerator("cuda", "small", 10 << 30))
+
+
+def test_replica_limits_never_oversubscribe_what_runs_together():
+    from kvroute.capacity import replica_limits
+
+    GiB = 1 << 30
+    # All fit: the rest of the budget is shared in proportion to need.
+    assert replica_limits([GiB, GiB, 2 * GiB], 8 * GiB) == [2 * GiB, 2 * GiB, 4 * GiB]
+    # Not all at once (models on demand): each its own need, never a cut below it.
+    assert replica_limits([3 * GiB, 3 * GiB, 4 * GiB], 8 * GiB) == [3 * GiB, 3 * GiB, 4 * GiB]
+    assert replica_limits([], 8 * GiB) == []
 
 
 def test_the_accelerator_probe_answers():
