@@ -22,7 +22,9 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelManagedSSLConnection
+from redis.backoff import NoBackoff
 
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel",
            "rediss+sentinel")
@@ -74,8 +76,16 @@ def connect(url: str, **kwargs: Any):
     if not path:
         raise ValueError("redis+sentinel:// URLs name the service: redis+sentinel://host:port/<service>")
     db = int(path[1]) if len(path) > 1 else 0
-    sentinel = Sentinel(hosts, sentinel_kwargs={"password": password} if password else None,
-                        socket_timeout=kwargs.get("socket_timeout"))
+    # One try per Sentinel: redis-py's default retries a dead Sentinel with seconds of
+    # backoff before asking the next, longer than any registry deadline, so a client
+    # whose first-listed Sentinel died never found the new primary.
+    sentinel_opts: dict[str, Any] = {"retry": Retry(NoBackoff(), 0)}
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        if kwargs.get(name) is not None:
+            sentinel_opts[name] = kwargs[name]
+    if password:
+        sentinel_opts["password"] = password
+    sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_opts)
     if tls:
         opts["connection_class"] = SentinelManagedSSLConnection
     return sentinel.master_for(path[0], username=user, password=password, db=db, **opts)
