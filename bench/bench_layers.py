@@ -12,7 +12,7 @@ row falls short there, this tells which layer loses it, in one process. Decode:
 Each runs at 1 and at --streams sequences (not generate_step) after a warm-up, with
 greedy sampling and random-token prompts of --prompt tokens. Tokens/s are aggregate
 over the sequences, counted from the first token of any to the last of all.
-With --profile, the Engine's single-stream run (and a last second turn) is profiled on its thread and the top
+With --profile, the Engine's batched run (and a last second turn) is profiled on its thread and the top
 functions by own time are printed: whatever waits on the device shows up in
 `tolist`/`eval`, Python work in everything else.
 
@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8, help="sequences of the batched runs")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
     ap.add_argument("--repeat", type=int, default=2, help="runs per row; the best is shown")
-    ap.add_argument("--profile", action="store_true", help="profile the Engine's 1-stream run")
+    ap.add_argument("--profile", action="store_true", help="profile the Engine's batched run")
     ap.add_argument("--turn2", type=int, default=0, help="first-turn tokens of the cached-turn "
                     "runs (0: skip them)")
     ap.add_argument("--suffix", type=int, default=70, help="tokens the second turn adds")
@@ -288,8 +288,8 @@ def decode(args, console: Console, model, engine: Engine, one, many) -> None:
     run_engine(engine, many, 8)
     rows.append(("Engine", best(lambda: run_engine(engine, one, args.tokens)),
                  best(lambda: run_engine(engine, many, args.tokens))))
-    profile = profiled(engine, "Engine, 1 stream, tok/s",
-                       lambda: _engine_run(engine, one, args.tokens)) if args.profile else ""
+    profile = profiled(engine, f"Engine, {len(many)} streams, tok/s",
+                       lambda: _engine_run(engine, many, args.tokens)) if args.profile else ""
 
     base = rows[0][1]
     table = Table(title=f"Decode tokens/s by layer ({args.tokens} tokens, prompt {args.prompt}, "
