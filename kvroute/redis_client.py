@@ -11,7 +11,9 @@ managed primary.
                                                   to the primary)
 
 Query options (ssl_ca_certs=..., ssl_certfile=..., ssl_keyfile=..., ssl_cert_reqs=...)
-pass through to redis-py. The registry's keys carry hash tags (`{m:<model>}`) and each
+pass through to redis-py. A Sentinel URL's password is the primary's, and the
+Sentinels' too unless `sentinel_password=...` gives theirs (Sentinels often run
+without one, or with another). The registry's keys carry hash tags (`{m:<model>}`) and each
 Lua script touches the keys of one slot only, so every command works on a cluster.
 """
 
@@ -31,7 +33,8 @@ SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+
 
 # Query options we pass through, converted from their string form.
 _OPTIONS = {"ssl_ca_certs": str, "ssl_certfile": str, "ssl_keyfile": str, "ssl_cert_reqs": str,
-            "ssl_check_hostname": lambda v: v.lower() in ("1", "true", "yes")}
+            "ssl_check_hostname": lambda v: v.lower() in ("1", "true", "yes"),
+            "sentinel_password": str}
 
 
 def _hosts(netloc: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
@@ -46,7 +49,9 @@ def _hosts(netloc: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
 
 def _options(query: str) -> dict[str, Any]:
     opts = {}
-    for name, value in parse_qsl(query):
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if not value and name != "sentinel_password":
+            continue
         if name not in _OPTIONS:
             raise ValueError(f"unsupported Redis URL option {name!r}")
         opts[name] = _OPTIONS[name](value)
@@ -68,6 +73,7 @@ def connect(url: str, **kwargs: Any):
     hosts, user, password = _hosts(parts.netloc)
     tls = scheme.startswith("rediss")
     opts = {**_options(parts.query), **kwargs}
+    sentinel_password = opts.pop("sentinel_password", password)
     if scheme.endswith("+cluster"):
         opts.pop("retry", None)  # the cluster client retries by rediscovering nodes
         return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], username=user,
@@ -83,8 +89,8 @@ def connect(url: str, **kwargs: Any):
     for name in ("socket_timeout", "socket_connect_timeout"):
         if kwargs.get(name) is not None:
             sentinel_opts[name] = kwargs[name]
-    if password:
-        sentinel_opts["password"] = password
+    if sentinel_password:  # an empty `sentinel_password=` means Sentinels without one
+        sentinel_opts["password"] = sentinel_password
     sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_opts)
     if tls:
         opts["connection_class"] = SentinelManagedSSLConnection

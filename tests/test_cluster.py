@@ -176,6 +176,16 @@ def test_redis_urls():
     tls = connect("rediss+sentinel://u:pw@s1:26379,s2:26379/mymaster/2")
     assert tls.connection_pool.connection_class is SentinelManagedSSLConnection
     assert tls.connection_pool.service_name == "mymaster"
+    def sentinel_password(url: str) -> str | None:
+        sentinel = connect(url).connection_pool.sentinel_manager.sentinels[0]
+        return sentinel.connection_pool.connection_kwargs.get("password")
+
+    # The URL's password is the primary's, and the Sentinels' unless they have their own.
+    assert sentinel_password("redis+sentinel://u:pw@s1:26379/mymaster") == "pw"
+    assert sentinel_password("redis+sentinel://u:pw@s1:26379/mymaster?sentinel_password=sp") == "sp"
+    assert sentinel_password("redis+sentinel://u:pw@s1:26379/mymaster?sentinel_password=") is None
+    primary = connect("redis+sentinel://u:pw@s1:26379/mymaster?sentinel_password=sp")
+    assert primary.connection_pool.connection_kwargs["password"] == "pw"
     for bad in ("http://x", "redis+sentinel://s1:26379", "redis+cluster://a:1?nope=1"):
         with pytest.raises(ValueError):
             connect(bad)
