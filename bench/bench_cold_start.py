@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from harness import SSEStream, free_port, get_json, wait_until  # noqa: E402
+from harness import ServeProcess, SSEStream, get_json, wait_until  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -46,51 +44,24 @@ from kvroute import demo_model  # noqa: E402
 from kvroute.capacity import weights_bytes  # noqa: E402
 from kvroute.sizes import format_bytes  # noqa: E402
 
-CONFIG = """
-[proxy]
-port = {port}
-[backends]
-port_base = {base}
-[[models]]
-path = "{path}"
-alias = "warm"
-cache_bytes = "256MiB"
-max_batch = 4
-max_prompt_tokens = 2048
-[[models]]
-path = "{path}"
-alias = "cold"
-preload = false
-idle_unload = "3s"
-cache_bytes = "256MiB"
-max_batch = 4
-max_prompt_tokens = 2048
-"""
+# Loaded on the first request, unloaded again between rounds.
+ON_DEMAND = {"preload": False, "idle_unload": "3s"}
 
 
-DISK_CONFIG = """
-[proxy]
-port = {port}
-[backends]
-port_base = {base}
-[[models]]
-path = "{path}"
-alias = "disk"
-preload = false
-idle_unload = "3s"
-cache_bytes = "256MiB"
-max_batch = 4
-disk_cache_bytes = "2GiB"
-disk_cache_dir = "{disk}"
-[[models]]
-path = "{path}"
-alias = "ram"
-preload = false
-idle_unload = "3s"
-cache_bytes = "256MiB"
-max_batch = 4
-disk_cache_bytes = 0
-"""
+def model(path: Path, alias: str, **settings) -> dict:
+    return {"path": str(path), "alias": alias, "cache_bytes": "256MiB", "max_batch": 4, **settings}
+
+
+def cold_config(path: Path) -> dict:
+    return {"models": [model(path, "warm", max_prompt_tokens=2048),
+                       model(path, "cold", **ON_DEMAND, max_prompt_tokens=2048)]}
+
+
+def disk_config(path: Path, disk: Path) -> dict:
+    return {"models": [
+        model(path, "disk", **ON_DEMAND, disk_cache_bytes="2GiB", disk_cache_dir=str(disk)),
+        model(path, "ram", **ON_DEMAND, disk_cache_bytes=0),
+    ]}
 
 
 def build_large(out: Path) -> Path:
@@ -141,20 +112,16 @@ def state(url: str, model: str) -> str:
     return {m["id"]: m["state"] for m in get_json(url + "/v1/models")["data"]}[model]
 
 
-def start(config_text: str, tmp: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    config = tmp / f"bench-{uuid.uuid4().hex[:6]}.toml"
-    config.write_text(config_text.replace("{port}", str(port)).replace("{base}", str(free_port())))
-    log = open(tmp / "serve.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config)],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
+def start(config: dict, tmp: Path) -> ServeProcess:
+    # Every run of one invocation shares `tmp`: a name of its own keeps each run's files.
+    return ServeProcess(config, tmp, name=f"bench-{uuid.uuid4().hex[:6]}")
 
 
 def measure(path: Path, repeat: int, words: int, tmp: Path) -> dict:
-    proc, url = start(CONFIG.replace("{path}", str(path)), tmp)
+    serve = start(cold_config(path), tmp)
+    url = serve.url
     try:
-        wait_until(lambda: state(url, "warm") == "loaded", 600, 0.5, "the warm model")
+        serve.wait_ready(lambda: state(url, "warm") == "loaded", 600, 0.5, "the warm model")
         ttft(url, "warm", 16)  # first request of a process: compile and allocate once
         warm, cold = [], []
         for _ in range(repeat):
@@ -165,16 +132,15 @@ def measure(path: Path, repeat: int, words: int, tmp: Path) -> dict:
         loads = stats["cold"]["load_seconds"] / max(1, stats["cold"]["loads"])
         return {"warm": statistics.median(warm), "cold": statistics.median(cold), "load": loads}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
+        serve.stop()
 
 
 def measure_disk(path: Path, repeat: int, words: int, tmp: Path) -> dict:
-    text = DISK_CONFIG.replace("{path}", str(path)).replace("{disk}", str(tmp / "disk"))
-    proc, url = start(text, tmp)
+    serve = start(disk_config(path, tmp / "disk"), tmp)
+    url = serve.url
     out: dict = {}
     try:
-        wait_until(lambda: state(url, "disk") == "unloaded", 600, 0.5, "the deployment")
+        serve.wait_ready(lambda: state(url, "disk") == "unloaded", 600, 0.5, "the deployment")
         for alias in ("disk", "ram"):
             first, again, cached = [], [], []
             for _ in range(repeat):
@@ -189,8 +155,7 @@ def measure_disk(path: Path, repeat: int, words: int, tmp: Path) -> dict:
                           "cached": statistics.median(cached)}
         return out
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
+        serve.stop()
 
 
 def disk_table(args, tmp: Path) -> Table:

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit
+
+from kvroute.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -168,3 +175,179 @@ class BackendProcess:
                 self.proc.wait(5)
         if getattr(self, "_log", None):
             self._log.close()
+
+
+def start_all(procs: Iterable[BackendProcess]) -> None:
+    """Start side by side: each start mostly waits for its process to load the model."""
+    procs = list(procs)
+    errors = []
+
+    def start(p: BackendProcess) -> None:
+        try:
+            p.start()
+        except Exception as exc:  # surfaced below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(p,)) for p in procs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert all(p.alive() for p in procs)
+
+
+class ProxyProcess:
+    """`kvroute proxy` on a free port; `args` are its flags past --redis-url and --port."""
+
+    def __init__(self, redis_url: str, log_dir: Path, args: list[str] | None = None):
+        self.port = free_port()
+        self.redis_url = redis_url
+        self.args = args or []
+        self.log_path = Path(log_dir) / f"proxy-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, expect_backends: int) -> None:
+        cmd = [sys.executable, "-m", "kvroute.cli", "proxy", "--redis-url", self.redis_url,
+               "--port", str(self.port), *self.args]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        wait_until(lambda: len(self.health()["backends"]) == expect_backends, 30,
+                   what="the proxy to see every backend")
+
+    def health(self) -> dict:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"proxy exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+        return json.loads(request(self.url + "/health", timeout=2)[2])
+
+    def backend(self, backend_id: str) -> dict:
+        return next(b for b in self.health()["backends"] if b["id"] == backend_id)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        if getattr(self, "_log", None):
+            self._log.close()
+
+
+@contextlib.contextmanager
+def fleet(backends: Callable[[str], list[BackendProcess]],
+          proxies: Callable[[str], list[ProxyProcess]]) -> Iterator[dict]:
+    """A redis-server, the backends that advertise to it and the proxies that route over
+    them, each given the Redis URL. Yields {"redis", "backends" (by id), "proxies"}; a
+    test may swap a backend in that dict, and the one there at the end is stopped."""
+    redis = RedisServer().start()
+    running: dict = {"redis": redis, "backends": {}, "proxies": []}
+    try:
+        running["backends"] = {b.backend_id: b for b in backends(redis.url)}
+        start_all(running["backends"].values())
+        running["proxies"] = proxies(redis.url)
+        for p in running["proxies"]:
+            p.start(expect_backends=len(running["backends"]))
+        yield running
+    finally:
+        for p in running["proxies"]:
+            p.stop()
+        for b in running["backends"].values():
+            b.stop()
+        redis.close()
+
+
+def toml_text(config: dict) -> str:
+    """As much TOML as a serve config needs: scalars, then tables and arrays of tables."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v, ensure_ascii=False)  # a TOML basic string
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        raise TypeError(f"no TOML for {v!r}")
+
+    def pairs(table: dict) -> list[str]:
+        return [f"{k} = {value(v)}" for k, v in table.items()]
+
+    def tables(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
+
+    # Plain keys first: after a [table] header they would belong to that table.
+    lines = pairs({k: v for k, v in config.items() if not isinstance(v, dict) and not tables(v)})
+    for k, v in config.items():
+        if isinstance(v, dict):
+            lines += [f"[{k}]", *pairs(v)]
+        elif tables(v):
+            for item in v:
+                lines += [f"[[{k}]]", *pairs(item)]
+    return "\n".join(lines) + "\n"
+
+
+class ServeProcess:
+    """`kvroute serve` from `config` (a dict; its [proxy] port and [backends] port_base
+    are picked here), in a session of its own so that one signal reaches every process
+    it starts. Writes NAME.toml and NAME.log in `workdir`."""
+
+    def __init__(self, config: dict, workdir: Path, name: str = "serve", env: dict | None = None):
+        self.port = free_port()
+        config = {**config, "proxy": {**config.get("proxy", {}), "port": self.port},
+                  "backends": {**config.get("backends", {}), "port_base": free_port()}}
+        self.config_path = Path(workdir) / f"{name}.toml"
+        self.config_path.write_text(toml_text(config))
+        self.log_path = Path(workdir) / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(self.config_path)],
+            cwd=ROOT, env={**os.environ, **(env or {})}, stdout=self._log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, ready: Callable[[], Any], timeout: float, interval: float = 0.2,
+                   what: str = "kvroute serve to be ready") -> Any:
+        """Poll `ready` until it holds; fails at once, with the log, if serve exits."""
+
+        def check() -> Any:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvroute serve exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            return ready()
+
+        return wait_until(check, timeout, interval=interval, what=what)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0, group: bool = True) -> float | None:
+        """SIGTERM and wait; past `timeout`, SIGKILL to the whole session. group=False
+        signals the launcher alone, to test that it stops its children itself.
+        Returns how long it took to exit (None: already gone, or killed)."""
+        elapsed = None
+        if self.proc.poll() is None:
+            t0 = time.monotonic()
+            if group:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            else:
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+                elapsed = time.monotonic() - t0
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self._log.close()
+        return elapsed

@@ -40,7 +40,6 @@ import os
 import platform
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,13 +53,11 @@ import aiohttp
 import orjson
 import psutil
 
-from harness import free_port, get_json, request, wait_until
+from harness import ServeProcess, get_json, request, wait_until
 
 from kvroute.demo_model import DEMO_REPLY
 from kvroute.redis_server import RedisServer
 from kvroute.keys import model_tag  # (the one place key names live)
-
-ROOT = Path(__file__).resolve().parent.parent
 
 MODEL = "kvroute-demo"
 SECRET = "reliability"
@@ -107,26 +104,6 @@ def soak_profile(seconds: float) -> Profile:
 # -- the deployment ----------------------------------------------------------------------
 
 
-CONFIG = """
-secret = "{secret}"
-
-[redis]
-url = "{redis}"
-
-[proxy]
-port = {port}
-
-[backends]
-port_base = {base}
-
-[[models]]
-path = "demo"
-alias = "{model}"
-replicas = 2
-cache_bytes = "{cache}"
-"""
-
-
 class Deployment:
     """An external redis-server plus `kvroute serve` (2 demo backends and the proxy)."""
 
@@ -135,64 +112,45 @@ class Deployment:
         self.cache_bytes = cache_bytes
         self.model_cache = model_cache
         self.redis = RedisServer()
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-        self.log_path = self.workdir / "serve.log"
+        self.serve: ServeProcess | None = None
         self._tokens: dict[int, str] = {}
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.serve.url
 
     def start(self, timeout: float = 180.0) -> None:
         self.redis.start()
-        config = self.workdir / "kvroute.toml"
-        config.write_text(CONFIG.format(secret=SECRET, redis=self.redis.url, port=self.port,
-                                        base=free_port(), model=MODEL, cache=self.cache_bytes))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {"PYTHONUNBUFFERED": "1"}
         if self.model_cache:
             env["KVROUTE_CACHE_DIR"] = str(self.model_cache)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config)],
-            cwd=ROOT, env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-            start_new_session=True)
-        wait_until(lambda: self._serving(2), timeout, interval=0.2, what="kvroute serve to be ready")
-
-    def _serving(self, n: int) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"kvroute serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-        return len(get_json(self.url + "/health", timeout=2)["backends"]) == n
+        self.serve = ServeProcess(
+            {"secret": SECRET, "redis": {"url": self.redis.url},
+             "models": [{"path": "demo", "alias": MODEL, "replicas": 2,
+                         "cache_bytes": self.cache_bytes}]},
+            self.workdir, env=env)
+        self.serve.wait_ready(
+            lambda: len(get_json(self.url + "/health", timeout=2)["backends"]) == 2, timeout)
 
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return self.serve.log_tail(n) if self.serve else ""
 
     def log_mark(self) -> int:
         """A position in the serve log, for log_since()."""
         try:
-            return self.log_path.stat().st_size
+            return self.serve.log_path.stat().st_size
         except OSError:
             return 0
 
     def log_since(self, mark: int) -> str:
-        with open(self.log_path, "rb") as f:
+        with open(self.serve.log_path, "rb") as f:
             f.seek(mark)
             return f.read().decode(errors="replace")
 
     def stop(self, timeout: float = 15.0) -> float | None:
-        """SIGTERM to the launcher; returns how long it took to exit (None: it had to be killed)."""
-        elapsed = None
-        if self.proc is not None and self.proc.poll() is None:
-            t0 = time.monotonic()
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-                elapsed = time.monotonic() - t0
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        """SIGTERM to the launcher alone (its own shutdown is under test); returns how
+        long it took to exit (None: it had to be killed)."""
+        elapsed = self.serve.stop(timeout, group=False) if self.serve else None
         self.redis.close()
         return elapsed
 

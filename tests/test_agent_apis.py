@@ -11,20 +11,16 @@ whichever API carries the conversation.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import threading
 import uuid
-from pathlib import Path
 
 import anthropic
 import openai
 import pytest
 import redis as redis_py
-from harness import BackendProcess, free_port, get_json, request, wait_until
+import harness
+from harness import BackendProcess, ProxyProcess, get_json, request
 
 from kvroute.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
-from kvroute.redis_server import RedisServer
 
 SECRET = "agent-secret"
 TOKEN = "agent-internal-token"
@@ -33,71 +29,25 @@ TEXT, TOOL = "agent-text", "agent-tool"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
 
 
-class Proxy:
-    def __init__(self, redis_url: str, log_dir: Path):
-        self.port = free_port()
-        self.log_path = log_dir / "proxy.log"
-        cmd = [sys.executable, "-m", "kvroute.cli", "proxy", "--redis-url", redis_url,
-               "--port", str(self.port), "--secret", SECRET, "--internal-token", TOKEN,
-               "--api-key", f"{KEY}:team-a", "--api-key", f"{OTHER_KEY}:team-b"]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def health(self) -> dict:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"proxy exited: {self.log_path.read_text(errors='replace')[-3000:]}")
-        return json.loads(request(self.url + "/health", timeout=2)[2])
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-
-def start_all(backends: list[BackendProcess]) -> None:
-    # Concurrently: each start mostly waits for its process to load the model.
-    errors = []
-
-    def start(b: BackendProcess) -> None:
-        try:
-            b.start()
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(b,)) for b in backends]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-
-
 @pytest.fixture(scope="module")
 def fleet(text_model, tool_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("agents")
-    redis = RedisServer()
-    redis.start()
-    common = ["--redis-url", redis.url, "--secret", SECRET, "--internal-token", TOKEN]
-    # Faults on (the kvroute_fault request field) for the failure-mid-stream test.
-    backends = [BackendProcess(text_model, TEXT, logs, backend_id=f"text-{i}",
-                               extra=common + ["--enable-faults"]) for i in (1, 2)]
-    backends += [BackendProcess(tool_model, TOOL, logs, backend_id=f"tool-{i}", extra=common)
-                 for i in (1, 2)]
-    proxy = None
-    try:
-        start_all(backends)
-        proxy = Proxy(redis.url, logs)
-        wait_until(lambda: len(proxy.health()["backends"]) == 4, 30,
-                   what="the proxy to see every backend")
-        yield {"proxy": proxy, "redis": redis, "backends": {b.backend_id: b for b in backends}}
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        for b in backends:
-            b.stop()
-        redis.stop()
+
+    def backends(redis_url: str) -> list[BackendProcess]:
+        common = ["--redis-url", redis_url, "--secret", SECRET, "--internal-token", TOKEN]
+        # Faults on (the kvroute_fault request field) for the failure-mid-stream test.
+        return [*(BackendProcess(text_model, TEXT, logs, backend_id=f"text-{i}",
+                                 extra=common + ["--enable-faults"]) for i in (1, 2)),
+                *(BackendProcess(tool_model, TOOL, logs, backend_id=f"tool-{i}", extra=common)
+                  for i in (1, 2))]
+
+    def proxies(redis_url: str) -> list[ProxyProcess]:
+        return [ProxyProcess(redis_url, logs, ["--secret", SECRET, "--internal-token", TOKEN,
+                                               "--api-key", f"{KEY}:team-a",
+                                               "--api-key", f"{OTHER_KEY}:team-b"])]
+
+    with harness.fleet(backends, proxies) as f:
+        yield {**f, "proxy": f["proxies"][0]}
 
 
 def oai(fleet, key: str = KEY) -> openai.OpenAI:

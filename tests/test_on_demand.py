@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -21,70 +20,40 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from harness import SSEStream, free_port, get_json, request, wait_until
+from harness import ServeProcess, SSEStream, get_json, request, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+DEMO = {"path": "demo", "cache_bytes": "32MiB"}
 
-CONFIG = """
-max_loaded_models = 2
-[proxy]
-port = {port}
-load_timeout = 120
-[backends]
-port_base = {base}
 
-[[models]]
-path = "demo"
-alias = "m1"
-pin = true
-cache_bytes = "32MiB"
+def config(idle: str) -> dict:
+    return {
+        "max_loaded_models": 2,
+        "proxy": {"load_timeout": 120},
+        "models": [
+            {**DEMO, "alias": "m1", "pin": True},
+            {**DEMO, "alias": "m2", "preload": False},
+            {**DEMO, "alias": "m3", "preload": False, "idle_unload": idle},
+            {"path": "/nonexistent/kvroute-model", "alias": "broken", "preload": False},
+        ],
+    }
 
-[[models]]
-path = "demo"
-alias = "m2"
-preload = false
-cache_bytes = "32MiB"
-
-[[models]]
-path = "demo"
-alias = "m3"
-preload = false
-idle_unload = "{idle}"
-cache_bytes = "32MiB"
-
-[[models]]
-path = "/nonexistent/kvroute-model"
-alias = "broken"
-preload = false
-"""
 
 MESSAGES = [{"role": "user", "content": "Hello there."}]
 
 
 class Deployment:
     def __init__(self, tmp: Path, model_cache: Path, idle: str = "6s"):
-        self.port = free_port()
-        self.log = tmp / "serve.log"
-        config = tmp / "kvroute.toml"
-        config.write_text(CONFIG.format(port=self.port, base=free_port(), idle=idle))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config)], cwd=ROOT,
-            env={**os.environ, "KVROUTE_CACHE_DIR": str(model_cache)}, stdout=open(self.log, "wb"),
-            stderr=subprocess.STDOUT, start_new_session=True)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.serve = ServeProcess(config(idle), tmp, env={"KVROUTE_CACHE_DIR": str(model_cache)})
+        self.proc, self.log, self.url = self.serve.proc, self.serve.log_path, self.serve.url
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
                                     timeout=180)
         self.pids: set[int] = set()  # every process of the deployment seen so far
         self.most_backends = 0
         self._watching = True
-        wait_until(self._ready, 180, interval=0.2, what="kvroute serve to be ready")
+        self.serve.wait_ready(lambda: any(m["state"] == "loaded" for m in self.models().values()),
+                              180)
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"serve exited:\n{self.log.read_text()[-3000:]}")
-        return any(m["state"] == "loaded" for m in self.models().values())
 
     def backends(self) -> list[psutil.Process]:
         """The launcher's backend children (not their own short-lived forks, which
@@ -121,9 +90,7 @@ class Deployment:
 
     def stop(self) -> None:
         self._watching = False
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(30)
+        self.serve.stop()
 
 
 @pytest.fixture(scope="module")
@@ -282,50 +249,27 @@ def test_sigterm_during_a_load_leaves_no_process(dep):
     stream.close()
 
 
-MACHINE = """
-machine = "{machine}"
-secret = "shared-secret"
-internal_token = "shared-token"
-[redis]
-url = "{redis}"
-[proxy]
-port = {port}
-[backends]
-port_base = {base}
-[[models]]
-path = "demo"
-alias = "{alias}"
-preload = {preload}
-cache_bytes = "32MiB"
-"""
-
-
 def test_a_proxy_wakes_a_model_on_another_machine(tmp_path, model_cache):
     """Two `kvroute serve` on one Redis: machine a serves `here`, machine b may load
     `there`. A request to a's proxy for `there` is loaded by b and answered."""
     from kvroute.redis_server import RedisServer
 
     with RedisServer() as redis:
-        procs, ports = [], []
+        machines = []
         try:
-            for machine, alias, preload in (("a", "here", "true"), ("b", "there", "false")):
-                port = free_port()
-                config = tmp_path / f"{machine}.toml"
-                config.write_text(MACHINE.format(machine=machine, redis=redis.url, port=port,
-                                                 base=free_port(), alias=alias, preload=preload))
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config)],
-                    cwd=ROOT, env={**os.environ, "KVROUTE_CACHE_DIR": str(model_cache)},
-                    stdout=open(tmp_path / f"{machine}.log", "wb"), stderr=subprocess.STDOUT,
-                    start_new_session=True))
-                ports.append(port)
-            url = f"http://127.0.0.1:{ports[0]}"
+            for machine, alias, preload in (("a", "here", True), ("b", "there", False)):
+                machines.append(ServeProcess(
+                    {"machine": machine, "secret": "shared-secret", "internal_token": "shared-token",
+                     "redis": {"url": redis.url},
+                     "models": [{**DEMO, "alias": alias, "preload": preload}]},
+                    tmp_path, name=machine, env={"KVROUTE_CACHE_DIR": str(model_cache)}))
+            url = machines[0].url
 
             def listed():
                 models = {m["id"]: m["state"] for m in get_json(url + "/v1/models")["data"]}
                 return models == {"here": "loaded", "there": "unloaded"}
 
-            wait_until(listed, 120, 0.2, "a's model loaded and b's listed, unloaded")
+            machines[0].wait_ready(listed, 120, what="a's model loaded and b's listed, unloaded")
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                    timeout=180)
             raw = client.chat.completions.with_raw_response.create(
@@ -335,8 +279,5 @@ def test_a_proxy_wakes_a_model_on_another_machine(tmp_path, model_cache):
             states = {m["model"]: m for m in get_json(url + "/stats")["model_states"]}
             assert states["there"]["machine"] == "b" and states["there"]["loads"] == 1
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-            for proc in procs:
-                proc.wait(30)
+            for m in machines:
+                m.stop()

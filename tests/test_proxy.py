@@ -8,8 +8,6 @@ come last and restore what they break.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -17,10 +15,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from harness import BackendProcess, SSEStream, free_port, request, wait_until
+import harness
+from harness import BackendProcess, SSEStream, request, wait_until
 
 from kvroute.demo_model import DEMO_REPLY
-from kvroute.redis_server import RedisServer
 
 SECRET = "test-secret"
 TOKEN = "internal-test-token"
@@ -28,56 +26,28 @@ KEY = "sk-test-key"
 MODEL_A, MODEL_B = "model-a", "model-b"
 
 
-class ProxyProcess:
+class ProxyProcess(harness.ProxyProcess):
+    """A proxy of this deployment (test_disk_tier and bench_disk start one too)."""
+
     def __init__(self, redis_url: str, log_dir: Path, extra: list[str] | None = None):
-        self.port = free_port()
-        self.redis_url = redis_url
-        self.log_path = log_dir / f"proxy-{self.port}.log"
-        self.extra = extra or []
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, expect_backends: int) -> None:
-        cmd = [sys.executable, "-m", "kvroute.cli", "proxy", "--redis-url", self.redis_url,
-               "--port", str(self.port), "--secret", SECRET, "--internal-token", TOKEN,
-               "--api-key", KEY, *self.extra]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
-        wait_until(lambda: len(self.health()["backends"]) == expect_backends, 30,
-                   what="the proxy to see every backend")
-
-    def health(self) -> dict:
-        return json.loads(request(self.url + "/health", timeout=2)[2])
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+        super().__init__(redis_url, log_dir, ["--secret", SECRET, "--internal-token", TOKEN,
+                                              "--api-key", KEY, *(extra or [])])
 
 
 @pytest.fixture(scope="module")
 def fleet(text_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("fleet")
-    redis = RedisServer()
-    redis.start()
-    common = ["--redis-url", redis.url, "--secret", SECRET, "--internal-token", TOKEN,
-              "--enable-faults"]
-    a1 = BackendProcess(text_model, MODEL_A, logs, backend_id="a1", extra=common)
-    a2 = BackendProcess(text_model, MODEL_A, logs, backend_id="a2", extra=common)
-    b1 = BackendProcess(text_model, MODEL_B, logs, backend_id="b1",
-                        extra=common + ["--max-queue", "1"])
-    backends = {"a1": a1, "a2": a2, "b1": b1}
-    for b in backends.values():
-        b.start()
-    proxies = [ProxyProcess(redis.url, logs), ProxyProcess(redis.url, logs)]
-    for p in proxies:
-        p.start(expect_backends=3)
-    yield {"redis": redis, "backends": backends, "proxies": proxies}
-    for p in proxies:
-        p.stop()
-    for b in backends.values():
-        b.stop()
-    redis.stop()
+
+    def backends(redis_url: str) -> list[BackendProcess]:
+        common = ["--redis-url", redis_url, "--secret", SECRET, "--internal-token", TOKEN,
+                  "--enable-faults"]
+        return [BackendProcess(text_model, MODEL_A, logs, backend_id="a1", extra=common),
+                BackendProcess(text_model, MODEL_A, logs, backend_id="a2", extra=common),
+                BackendProcess(text_model, MODEL_B, logs, backend_id="b1",
+                               extra=common + ["--max-queue", "1"])]
+
+    with harness.fleet(backends, lambda url: [ProxyProcess(url, logs), ProxyProcess(url, logs)]) as f:
+        yield f
 
 
 def client(proxy: ProxyProcess, key: str = KEY) -> openai.OpenAI:

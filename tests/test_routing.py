@@ -11,89 +11,45 @@ model, two proxy processes, the official `openai` client.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import threading
 import uuid
-from pathlib import Path
 
 import openai
 import pytest
 from tokenizers import Tokenizer
-from harness import BackendProcess, SSEStream, free_port, request, wait_until
-
-from kvroute.redis_server import RedisServer
+import harness
+from harness import BackendProcess, ProxyProcess, SSEStream, request, wait_until
 
 SECRET = "routing-secret"
 TOKEN = "routing-token"
 MODEL, ODD = "routing-model", "odd-model"
 
 
-class Proxy:
-    def __init__(self, redis_url: str, log_dir: Path):
-        self.port = free_port()
-        self.redis_url = redis_url
-        self.log_path = log_dir / f"proxy-{self.port}.log"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, expect_backends: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvroute.cli", "proxy", "--redis-url", self.redis_url,
-             "--port", str(self.port), "--secret", SECRET, "--internal-token", TOKEN],
-            stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
-        wait_until(lambda: len(self.health()["backends"]) == expect_backends, 30,
-                   what="the proxy to see every backend")
-
-    def health(self) -> dict:
-        return json.loads(request(self.url + "/health", timeout=2)[2])
-
-    def backend(self, bid: str) -> dict:
-        return next(b for b in self.health()["backends"] if b["id"] == bid)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def fleet(text_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("routing")
-    redis = RedisServer().start()
-    common = ["--redis-url", redis.url, "--internal-token", TOKEN, "--max-batch", "2",
-              "--cache-bytes", "256MiB"]
-    backends = {
-        "r1": BackendProcess(text_model, MODEL, logs, backend_id="r1",
-                             extra=common + ["--secret", SECRET]),
-        "r2": BackendProcess(text_model, MODEL, logs, backend_id="r2",
-                             extra=common + ["--secret", SECRET]),
-        # Another secret: its keys can never match this deployment's.
-        "odd": BackendProcess(text_model, ODD, logs, backend_id="odd",
-                              extra=common + ["--secret", "some-other-secret"]),
-    }
-    threads = [threading.Thread(target=b.start) for b in backends.values()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert all(b.alive() for b in backends.values())
-    proxies = [Proxy(redis.url, logs), Proxy(redis.url, logs)]
-    for p in proxies:
-        p.start(expect_backends=3)
-    yield {"redis": redis, "backends": backends, "proxies": proxies}
-    for p in proxies:
-        p.stop()
-    for b in backends.values():
-        b.stop()
-    redis.close()
+
+    def backends(redis_url: str) -> list[BackendProcess]:
+        common = ["--redis-url", redis_url, "--internal-token", TOKEN, "--max-batch", "2",
+                  "--cache-bytes", "256MiB"]
+        return [
+            BackendProcess(text_model, MODEL, logs, backend_id="r1",
+                           extra=common + ["--secret", SECRET]),
+            BackendProcess(text_model, MODEL, logs, backend_id="r2",
+                           extra=common + ["--secret", SECRET]),
+            # Another secret: its keys can never match this deployment's.
+            BackendProcess(text_model, ODD, logs, backend_id="odd",
+                           extra=common + ["--secret", "some-other-secret"]),
+        ]
+
+    def proxies(redis_url: str) -> list[ProxyProcess]:
+        return [ProxyProcess(redis_url, logs, ["--secret", SECRET, "--internal-token", TOKEN])
+                for _ in range(2)]
+
+    with harness.fleet(backends, proxies) as f:
+        yield f
 
 
-def chat(proxy: Proxy, messages: list[dict], model: str = MODEL, **kw):
+def chat(proxy: ProxyProcess, messages: list[dict], model: str = MODEL, **kw):
     c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
     raw = c.chat.completions.with_raw_response.create(model=model, messages=messages,
                                                       max_tokens=8, **kw)
