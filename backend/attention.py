@@ -23,6 +23,7 @@ small kernels, each of those costs a launch).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import mlx.core as mx
@@ -86,6 +87,16 @@ class FastBatchKVCache(BatchKVCache):
     def merge(cls, caches: list[Any]) -> "FastBatchKVCache":
         if all(c.size() == 0 for c in caches):
             return cls([0] * len(caches))  # mlx-lm's merge names its own class here
+        if len(caches) == 1 and caches[0].keys is not None:
+            # One sequence (a cache hit): a batch of one is its own arrays, no copy of
+            # the whole state into fresh zeros (on a GPU, gigabytes at 30k tokens). They
+            # may be shared with the store's entry: MLX updates are functional, so the
+            # first write here copies rather than change the entry.
+            (one,) = caches
+            cache = cls([0])
+            cache.keys, cache.values = one.keys[..., : one.offset, :], one.values[..., : one.offset, :]
+            cache._idx = one.offset
+            return cache
         cache = super().merge(caches)
         cache._offsets = None  # its `offset += n` may have changed the cached array in place
         return cache
@@ -115,7 +126,24 @@ class FastBatchKVCache(BatchKVCache):
             self._pad = [a + b for a, b in zip(self._pad, self._rpad)]
             self._rpad = None
 
+    def __deepcopy__(self, memo: dict) -> "FastBatchKVCache":
+        # mlx-lm deep-copies a prompt batch's caches when it hands sequences over to
+        # decoding, then keeps only some rows of each copy (`filter`). MLX arrays are
+        # never changed in place while shared, so the copy can share them: the state is
+        # not copied on every prefill-to-decode hand-over.
+        # (Each array gets a Python object of its own, over the same buffer: an indexed
+        # assignment rebinds the object it is made on, which must not be the other's.)
+        new = self.__class__.__new__(self.__class__)
+        new.__dict__ = {
+            k: list(v) if isinstance(v, list) else mx.stop_gradient(v) if isinstance(v, mx.array)
+            else v
+            for k, v in self.__dict__.items()
+        }
+        return new
+
     def filter(self, batch_indices: list[int]) -> None:
+        if list(batch_indices) == list(range(len(self._pad))) and min(self._pad, default=0) == 0:
+            return  # every row, in order, none to shift: nothing to gather
         # mlx-lm's filter reads the padding back from the device (a sync on every
         # finished sequence); the mirror answers the same question for free.
         if self.keys is not None:
@@ -190,3 +218,73 @@ def fast(cache: list[Any]) -> list[Any]:
 
 def new_cache(model: Any) -> list[Any]:
     return fast(make_prompt_cache(model))
+
+
+# -- attention without a per-shape plan (CUDA) ---------------------------------------
+# On CUDA, MLX runs a multi-row attention call through cuDNN, which builds an
+# execution plan for each exact shape of queries and keys (tens to hundreds of
+# milliseconds) and keeps it in an LRU. A prompt's last, partial chunk and the
+# suffix of a cache hit have shapes no request had before, so nearly every request
+# paid a plan build: on an H200 a cold 2k prompt took 0.25 s at a new length and
+# 0.08 s at a length seen before, a 70-token turn on a 31k cached prompt 0.12-0.19 s
+# against 0.08 s. For such calls, when the scores are small, the plain attention
+# below (MLX's own fallback arithmetic: matmul, mask, softmax in float32, matmul)
+# costs a few milliseconds and no plan. Calls the size of a full prefill chunk
+# repeat their shapes and keep cuDNN's fused kernel.
+
+PLAN_FREE_SCORE_BYTES = 512 << 20  # float32 scores of one layer's call, at most
+_full_chunk = 0  # the engine's prefill step: chunks of that size keep cuDNN
+
+
+def _plain_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
+    B, Hq, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    rep = Hq // Hk
+    q = (q * scale).reshape(B, Hk, rep, L, D)
+    scores = (q @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)  # B, Hk, rep, L, S
+    if isinstance(mask, str):  # "causal", aligned to the end of the keys
+        allowed = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+        scores = mx.where(allowed, scores, mx.finfo(mx.float32).min)
+    elif mask is not None:
+        mask = mask[:, :, None] if mask.shape[1] == 1 else mask.reshape(B, Hk, rep, L, S)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(mx.float32).min)
+        else:
+            scores = scores + mask.astype(mx.float32)
+    weights = mx.softmax(scores, axis=-1, precise=True).astype(v.dtype)
+    return (weights @ v[:, :, None]).reshape(B, Hq, L, v.shape[-1])
+
+
+def _plan_free(q: mx.array, k: mx.array, cache: Any, sinks: Any) -> bool:
+    L, S = q.shape[2], k.shape[2]
+    return (isinstance(cache, FastBatchKVCache) and sinks is None and 1 < L != _full_chunk
+            and q.shape[0] * q.shape[1] * L * S * 4 <= PLAN_FREE_SCORE_BYTES)
+
+
+def plan_free(original: Any) -> Any:
+    """mlx-lm's attention function `original`, with the engine's calls of new shapes
+    (see above) taken by `_plain_attention`."""
+    def attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if _plan_free(queries, keys, cache, sinks):
+            return _plain_attention(queries, keys, values, scale, mask)
+        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+    return attention
+
+
+def avoid_cudnn_plans(prefill_step: int) -> bool:
+    """On CUDA, give mlx-lm's model modules (which import the attention function by
+    name) the `plan_free` one. Returns whether it applied (CUDA only)."""
+    global _full_chunk
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return False
+    _full_chunk = prefill_step
+    from mlx_lm.models import base
+
+    original = base.scaled_dot_product_attention
+    wrapped = plan_free(original)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and \
+                getattr(module, "scaled_dot_product_attention", None) is original:
+            module.scaled_dot_product_attention = wrapped
+    return True

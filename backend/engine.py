@@ -44,7 +44,7 @@ from kvroute.accel import keep_wired_limit
 from kvroute.hits import is_cache_hit
 from kvroute.wire import SamplingParams
 
-from .attention import fast, new_cache
+from .attention import avoid_cudnn_plans, fast, new_cache
 from .metrics import BackendMetrics
 from .output import Chunk, OutputParser
 from mlx_lm.models.cache import make_prompt_cache
@@ -213,6 +213,8 @@ class Engine:
         self.peak_batch = 0
         # Whether entries need checkpoints: some layer cannot always be trimmed.
         self.checkpointing = not always_trimmable(make_prompt_cache(model))
+        if avoid_cudnn_plans(prefill_step):
+            log.info("CUDA: attention calls of new shapes skip cuDNN's per-shape plans")
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[int, Job] = {}
         self._held: collections.deque[Job] = collections.deque()  # long prompts waiting their turn

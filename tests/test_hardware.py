@@ -199,3 +199,83 @@ def test_serial_long_prefill_holds_the_second_and_it_hits_the_first(text_model, 
         assert backend.health()["device"]["serial_prefill"] is True
     finally:
         backend.stop()
+
+
+def test_a_hit_and_its_hand_over_share_arrays_without_changing_the_entry(demo):
+    """A batch of one (a cache hit) starts from the stored entry's arrays and a
+    deep copy (mlx-lm's hand-over to decoding) shares them, without a copy of the
+    state: neither may change the entry or each other, and the hit continues
+    exactly as the plain cache does."""
+    import copy
+
+    model, _ = demo
+    entry = new_cache(model)
+    model(mx.array([[5, 6, 7, 8, 9]]), cache=entry)
+    before = [mx.array(c.keys[..., : c.offset, :]) for c in entry]
+    plain = make_prompt_cache(model)
+    model(mx.array([[5, 6, 7, 8, 9]]), cache=plain)
+
+    batch = [FastBatchKVCache.merge([c]) for c in entry]
+    twin = copy.deepcopy(batch)
+    assert all(b.size() == 5 and not b.padded for b in batch)
+    nxt = mx.array([[11, 12]])
+    got = model(nxt, cache=batch)
+    ref = model(nxt, cache=plain)
+    assert mx.allclose(got, ref, atol=1e-4, rtol=1e-4).item()
+    assert all(t.size() == 5 for t in twin)  # the copy did not see the other's update
+    other = model(mx.array([[13]]), cache=twin)
+    assert other.shape[1] == 1 and all(t.size() == 6 for t in twin)
+    for c, old in zip(entry, before):  # the stored entry is unchanged
+        assert c.offset == 5 and mx.array_equal(c.keys[..., :5, :], old).item()
+    for b in batch:
+        b.filter([0])  # every row: kept as it is
+        assert b.size() == 7
+
+
+@pytest.mark.parametrize("mask", ["causal", None, "bool", "additive"])
+def test_plain_attention_is_mlx_attention(mask):
+    """The plan-free attention used on CUDA for new shapes (backend/attention.py)
+    computes what mx.fast.scaled_dot_product_attention does, with grouped heads,
+    fewer queries than keys, and every kind of mask the models pass."""
+    from backend.attention import _plain_attention
+
+    mx.random.seed(3)
+    B, Hq, Hk, L, S, D = 2, 8, 2, 5, 23, 16
+    q, k, v = (mx.random.normal(s) for s in ((B, Hq, L, D), (B, Hk, S, D), (B, Hk, S, D)))
+    if mask == "bool":  # left padding of the first row, as mlx-lm's batched mask has it
+        m = mx.arange(S)[None, None, None] >= mx.array([3, 0])[:, None, None, None]
+        m = m & (mx.arange(S - L, S)[:, None] >= mx.arange(S)[None])
+    elif mask == "additive":
+        m = mx.random.normal((B, 1, L, S))
+    else:
+        m = mask
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
+    got = _plain_attention(q, k, v, 0.25, m)
+    assert got.shape == ref.shape and mx.allclose(got, ref, atol=1e-5, rtol=1e-5).item()
+
+
+def test_plan_free_attention_generates_what_the_fused_path_does(demo, monkeypatch):
+    """With the plan-free attention in place (as on CUDA), a cold prompt, a batch of
+    unequal prompts and a cache hit generate the tokens mlx-lm's own caches give."""
+    import sys
+
+    from backend import attention
+    from mlx_lm.models import base
+
+    wrapped = attention.plan_free(base.scaled_dot_product_attention)
+    model, tok = demo
+    monkeypatch.setattr(sys.modules[type(model).__module__], "scaled_dot_product_attention",
+                        wrapped)
+    monkeypatch.setattr(attention, "_full_chunk", 16)
+    calls, plain = [], attention._plain_attention
+    monkeypatch.setattr(attention, "_plain_attention",
+                        lambda *a: calls.append(a[0].shape) or plain(*a))
+    prompts = _prompts(len(tok.vocab) if hasattr(tok, "vocab") else 1000, [40, 5, 47, 21])
+    ref = _greedy(model, prompts, [make_prompt_cache(model) for _ in prompts])
+    assert not calls  # mlx-lm's own caches keep mlx-lm's attention
+    got = _greedy(model, prompts, [new_cache(model) for _ in prompts])
+    assert got == ref and calls
+    hit = new_cache(model)
+    model(mx.array([prompts[0][:30]]), cache=hit)
+    assert _greedy(model, [prompts[0]], [hit])[0] == ref[0]
+
