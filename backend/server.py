@@ -43,8 +43,10 @@ log = logging.getLogger("kvroute.backend")
 # Python hands it over only every switch interval (5 ms by default): a decode step
 # that ended while the loop was writing tokens out waited up to that long to queue
 # the next one. On an H200 (7B, through the proxy) one stream decoded at 112 tok/s
-# with 5 ms and 180 tok/s with 0.5 ms; 8 streams 529 and 569 (BENCHMARKS.md).
-GIL_SWITCH_S = 0.0005
+# with 5 ms and 180 tok/s with 0.5 ms; 8 streams 529 and 569 (BENCHMARKS.md). On a
+# CPU, where MLX's own work competes for the cores, 0.5 ms cost a tiny model's single
+# stream a quarter of its rate, so there the default stays.
+GPU_GIL_SWITCH_S = 0.0005
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 STATE_KEY = web.AppKey("state", object)
@@ -718,8 +720,9 @@ async def _first_sync(publishers: list[Publisher], timeout: float = 5.0) -> None
 
 
 async def serve(config: BackendConfig) -> None:
-    sys.setswitchinterval(GIL_SWITCH_S)
     state = await asyncio.to_thread(load_state, config)
+    if state.device["kind"] != "cpu":
+        sys.setswitchinterval(GPU_GIL_SWITCH_S)
     if config.redis_url and not config.advertise_url and config.host in ("0.0.0.0", "::"):
         log.warning("listening on %s without --advertise-url: proxies will be told "
                     "http://%s:%d, which they cannot reach", config.host, config.host, config.port)
