@@ -145,7 +145,7 @@ class Publisher:
                     next_beat, next_refresh = now + self.period, now + self.refresh_every
                 elif now >= next_beat:
                     next_beat = now + self.period
-                    if not await self.registry.heartbeat(self.record_fn()):
+                    if not await self.registry.heartbeat(self.record_fn(), self.tier):
                         log.warning("publisher: our record was missing in Redis; re-advertising")
                         need_resync = True
                         continue
@@ -186,7 +186,7 @@ class Publisher:
         is published; later events are applied after it, in order.
         """
         rec = self.record_fn()
-        await self.registry.heartbeat(rec)
+        await self.registry.heartbeat(rec, self.tier)
         if not self.resyncs:
             # A predecessor with our backend id may have died without withdrawing.
             await self.registry.purge(rec.backend_id, rec.models, keep_instance=rec.instance_id,

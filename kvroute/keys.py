@@ -60,6 +60,11 @@ def record_key(backend_id: str) -> str:
     return f"kvr:b:{backend_id}"
 
 
+def tier_marker_key(backend_id: str, tier: str) -> str:
+    """The instance id whose `tier` keys Redis holds; expires with the record."""
+    return f"kvr:b:{backend_id}:{tier}"
+
+
 ALL_BACKENDS = "kvr:backends"
 
 _RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")

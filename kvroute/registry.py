@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 from . import redis_client
 from .coalesce import ScriptBatcher, Unanswered
 from .keys import (ALL_BACKENDS, chain_hex, check_id, member, model_tag, record_key, response_key,
-                   tier_keys)
+                   tier_keys, tier_marker_key)
 
 log = logging.getLogger("kvroute.registry")
 
@@ -209,12 +209,14 @@ class Registry:
 
     # -- backend side -------------------------------------------------------
 
-    async def heartbeat(self, record: BackendRecord) -> bool:
+    async def heartbeat(self, record: BackendRecord, tier: str = "ram") -> bool:
         """Write the record with its TTL and register it under each model it serves.
 
-        Returns True when Redis still had this instance's record, False when it was
-        missing (first beat, TTL lapsed, Redis restarted empty): the caller should then
-        re-advertise everything it holds. Raises RegistryUnavailable.
+        Returns True when Redis still had this instance's keys of `tier`, False when
+        they may be gone (first beat, TTL lapsed, Redis restarted empty): the caller
+        should then re-advertise everything it holds. Each tier's publisher asks for its
+        own: they share the record, and after a restart the first to beat would find it
+        written again by the other. Raises RegistryUnavailable.
         """
         check_id("backend_id", record.backend_id)
         check_id("instance_id", record.instance_id)
@@ -222,7 +224,8 @@ class Registry:
         raw = dataclasses.replace(record, updated_at=now).to_json()
         px = max(1, int(self.record_ttl * 1000))
         pipe = self._redis.pipeline(transaction=False)
-        pipe.set(record_key(record.backend_id), raw, px=px, get=True)
+        pipe.set(tier_marker_key(record.backend_id, tier), record.instance_id, px=px, get=True)
+        pipe.set(record_key(record.backend_id), raw, px=px)
         for zset, rec_key in [(ALL_BACKENDS, None)] + [
             (model_tag(m) + "backends", model_tag(m) + "rec:" + record.backend_id)
             for m in record.models
@@ -235,12 +238,9 @@ class Registry:
         results = await self._op("heartbeat", pipe.execute())
         self._models_of[record.backend_id] = list(record.models)
         old = results[0]
-        if old is None:
-            return False
-        try:
-            return orjson.loads(old).get("instance_id") == record.instance_id
-        except orjson.JSONDecodeError:
-            return False
+        if isinstance(old, bytes):
+            old = old.decode()
+        return old == record.instance_id
 
     async def _per_chunk(self, what: str, script, model: str, keys: list[int], *extra) -> None:
         tag = model_tag(model)

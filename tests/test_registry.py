@@ -240,6 +240,24 @@ def test_new_instance_never_inherits_advertisements(server):
     run(main())
 
 
+def test_each_tier_sees_that_redis_lost_its_keys(server):
+    """A backend's RAM and disk publishers share one record. After Redis restarts
+    empty, whichever beats first writes the record again: the other must still be
+    told that its keys are gone (it used to find the record and never re-advertise)."""
+    async def main():
+        reg = Registry(server.url)
+        rec = record("b1", instance_id="one")
+        assert await reg.heartbeat(rec, "ram") is False
+        assert await reg.heartbeat(rec, "disk") is False  # the record exists, its keys do not
+        assert await reg.heartbeat(rec, "ram") is True and await reg.heartbeat(rec, "disk") is True
+        await reg._redis.flushall()  # Redis restarted empty
+        assert await reg.heartbeat(rec, "disk") is False
+        assert await reg.heartbeat(rec, "ram") is False  # though the disk beat rewrote the record
+        await reg.close()
+
+    run(main())
+
+
 def test_withdraw_all_forgets_at_once(server):
     async def main():
         reg = Registry(server.url)
