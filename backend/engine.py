@@ -302,7 +302,8 @@ class Engine:
         """Run the shapes serving will use once, on the engine thread, so that
         kernels are compiled before the backend says it is healthy: a full and a
         partial prefill chunk on the fused path, a cache hit, and padded batched
-        prefill and decode on the masked path. Returns the seconds it took."""
+        prefill and decode on the masked path; then a warm prefill rate for the
+        proxies' estimates. Returns the seconds it took."""
         t0 = time.perf_counter()
         gen = BatchGenerator(self.model, stop_tokens=[], completion_batch_size=self.max_batch,
                              prefill_batch_size=min(8, self.max_batch),
@@ -318,6 +319,12 @@ class Engine:
             short = [_warm_tokens(n, salt=n) for n in (9, 33, 33, 70)]
             _drain(gen, gen.insert(short, max_tokens=[4, 6, 6, 8],
                                    caches=[new_cache(self.model) for _ in short]))
+            # The first prefill rate the proxies see is a warm one: a backend whose
+            # first request measured a cold rate looked slower than its peers, lost
+            # every tie to them and, getting no traffic, never measured again.
+            t1 = time.perf_counter()
+            _drain(gen, gen.insert([long_[::-1]], max_tokens=[1], caches=[new_cache(self.model)]))
+            self.prefill_tps = len(long_) / (time.perf_counter() - t1)
         finally:
             gen.close()
             mx.synchronize()
