@@ -233,7 +233,14 @@ class ProxyProcess:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(10)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                # A graceful stop lets in-flight requests finish; streams a test left
+                # open would hold it for the shutdown timeout. Tests of shutdown itself
+                # check exit codes on their own processes.
+                self.proc.kill()
+                self.proc.wait(10)
         if getattr(self, "_log", None):
             self._log.close()
 
@@ -254,11 +261,12 @@ def fleet(backends: Callable[[str], list[BackendProcess]],
             p.start(expect_backends=len(running["backends"]))
         yield running
     finally:
-        for p in running["proxies"]:
-            p.stop()
-        for b in running["backends"].values():
-            b.stop()
-        redis.close()
+        # Every process is stopped even when stopping one fails: a fleet left running
+        # would slow down (and share ports with) every test after it.
+        with contextlib.ExitStack() as stack:
+            stack.callback(redis.close)
+            for proc in [*running["backends"].values(), *running["proxies"]]:
+                stack.callback(proc.stop)
 
 
 def toml_text(config: dict) -> str:
