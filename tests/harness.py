@@ -43,6 +43,21 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: fl
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_exc})")
 
 
+def terminate(proc: subprocess.Popen | None, timeout: float, kill_wait: float | None = 5.0) -> None:
+    """SIGTERM `proc` and wait up to `timeout`; past it, SIGKILL and wait `kill_wait`.
+    A graceful stop lets in-flight requests finish, and streams a test left open could
+    hold it for a whole shutdown timeout: tests of shutdown itself check exit codes on
+    their own processes."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(kill_wait)
+
+
 def request(url: str, method: str = "GET", body: Any = None, headers: dict | None = None,
             raw: bytes | None = None, timeout: float = 60.0) -> tuple[int, dict, bytes]:
     parts = urlsplit(url)
@@ -166,13 +181,7 @@ class BackendProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        terminate(self.proc, 15)
         if getattr(self, "_log", None):
             self._log.close()
 
@@ -231,16 +240,7 @@ class ProxyProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                # A graceful stop lets in-flight requests finish; streams a test left
-                # open would hold it for the shutdown timeout. Tests of shutdown itself
-                # check exit codes on their own processes.
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc, 10, kill_wait=10)
         if getattr(self, "_log", None):
             self._log.close()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from harness import BackendProcess, free_port, request, wait_until
+from harness import BackendProcess, free_port, request, terminate, wait_until
 
 from kvroute.redis_server import RedisServer
 
@@ -118,13 +118,7 @@ class ProxyProcess:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        terminate(self.proc, 10)
         self._log.close()
 
 

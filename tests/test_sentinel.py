@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from harness import wait_until
+from harness import terminate, wait_until
 from kvroute.keys import record_key
 from kvroute.prefix import chat_chain, make_salt
 from kvroute.redis_server import RedisServer, _die_with_parent, free_port, ping
@@ -114,12 +114,7 @@ class SentinelProcess:
             self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        terminate(self.proc, 5, kill_wait=None)
         self.proc = None
 
 
