@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
+import pytest
+
 from kvroute.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +43,20 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: fl
             last_exc = exc
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_exc})")
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `path` (a full disk on demand; needs root), unmounted
+    after; skips the test where it cannot be mounted."""
+    path.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    if subprocess.run(mount).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)])
 
 
 def terminate(proc: subprocess.Popen | None, timeout: float, kill_wait: float | None = 5.0) -> None:

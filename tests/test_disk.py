@@ -4,13 +4,12 @@ import asyncio
 import logging
 import os
 import stat
-import subprocess
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from harness import wait_until
+from harness import small_tmpfs, wait_until
 from mlx_lm.models.cache import RotatingKVCache
 
 from backend import diskfile
@@ -177,25 +176,21 @@ def test_unusable_directory_means_ram_only(tmp_path, caplog):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_full_disk_counts_failures_and_keeps_going(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)]).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    tier = None
-    try:
-        tier, metrics = make_tier(mount / "cache")
-        store = attach(tier)
-        store.insert("m", tokens(2000), make_cache(2000), "finish", chain=[1])  # 512 kB
-        wait_until(lambda: metric(metrics, metrics.disk_writes, result="failed") == 1, 30,
-                   what="a failed write")
-        assert metric(metrics, metrics.disk_write_failures, reason="ENOSPC") == 1
-        assert not list((mount / "cache").glob("*.safetensors"))  # no partial file left
-        store.insert("m", tokens(10, 500), make_cache(10), "finish", chain=[2])
-        wait_until(lambda: len(tier.index) == 1, 30, what="a small write after the failure")
-    finally:
-        if tier is not None:
-            tier.close()
-        subprocess.run(["umount", str(mount)])
+    with small_tmpfs(tmp_path / "small", "256k") as mount:
+        tier = None
+        try:
+            tier, metrics = make_tier(mount / "cache")
+            store = attach(tier)
+            store.insert("m", tokens(2000), make_cache(2000), "finish", chain=[1])  # 512 kB
+            wait_until(lambda: metric(metrics, metrics.disk_writes, result="failed") == 1, 30,
+                       what="a failed write")
+            assert metric(metrics, metrics.disk_write_failures, reason="ENOSPC") == 1
+            assert not list((mount / "cache").glob("*.safetensors"))  # no partial file left
+            store.insert("m", tokens(10, 500), make_cache(10), "finish", chain=[2])
+            wait_until(lambda: len(tier.index) == 1, 30, what="a small write after the failure")
+        finally:
+            if tier is not None:
+                tier.close()
 
 
 def test_a_prefill_faster_than_the_disk_skips_the_restore(tmp_path):

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import uuid
 
 import pytest
-from harness import BackendProcess, get_json, post_json, request, wait_until
+from harness import BackendProcess, get_json, post_json, request, small_tmpfs, wait_until
 from test_families import assert_same_answer, cached, conversation
 
 from kvroute import arch_models
@@ -135,25 +134,22 @@ def test_untrimmable_family_restores_exactly(model_cache, tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_full_disk_keeps_serving(text_model, tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mount)]).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    backend = None
-    try:
-        backend = start(text_model, "demo", mount / "cache", tmp_path)
-        for i in range(3):
-            chat(backend, conversation(f"Question {i}: which ticket blocks release {i}?"))
-        wait_until(lambda: metric(backend, "kvroute_backend_disk_writes_total", result="failed") >= 1,
-                   60, what="a failed write")
-        assert "writing failed (ENOSPC" in backend.log()
-        assert backend.health()["status"] == "ok"
-        answer = chat(backend, conversation())
-        assert answer["choices"][0]["message"]["content"] is not None
-    finally:
-        if backend is not None:
-            backend.stop()
-        subprocess.run(["umount", str(mount)])
+    with small_tmpfs(tmp_path / "small", "128k") as mount:
+        backend = None
+        try:
+            backend = start(text_model, "demo", mount / "cache", tmp_path)
+            for i in range(3):
+                chat(backend, conversation(f"Question {i}: which ticket blocks release {i}?"))
+            wait_until(lambda: metric(backend, "kvroute_backend_disk_writes_total",
+                                      result="failed") >= 1,
+                       60, what="a failed write")
+            assert "writing failed (ENOSPC" in backend.log()
+            assert backend.health()["status"] == "ok"
+            answer = chat(backend, conversation())
+            assert answer["choices"][0]["message"]["content"] is not None
+        finally:
+            if backend is not None:
+                backend.stop()
 
 
 def test_proxy_routes_turn2_back_to_the_restarted_backend(text_model, tmp_path):
