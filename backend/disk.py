@@ -44,7 +44,7 @@ import numpy as np
 
 from . import diskfile
 from .diskfile import BadRecord, Record
-from .store import Entry, Event, Hit, common_prefix, held_tokens, trimmed_copy
+from .store import Entry, Event, Hit, held_tokens, trimmed_copy, usable_prefix
 
 log = logging.getLogger("kvroute.backend.disk")
 
@@ -285,15 +285,10 @@ class DiskTier:
 
     def best(self, model: str, prompt: np.ndarray, scope: str | None) -> tuple[int, Record | None]:
         """The record serving the longest usable prefix (as `Store.lookup` rules)."""
-        limit = len(prompt) - 1
         found: tuple[int, Record | None] = (0, None)
         with self.lock:
             for record in self.index.values():
-                if record.model != model or record.scope != scope:
-                    continue
-                n = min(common_prefix(record.tokens, prompt), limit)
-                if n < len(record.tokens) and not record.trimmable:
-                    continue
+                n = usable_prefix(record, model, scope, prompt)
                 if n > found[0]:
                     found = (n, record)
         return found

@@ -163,6 +163,16 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+def usable_prefix(item: Any, model: str, scope: str | None, prompt: np.ndarray) -> int:
+    """How many of `prompt`'s tokens a store entry or disk record can serve: none for
+    another model or scope, none when it holds more than it shares and cannot be
+    trimmed, and never the prompt's last token (it must run through the model)."""
+    if item.model != model or item.scope != scope:
+        return 0
+    n = min(common_prefix(item.tokens, prompt), len(prompt) - 1)
+    return 0 if n < len(item.tokens) and not item.trimmable else n
+
+
 def _synchronized(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(self: "Store", *args, **kwargs):
@@ -194,14 +204,9 @@ class Store:
         """The longest cached prefix of `tokens` that leaves at least one token to
         process (a prompt's last token must run through the model to give logits)."""
         prompt = np.asarray(tokens, dtype=np.int32)
-        limit = len(prompt) - 1
         best: tuple[int, Entry] | None = None
         for entry in self.entries.values():
-            if entry.model != model or entry.scope != scope:
-                continue
-            n = min(common_prefix(entry.tokens, prompt), limit)
-            if n < len(entry.tokens) and not entry.trimmable:
-                continue
+            n = usable_prefix(entry, model, scope, prompt)
             if n > 0 and (best is None or n > best[0]):
                 best = (n, entry)
         if best is None:
