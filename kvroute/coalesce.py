@@ -55,25 +55,27 @@ class ScriptBatcher:
         fut = loop.create_future()
         self._queue.append(_Call(script, sha, keys, args, fut))
         if not self._scheduled:
+            # The task takes the queue when it first runs, on the loop's next turn:
+            # every call made in this tick joins its pipeline. (A task started from
+            # a call_soon callback would cost a lone call one more turn of the loop.)
             self._scheduled = True
-            loop.call_soon(self._flush)
-        return fut
-
-    def _flush(self) -> None:
-        self._scheduled = False
-        batch, self._queue = self._queue, []
-        if batch:
-            task = asyncio.ensure_future(self._run(batch))
+            task = loop.create_task(self._run())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        return fut
 
-    async def _run(self, batch: list[_Call]) -> None:
+    async def _run(self) -> None:
+        self._scheduled = False
+        batch, self._queue = self._queue, []
         self.pipelines += 1
         self.calls += len(batch)
         t0 = time.monotonic()
         try:
-            replies = await asyncio.wait_for(self._execute(batch), self.stall_after)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the
+            # pipeline in a task of its own, one more turn of the loop per lookup.
+            async with asyncio.timeout(self.stall_after):
+                replies = await self._execute(batch)
+        except TimeoutError:
             why = f"no answer within {self.stall_after:.2f}s"
         except Exception as exc:  # any Redis trouble: the callers answer "unknown"
             why = f"{type(exc).__name__}: {exc}"
