@@ -256,7 +256,7 @@ def no_stream_options(draw, strategy):
 # -- property-based fuzzing -------------------------------------------------------------------
 
 
-@settings(FUZZ, max_examples=120)
+@settings(FUZZ, max_examples=60)
 @given(body=no_stream_options(valid_bodies(RESPONSES_BASE, OK_RESPONSES)))
 def test_fuzz_valid_responses(servers, body):
     assert send(servers, RESPONSES, dumps(body)) == 200
@@ -268,7 +268,7 @@ def test_fuzz_responses(servers, body):
     send(servers, RESPONSES, dumps(body))
 
 
-@settings(FUZZ, max_examples=120)
+@settings(FUZZ, max_examples=60)
 @given(body=no_stream_options(valid_bodies(MESSAGES_BASE, OK_MESSAGES)))
 def test_fuzz_valid_messages(servers, body):
     assert send(servers, MESSAGES, dumps(body)) == 200
