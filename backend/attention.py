@@ -228,31 +228,39 @@ def new_cache(model: Any) -> list[Any]:
 # paid a plan build: on an H200 a cold 2k prompt took 0.25 s at a new length and
 # 0.08 s at a length seen before, a 70-token turn on a 31k cached prompt 0.12-0.19 s
 # against 0.08 s. For such calls, when the scores are small, the plain attention
-# below (MLX's own fallback arithmetic: matmul, mask, softmax in float32, matmul)
-# costs a few milliseconds and no plan. Calls the size of a full prefill chunk
-# repeat their shapes and keep cuDNN's fused kernel.
+# below (MLX's own fallback arithmetic: matmul, mask, softmax with float32
+# accumulation, matmul) costs a few milliseconds and no plan. Calls the size of a
+# full prefill chunk repeat their shapes and keep cuDNN's fused kernel.
 
 PLAN_FREE_SCORE_BYTES = 512 << 20  # float32 scores of one layer's call, at most
 _full_chunk = 0  # the engine's prefill step: chunks of that size keep cuDNN
 
 
 def _plain_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
+    """softmax(q k^T * scale + mask) v, as MLX's fallback computes it (scores in the
+    inputs' type, a precise softmax), with two savings that matter when a few
+    queries meet a long cache (a cache hit's suffix): grouped query heads are
+    folded into the rows of one matmul per key head, so keys and values are never
+    repeated per query head, and a causal mask touches only the last L columns,
+    the only ones it hides anything in."""
     B, Hq, L, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
     rep = Hq // Hk
-    q = (q * scale).reshape(B, Hk, rep, L, D)
-    scores = (q @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)  # B, Hk, rep, L, S
-    if isinstance(mask, str):  # "causal", aligned to the end of the keys
-        allowed = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
-        scores = mx.where(allowed, scores, mx.finfo(mx.float32).min)
+    q = (q * scale).reshape(B, Hk, rep * L, D)
+    scores = (q @ k.swapaxes(-1, -2)).reshape(B, Hk, rep, L, S)
+    low = mx.finfo(scores.dtype).min
+    if isinstance(mask, str):  # "causal", aligned to the end of the keys (L <= S)
+        # Query i sits at S - L + i: of the last L keys it may see the first i + 1.
+        allowed = mx.arange(L)[:, None] >= mx.arange(L)[None]
+        scores[..., S - L:] = mx.where(allowed, scores[..., S - L:], low)
     elif mask is not None:
         mask = mask[:, :, None] if mask.shape[1] == 1 else mask.reshape(B, Hk, rep, L, S)
         if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.finfo(mx.float32).min)
+            scores = mx.where(mask, scores, low)
         else:
-            scores = scores + mask.astype(mx.float32)
-    weights = mx.softmax(scores, axis=-1, precise=True).astype(v.dtype)
-    return (weights @ v[:, :, None]).reshape(B, Hq, L, v.shape[-1])
+            scores = scores + mask.astype(scores.dtype)
+    weights = mx.softmax(scores, axis=-1, precise=True).reshape(B, Hk, rep * L, S)
+    return (weights @ v).reshape(B, Hq, L, v.shape[-1])
 
 
 def _plan_free(q: mx.array, k: mx.array, cache: Any, sinks: Any) -> bool:

@@ -252,6 +252,11 @@ def test_plain_attention_is_mlx_attention(mask):
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
     got = _plain_attention(q, k, v, 0.25, m)
     assert got.shape == ref.shape and mx.allclose(got, ref, atol=1e-5, rtol=1e-5).item()
+    if not isinstance(m, mx.array):
+        # In the models' bfloat16 it is bit for bit MLX's own (CPU) attention.
+        q, k, v = (a.astype(mx.bfloat16) for a in (q, k, v))
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
+        assert mx.array_equal(_plain_attention(q, k, v, 0.25, m), ref).item()
 
 
 def test_plan_free_attention_generates_what_the_fused_path_does(demo, monkeypatch):
@@ -279,3 +284,28 @@ def test_plan_free_attention_generates_what_the_fused_path_does(demo, monkeypatc
     model(mx.array([prompts[0][:30]]), cache=hit)
     assert _greedy(model, [prompts[0]], [hit])[0] == ref[0]
 
+
+
+def test_kept_buffer_cache_generates_the_same_and_keeps_buffers(demo, monkeypatch):
+    """On a GPU the engine stops mlx-lm's generator from emptying MLX's buffer cache
+    after every prefill chunk (backend/engine.py keep_buffer_cache): the tokens are
+    the same, the generator's freed buffers stay cached, everything else of mlx.core
+    is what the generator sees."""
+    import importlib
+
+    from backend.engine import keep_buffer_cache
+
+    generate = importlib.import_module("mlx_lm.generate")
+
+    model, tok = demo
+    prompts = _prompts(len(tok.vocab) if hasattr(tok, "vocab") else 1000, [40, 5, 47])
+    ref = _greedy(model, prompts, [new_cache(model) for _ in prompts])
+    monkeypatch.setattr(generate, "mx", generate.mx)  # undone after the test
+    keep_buffer_cache()
+    keep_buffer_cache()  # once is enough: a second call changes nothing
+    assert generate.mx.array is mx.array and generate.mx._module is mx
+    assert _greedy(model, prompts, [new_cache(model) for _ in prompts]) == ref
+    mx.eval(mx.zeros((1 << 20,)) + 1)  # its inputs' buffers go back to the cache
+    held = mx.get_cache_memory()
+    generate.mx.clear_cache()  # what the generator calls after each chunk
+    assert held > 0 and mx.get_cache_memory() == held
