@@ -178,6 +178,18 @@ async def stream(session: aiohttp.ClientSession, url: str, path: str, body: dict
     return stamps[0] - t0, stamps, usage, "".join(text)
 
 
+def engine_ttft_sum(backends: list) -> float:
+    """Sum of every backend's engine-side TTFT histogram (seconds)."""
+    import urllib.request
+
+    total = 0.0
+    for b in backends:
+        for line in urllib.request.urlopen(b.url + "/metrics").read().decode().splitlines():
+            if line.startswith("kvroute_backend_ttft_seconds_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def _session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800))
 
@@ -347,8 +359,16 @@ def run_kvroute(args, tok, logs: Path) -> dict:
         out["prefill_step"] = health["device"].get("prefill_step")
 
         n = min(2048, max(args.sizes))
-        firsts = [ttft_s(url, "m", text_of(tok, n, 9000 + i))[0] for i in range(10)]
+        firsts, engine_firsts = [], []
+        for i in range(10):
+            before = engine_ttft_sum(backends)
+            firsts.append(ttft_s(url, "m", text_of(tok, n, 9000 + i))[0])
+            engine_firsts.append(round(engine_ttft_sum(backends) - before, 3))
         out["first_vs_tenth"] = (firsts[0], firsts[-1])
+        # The backend's own submit-to-first-token: what of the first request's extra
+        # time is the engine's (kernels), what HTTP, templates and routing.
+        out["first_ttfts"] = [round(f, 3) for f in firsts]
+        out["first_engine_ttfts"] = engine_firsts
         out["cold"] = {}
         for size in args.sizes:
             times = [ttft_s(url, "m", text_of(tok, size, 100 + size + r))[0]
@@ -426,7 +446,8 @@ def report(args, raw: dict, ref: dict | None, kv: dict) -> str:
             text += f"| {policy} | {r['hit_ratio']:.3f} | {r['ttft_turns_2_4']:.3f} s |\n"
     extra = {k: kv.get(k) for k in ("device", "ready_s", "warmup_s", "prefill_step",
                                     "memory_limit_each", "device_memory", "exit_codes",
-                                    "turn2_prompt_tokens", "turn2_cached_tokens", "turn2_route")}
+                                    "turn2_prompt_tokens", "turn2_cached_tokens", "turn2_route",
+                                    "first_ttfts", "first_engine_ttfts")}
     text += "\n\n" + ", ".join(f"{k}: {v}" for k, v in extra.items() if v is not None)
     return text
 

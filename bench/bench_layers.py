@@ -27,8 +27,14 @@ Engine (turn 1 committed, turn 2 a hit), over conversations of a few lengths, ea
 twice: a second turn at a length already seen shows the steady state, one at a new
 length also what compiling kernels for new shapes costs.
 
+With --trace, a last cold prompt and the last second turn are run with each of the Engine's steps
+timed (the device synchronised after each, so its work is counted where it was
+queued): admission (lookup, insert), every generator step, the checkpoint commit
+and the first token's handling, in milliseconds from the submit; and the cost of
+copying a cache of the first turn's size into fresh memory and into reused memory.
+
     python bench/bench_layers.py --model DIR [--tokens 256] [--streams 8] [--prompt 64] [--profile]
-                                 [--turn2 31000 --suffix 70]
+                                 [--turn2 31000 --suffix 70] [--trace]
 """
 
 from __future__ import annotations
@@ -170,7 +176,7 @@ def engine_turn2(engine: Engine, first: list[int], second: list[int]) -> tuple[f
 
 
 def turn2_rows(model, engine: Engine, vocab: int, n: int, suffix: int,
-               profile: bool) -> tuple[list[tuple], str]:
+               profile: bool, trace: bool = False) -> tuple[list[tuple], str]:
     rows = []
     for length in (n, n, n - 97, n - 97, n - 211):
         first = prompts(1, length, vocab)[0]
@@ -182,13 +188,82 @@ def turn2_rows(model, engine: Engine, vocab: int, n: int, suffix: int,
         rows.append((len(first), len(second), cached, raw, mine))
         engine.store.clear()  # the engine is idle between turns; the next length starts cold
         mx.clear_cache()
-    if not profile:
+    if not (profile or trace):
         return rows, ""
     first = prompts(1, n, vocab)[0]
     second = first + prompts(1, suffix, vocab)[0][::-1]
-    asyncio.run(_engine_turn(engine, first, 1))
-    return rows, profiled(engine, "Engine, second turn (TTFT s, cached tokens)",
-                          lambda: _engine_turn(engine, second, 1))
+    out = []
+    if trace:
+        asyncio.run(_engine_turn(engine, first, 1))
+        out.append(traced(engine, lambda: _engine_turn(engine, second, 1)))
+        engine.store.clear()
+        out.append(copy_costs(model, n))
+    if profile:
+        asyncio.run(_engine_turn(engine, first, 1))
+        out.append(profiled(engine, "Engine, second turn (TTFT s, cached tokens)",
+                            lambda: _engine_turn(engine, second, 1)))
+    return rows, "\n".join(out)
+
+
+def traced(engine: Engine, run) -> str:
+    """`run()` (a coroutine function) with the engine's steps timed one by one."""
+    marks: list[tuple[str, float, float]] = []
+    t0 = time.perf_counter()
+
+    def timed(name: str, fn):
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                mx.synchronize()
+                marks.append((name, start - t0, time.perf_counter() - t0))
+        return wrapper
+
+    originals = {name: getattr(engine, name) for name in ("_admit", "_checkpoint", "_on_token")}
+    gen_next = engine._gen.next
+    for name, fn in originals.items():
+        setattr(engine, name, timed(name.strip("_"), fn))
+    engine._gen.next = timed("generator step", gen_next)
+    try:
+        t0 = time.perf_counter()
+        result = asyncio.run(run())
+        total = time.perf_counter() - t0
+    finally:
+        for name in originals:
+            delattr(engine, name)
+        del engine._gen.next
+    lines = [f"traced: {result}, {total * 1e3:.1f} ms to the end"]
+    lines += [f"  {a * 1e3:8.1f} -> {b * 1e3:8.1f} ms  {b * 1e3 - a * 1e3:7.1f} ms  {name}"
+              for name, a, b in marks[:16]]
+    return "\n".join(lines)
+
+
+def copy_costs(model, tokens: int) -> str:
+    """Seconds to copy every layer's keys and values of a `tokens`-long cache, into
+    memory just released to the device (after `mx.clear_cache`) and into memory the
+    allocator still holds."""
+    cache = make_prompt_cache(model)
+    args = model.args
+    heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
+    dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    layers = [mx.zeros((1, heads, tokens, dim), mx.bfloat16) for _ in range(2 * len(cache))]
+    mx.eval(layers)
+    rows = []
+    for fresh in (True, False, True, False):
+        if fresh:
+            mx.clear_cache()
+        else:
+            mx.eval([mx.contiguous(a[..., 1:, :]) for a in layers])  # leaves freed buffers cached
+        t = time.perf_counter()
+        copies = [mx.contiguous(a[..., : tokens - 3, :]) for a in layers]
+        mx.eval(copies)
+        rows.append((fresh, time.perf_counter() - t))
+        del copies
+    gb = sum(a.nbytes for a in layers) / 1e9
+    return "\n".join(f"copy of a {tokens}-token cache ({gb:.2f} GB) into "
+                     f"{'fresh' if fresh else 'reused'} memory: {secs * 1e3:.1f} ms"
+                     for fresh, secs in rows)
 
 
 def profiled(engine: Engine, what: str, run, top: int = 25) -> str:
@@ -220,6 +295,7 @@ def main() -> None:
     ap.add_argument("--turn2", type=int, default=0, help="first-turn tokens of the cached-turn "
                     "runs (0: skip them)")
     ap.add_argument("--suffix", type=int, default=70, help="tokens the second turn adds")
+    ap.add_argument("--trace", action="store_true", help="time each Engine step of a second turn")
     ap.add_argument("--cold", type=int, default=0, help="tokens of the cold-prompt runs right "
                     "after warm-up (0: skip them)")
     ap.add_argument("--skip-decode", action="store_true")
@@ -243,8 +319,14 @@ def main() -> None:
     if args.cold:
         console.print(ttft_table("Cold prompts after warm-up: time to first token (s)",
                                  ("prompt tokens",), cold_rows(model, engine, vocab, args.cold)))
+        if args.trace:  # one more, at a length not seen yet
+            prompt = prompts(1, args.cold + 29, vocab + 7)[0]
+            console.print(traced(engine, lambda: _engine_turn(engine, prompt, 1)),
+                          markup=False, highlight=False)
+            engine.store.clear()
     if args.turn2:
-        rows, profile = turn2_rows(model, engine, vocab, args.turn2, args.suffix, args.profile)
+        rows, profile = turn2_rows(model, engine, vocab, args.turn2, args.suffix, args.profile,
+                                   args.trace)
         console.print(ttft_table("Second turn of a conversation: time to first token (s)",
                                  ("turn 1 tokens", "turn 2 tokens", "cached"), rows))
         console.print(profile, markup=False, highlight=False)
