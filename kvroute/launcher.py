@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import http.client
 import os
 import secrets
 import signal
@@ -359,7 +360,10 @@ def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=1) as r:
             return r.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):
+        # HTTPException: whatever answered was not HTTP. While a child's port is not
+        # listening yet, a local connect can even meet itself (TCP simultaneous open:
+        # the client's ephemeral port is the port it dials) and read its own request.
         return False
 
 

@@ -15,6 +15,7 @@ not retried for FAILED_RETRY_AFTER seconds: requests meanwhile get its error at 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import logging
 import socket
 import time
@@ -309,7 +310,7 @@ def _busy(children: list["Child"]) -> bool:
         try:
             with urllib.request.urlopen(child.url + "/health", timeout=5) as r:
                 engine = orjson.loads(r.read()).get("engine", {})
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):  # see launcher._healthy
             return True
         if engine.get("queued", 0) + engine.get("prefilling", 0) + engine.get("decoding", 0):
             return True

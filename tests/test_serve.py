@@ -213,3 +213,31 @@ def test_bad_config_is_refused_clearly(tmp_path):
     path.write_text("[[models]]\npath = 'demo'\nrelicas = 2\n")
     out = subprocess.run(serve_cmd(path), cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "unknown keys ['relicas']" in out.stderr
+
+
+def test_a_health_poll_answered_by_something_not_http_means_not_ready():
+    """A regression: the launcher polled a child's port before the child listened, the
+    connect met itself (TCP simultaneous open) and read back its own request line; the
+    http.client error it raised killed `kvroute serve`. Here an echo server plays that
+    part: the poll says "not ready" instead of raising."""
+    import socket
+    import threading
+
+    from kvroute.launcher import _healthy
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def echo() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(conn.recv(4096))
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    try:
+        assert _healthy(f"http://127.0.0.1:{server.getsockname()[1]}") is False
+    finally:
+        thread.join(5)
+        server.close()
