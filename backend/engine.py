@@ -198,6 +198,7 @@ class Engine:
         serial_prefill: bool = False,
         max_batch: int = 32,
         max_queue: int = 64,
+        keep_buffers: bool | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -217,7 +218,10 @@ class Engine:
         self.checkpointing = not always_trimmable(make_prompt_cache(model))
         if avoid_cudnn_plans(prefill_step):
             log.info("CUDA: attention calls of new shapes skip cuDNN's per-shape plans")
-        self.keep_buffers = mx.default_device().type == mx.gpu
+        # Keep MLX's buffer cache across prefill chunks (keep_buffer_cache): by default
+        # on a GPU; the server asks for it only where a cache limit bounds it.
+        self.keep_buffers = (mx.default_device().type == mx.gpu if keep_buffers is None
+                             else keep_buffers)
         if self.keep_buffers:
             keep_buffer_cache()
         self._inbox: queue.Queue = queue.Queue()
@@ -787,9 +791,9 @@ def keep_buffer_cache() -> None:
     """mlx-lm empties MLX's buffer cache after every prefill chunk, which keeps a
     laptop's memory low but makes each chunk and each cache hit allocate its memory
     afresh: on an H200 a 70-token turn on a 31k-token cached prompt spent ~20 ms of
-    its ~100 ms re-allocating. On a GPU the backend keeps the cache; MLX's cache
-    limit (set per replica, kvroute/accel.py) still bounds it, and MLX empties it
-    itself before an allocation would pass the memory limit."""
+    its ~100 ms re-allocating. A backend on a GPU with a cache limit (set per
+    replica, kvroute/accel.py) keeps the cache, which that limit bounds; MLX also
+    empties it itself before an allocation would pass the memory limit."""
     # importlib: the package's attribute `mlx_lm.generate` is its generate() function.
     generate = importlib.import_module("mlx_lm.generate")
     if not isinstance(generate.mx, _KeepingBuffers):

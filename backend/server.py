@@ -630,6 +630,7 @@ def load_state(config: BackendConfig) -> State:
         or (config.long_prefill == "auto" and device.kind != "cpu"),
         max_batch=config.max_batch,
         max_queue=config.max_queue,
+        keep_buffers=device.kind != "cpu" and "cache_limit" in limits,
     )
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
     disk = open_disk_tier(config.model, config.disk_cache_dir, config.disk_cache_bytes,
