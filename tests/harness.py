@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
-import pytest
-
 from kvroute.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +47,8 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: fl
 def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
     """A tmpfs of `size` mounted at `path` (a full disk on demand; needs root), unmounted
     after; skips the test where it cannot be mounted."""
+    import pytest  # here: the benchmarks import this module without the test extras
+
     path.mkdir()
     mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
     if subprocess.run(mount).returncode:
