@@ -43,7 +43,9 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
+from harness import metric_sum, request  # noqa: E402
 from kvroute import accel  # noqa: E402
 from kvroute.redis_server import RedisServer, free_port  # noqa: E402
 
@@ -182,14 +184,8 @@ async def stream(session: aiohttp.ClientSession, url: str, path: str, body: dict
 
 def engine_ttft_sum(backends: list) -> float:
     """Sum of every backend's engine-side TTFT histogram (seconds)."""
-    import urllib.request
-
-    total = 0.0
-    for b in backends:
-        for line in urllib.request.urlopen(b.url + "/metrics").read().decode().splitlines():
-            if line.startswith("kvroute_backend_ttft_seconds_sum"):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(metric_sum(request(b.url + "/metrics")[2].decode(),
+                          "kvroute_backend_ttft_seconds_sum") for b in backends)
 
 
 def _session() -> aiohttp.ClientSession:

@@ -208,7 +208,6 @@ def turn2_rows(model, engine: Engine, vocab: int, n: int, suffix: int,
 def traced(engine: Engine, run) -> str:
     """`run()` (a coroutine function) with the engine's steps timed one by one."""
     marks: list[tuple[str, float, float]] = []
-    t0 = time.perf_counter()
 
     def timed(name: str, fn):
         def wrapper(*a, **kw):

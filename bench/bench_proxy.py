@@ -39,7 +39,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from harness import free_port, request, wait_until  # noqa: E402
+from harness import free_port, metric_sum, request, wait_until  # noqa: E402
 
 from kvroute import prefix  # noqa: E402
 from kvroute.redis_server import RedisServer  # noqa: E402
@@ -122,13 +122,8 @@ def pre_forward(proxy_url: str) -> tuple[float, float]:
     """(sum, count) of the proxy's own pre-forward work (kvroute_proxy_overhead_seconds:
     parse, chain, lookup, choice), from its /metrics."""
     text = request(proxy_url + "/metrics")[2].decode()
-    total = count = 0.0
-    for line in text.splitlines():
-        if line.startswith("kvroute_proxy_overhead_seconds_sum"):
-            total += float(line.split()[-1])
-        elif line.startswith("kvroute_proxy_overhead_seconds_count"):
-            count += float(line.split()[-1])
-    return total, count
+    return (metric_sum(text, "kvroute_proxy_overhead_seconds_sum"),
+            metric_sum(text, "kvroute_proxy_overhead_seconds_count"))
 
 
 async def paced(url: str, rate: float, seconds: float, stream: bool) -> list[float]:

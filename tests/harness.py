@@ -6,6 +6,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -72,6 +73,12 @@ def terminate(proc: subprocess.Popen | None, timeout: float, kill_wait: float | 
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(kill_wait)
+
+
+def metric_sum(text: str, name: str) -> float:
+    """Sum of one sample name over all its label sets, from Prometheus text."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)", re.M)
+    return sum(float(v) for v in pattern.findall(text))
 
 
 def request(url: str, method: str = "GET", body: Any = None, headers: dict | None = None,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from harness import BackendProcess, free_port, request, terminate, wait_until
+from harness import BackendProcess, free_port, metric_sum, request, terminate, wait_until
 
 from kvroute.redis_server import RedisServer
 
@@ -87,12 +87,6 @@ class _DomProbe(HTMLParser):
     def handle_data(self, data):
         if self._in_hit:
             self.hit_text += data
-
-
-def metric_sum(text: str, name: str) -> float:
-    """Sum of one counter over all its label sets, from Prometheus text."""
-    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)", re.M)
-    return sum(float(v) for v in pattern.findall(text))
 
 
 class ProxyProcess:
