@@ -24,7 +24,7 @@ import orjson
 from aiohttp import web
 
 from kvroute import accel, openapi, prefix
-from kvroute.process import start_site, wait_for_stop
+from kvroute.process import bind_sockets, start_site, wait_for_stop
 from kvroute.errors import APIError, bad_request, error_middleware, not_found
 from kvroute.registry import BackendRecord, Registry, new_instance_id
 from kvroute.wire import (COUNT_TOKENS_PATH, ChatRequest, CompletionRequest, parse_chat,
@@ -721,6 +721,7 @@ async def _first_sync(publishers: list[Publisher], timeout: float = 5.0) -> None
 
 
 async def serve(config: BackendConfig) -> None:
+    socks = bind_sockets(config.host, config.port)  # the port is ours from now on
     state = await asyncio.to_thread(load_state, config)
     if state.device["kind"] != "cpu":
         sys.setswitchinterval(GPU_GIL_SWITCH_S)
@@ -741,7 +742,7 @@ async def serve(config: BackendConfig) -> None:
         if state.disk_publisher is not None:
             await state.disk_publisher.start()
         await _first_sync([p for p in (state.publisher, state.disk_publisher) if p])
-    runner = await start_site(create_app(state), config.host, config.port)
+    runner = await start_site(create_app(state), config.host, config.port, socks)
     log.info("backend %s serving %s on http://%s:%d", config.backend_id, config.model_id,
              config.host, config.port)
     await wait_for_stop()

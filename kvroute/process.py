@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 
 from aiohttp import web
 
@@ -33,12 +34,48 @@ async def watch_parent(stop: asyncio.Event, period: float = 1.0) -> None:
             pass
 
 
-async def start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """The server's sockets, bound but not listening yet (connections are refused).
+
+    A backend binds these before it loads its model: `kvroute serve` picked the port as
+    free before the process started, and through a load of seconds to minutes an
+    outgoing connection (which takes any unbound port) could otherwise claim it.
+    """
+    socks: list[socket.socket] = []
+    seen = set()
+    try:
+        for family, type_, proto, _, addr in socket.getaddrinfo(
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            if (family, addr) in seen:
+                continue
+            seen.add((family, addr))
+            sock = socket.socket(family, type_, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio does: one socket per family
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                raise OSError(e.errno, f"cannot listen on {addr[0]}:{port}: {e.strerror}") from None
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+async def start_site(app: web.Application, host: str, port: int,
+                     socks: list[socket.socket] | None = None) -> web.AppRunner:
+    """Serve `app` on host:port, or on `socks` from bind_sockets()."""
     # handler_cancellation: a client that disconnects cancels its handler, which is
     # how a disconnect reaches the engine (backend) or the upstream request (proxy).
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    if socks is None:
+        await web.TCPSite(runner, host, port).start()
+    for sock in socks or ():
+        await web.SockSite(runner, sock).start()
     return runner
 
 

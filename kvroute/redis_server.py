@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -35,11 +36,28 @@ def _stop_all() -> None:
         server.stop()
 
 
-def free_port() -> int:
-    """A port that was free a moment ago (the caller retries if it got taken)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; macOS and Windows start theirs higher
+
+
+def free_port(spare: int = 32) -> int:
+    """A port that was free a moment ago, followed by `spare` more below the kernel's
+    ephemeral range (the caller retries if it got taken). Ports from bind(port 0) lie
+    inside that range, where any outgoing connection (a Redis client, a health poll)
+    can take one before the server it was picked for binds it."""
+    high = _ephemeral_low() - spare
+    for _ in range(200):
+        port = random.randrange(max(1024, high - 12000), high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port found below {high}")
 
 
 def _resp(*args: str) -> bytes:

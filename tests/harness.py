@@ -17,15 +17,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
-from kvroute.redis_server import RedisServer
+from kvroute.redis_server import RedisServer, free_port  # noqa: F401 (tests import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02,

@@ -241,3 +241,45 @@ def test_a_health_poll_answered_by_something_not_http_means_not_ready():
     finally:
         thread.join(5)
         server.close()
+
+
+def test_a_backend_holds_its_port_from_start_to_serving():
+    """A regression: `kvroute serve` picks each backend's port before the backend starts,
+    and while one loaded its model an outgoing connection of another process took the
+    port; the backend died on bind. A backend now binds first: nothing else can take the
+    port (an outgoing connection's local port is a bind too), a health poll is refused
+    until it listens, and then it serves on those same sockets. The tests' own ports lie
+    below the ephemeral range, where outgoing connections never land."""
+    import asyncio
+    import socket
+
+    import aiohttp
+    from aiohttp import web
+
+    from kvroute.process import bind_sockets, start_site
+    from kvroute.redis_server import _ephemeral_low
+
+    port = free_port()
+    assert port < _ephemeral_low()
+    socks = bind_sockets("127.0.0.1", port)
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+        async def health() -> dict:
+            app = web.Application()
+            app.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
+            runner = await start_site(app, "127.0.0.1", port, socks)
+            try:
+                async with aiohttp.ClientSession() as session:
+                    async with session.get(f"http://127.0.0.1:{port}/health") as resp:
+                        return await resp.json()
+            finally:
+                await runner.cleanup()
+
+        assert asyncio.run(health()) == {"status": "ok"}
+    finally:
+        for sock in socks:
+            sock.close()
