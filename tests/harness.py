@@ -69,10 +69,11 @@ def terminate(proc: subprocess.Popen | None, timeout: float, kill_wait: float | 
         proc.wait(kill_wait)
 
 
-def metric_sum(text: str, name: str) -> float:
-    """Sum of one sample name over all its label sets, from Prometheus text."""
-    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)", re.M)
-    return sum(float(v) for v in pattern.findall(text))
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of one sample name over its label sets that carry `labels`, from Prometheus text."""
+    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)", re.M)
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(float(v) for found, v in pattern.findall(text) if all(w in found for w in want))
 
 
 def request(url: str, method: str = "GET", body: Any = None, headers: dict | None = None,

@@ -11,7 +11,8 @@ import signal
 import uuid
 
 import pytest
-from harness import BackendProcess, get_json, post_json, request, small_tmpfs, wait_until
+from harness import (BackendProcess, get_json, metric_sum, post_json, request, small_tmpfs,
+                     wait_until)
 from test_families import assert_same_answer, cached, conversation
 
 from kvroute import arch_models
@@ -49,13 +50,7 @@ def written(backend: BackendProcess, entries: int = 1) -> bool:
 
 
 def metric(backend: BackendProcess, name: str, **labels) -> float:
-    text = request(backend.url + "/metrics")[2].decode()
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(w in line for w in want):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_sum(request(backend.url + "/metrics")[2].decode(), name, **labels)
 
 
 def kill(backend: BackendProcess) -> None:
