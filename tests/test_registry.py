@@ -393,6 +393,26 @@ def test_a_late_lookup_costs_only_its_own_request(server):
     run(main())
 
 
+def test_a_lone_lookup_after_redis_lost_its_scripts_is_answered(server):
+    """When Redis has lost the scripts (a restart, a failover), a lookup loads them
+    again and answers, instead of answering "unknown"."""
+    import redis as redis_py
+
+    async def main():
+        reg = Registry(server.url)
+        r1 = record("b1")
+        chain = chain_of(conv(2))
+        await reg.heartbeat(r1)
+        await reg.advertise("b1", r1.instance_id, MODEL, chain)
+        assert (await reg.lookup(MODEL, chain, timeout=10.0))["b1"].depth == len(chain)
+        redis_py.Redis.from_url(server.url).script_flush()
+        found = await reg.lookup(MODEL, chain, timeout=10.0)
+        assert found is not None and found["b1"].depth == len(chain)
+        await reg.close()
+
+    run(main())
+
+
 def test_wrong_password_is_unavailable_not_a_crash():
     async def main(s):
         good = Registry(s.url)
