@@ -15,7 +15,7 @@ workers for the peak requests/s, and divides the proxy process's CPU time over t
 run by the requests it served (CPU µs per request: on a machine shared with other
 work, steadier than latencies).
 
-    python bench/bench_proxy.py [--rate 200] [--seconds 10] [--concurrency 32]
+    python bench/bench_proxy.py [--rate 200] [--seconds 10] [--concurrency 32] [--modes whole,streaming]
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ async def main_async(args) -> None:
                     "added p50 (ms)", "added p99 (ms)", "pre-forward µs (mean)",
                     "peak req/s (proxy, 1 core)", "proxy CPU µs/req"):
             table.add_column(col, justify="right")
-        for stream in (False, True):
+        for stream in [m == "streaming" for m in args.modes.split(",")]:
             path = "/v1/chat/completions"
             await paced(proxy_url + path, args.rate, 2, stream)  # warm-up
             direct = await paced(fake_url + path, args.rate, args.seconds, stream)
@@ -224,6 +224,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--modes", default="whole,streaming", help="which of whole,streaming to run")
     asyncio.run(main_async(ap.parse_args()))
 
 
