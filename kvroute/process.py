@@ -49,7 +49,10 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
             if (family, addr) in seen:
                 continue
             seen.add((family, addr))
-            sock = socket.socket(family, type_, proto)
+            try:
+                sock = socket.socket(family, type_, proto)
+            except OSError:  # a family this host lacks (IPv6 off): skipped, as asyncio does
+                continue
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:  # as asyncio does: one socket per family
@@ -62,6 +65,8 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
         for sock in socks:
             sock.close()
         raise
+    if not socks:
+        raise OSError(f"cannot listen on {host}:{port}: no usable address")
     return socks
 
 
