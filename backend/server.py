@@ -15,7 +15,6 @@ import os
 import socket
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

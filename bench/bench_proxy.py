@@ -25,7 +25,6 @@ import asyncio
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import time

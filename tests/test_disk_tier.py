@@ -11,8 +11,7 @@ import signal
 import uuid
 
 import pytest
-from harness import (BackendProcess, get_json, metric_sum, post_json, request, small_tmpfs,
-                     wait_until)
+from harness import BackendProcess, metric_sum, post_json, request, small_tmpfs, wait_until
 from test_families import assert_same_answer, cached, conversation
 
 from kvroute import arch_models
