@@ -224,7 +224,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--modes", default="whole,streaming", help="which of whole,streaming to run")
-    asyncio.run(main_async(ap.parse_args()))
+    args = ap.parse_args()
+    if not set(args.modes.split(",")) <= {"whole", "streaming"}:
+        ap.error(f"--modes takes whole and/or streaming, not {args.modes!r}")
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
