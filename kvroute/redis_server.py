@@ -44,10 +44,11 @@ def _ephemeral_low() -> int:
 
 
 def free_port(spare: int = 32) -> int:
-    """A port that was free a moment ago, followed by `spare` more below the kernel's
-    ephemeral range (the caller retries if it got taken). Ports from bind(port 0) lie
-    inside that range, where any outgoing connection (a Redis client, a health poll)
-    can take one before the server it was picked for binds it."""
+    """A port that was free a moment ago (the caller retries if it got taken), below
+    the kernel's ephemeral range with `spare` ports above it still below (a serve's
+    replicas take the next ones). Ports from bind(port 0) lie inside that range, where
+    any outgoing connection (a Redis client, a health poll) can take one before the
+    server it was picked for binds it."""
     high = _ephemeral_low() - spare
     for _ in range(200):
         port = random.randrange(max(1024, high - 12000), high)
