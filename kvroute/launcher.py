@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import http.client
 import os
 import secrets
 import signal
 import socket
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from dataclasses import dataclass, field
 
@@ -34,6 +32,7 @@ from . import accel, capacity, demo_model
 from .capacity import weights_bytes
 from .config import DEMO, ConfigError, ModelSpec, ServeConfig
 from .loader import Loader, Slot
+from .process import health_body
 from .redis_server import RedisServer
 STOP_GRACE = 7.0  # seconds children get to exit before SIGKILL (the whole stop stays < 10 s)
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan"]
@@ -357,14 +356,7 @@ async def _wait_or_kill(child: Child, timeout: float) -> None:
 
 
 def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=1) as r:
-            return r.status == 200
-    except (OSError, http.client.HTTPException):
-        # HTTPException: whatever answered was not HTTP. While a child's port is not
-        # listening yet, a local connect can even meet itself (TCP simultaneous open:
-        # the client's ephemeral port is the port it dials) and read its own request.
-        return False
+    return health_body(url, timeout=1) is not None
 
 
 async def run(config: ServeConfig, console: Console | None = None) -> int:

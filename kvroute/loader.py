@@ -15,11 +15,9 @@ not retried for FAILED_RETRY_AFTER seconds: requests meanwhile get its error at 
 from __future__ import annotations
 
 import asyncio
-import http.client
 import logging
 import socket
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +28,7 @@ from .capacity import Cost, Refusal, Resident
 from .config import ConfigError, ModelSpec
 from .models_state import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY, PUBLISH_PERIOD,
                            UNLOADED, UNLOADING, ModelsState, ModelState, quietly)
+from .process import health_body
 from .sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -307,10 +306,12 @@ def _busy(children: list["Child"]) -> bool:
     for child in children:
         if child.proc is None or child.proc.returncode is not None:
             continue
+        body = health_body(child.url, timeout=5)
+        if body is None:
+            return True
         try:
-            with urllib.request.urlopen(child.url + "/health", timeout=5) as r:
-                engine = orjson.loads(r.read()).get("engine", {})
-        except (OSError, ValueError, http.client.HTTPException):  # see launcher._healthy
+            engine = orjson.loads(body).get("engine", {})
+        except ValueError:
             return True
         if engine.get("queued", 0) + engine.get("prefilling", 0) + engine.get("decoding", 0):
             return True

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import logging
 import os
 import signal
 import socket
+import urllib.request
 
 from aiohttp import web
 
@@ -32,6 +34,18 @@ async def watch_parent(stop: asyncio.Event, period: float = 1.0) -> None:
             await asyncio.wait_for(stop.wait(), period)
         except asyncio.TimeoutError:
             pass
+
+
+def health_body(url: str, timeout: float) -> bytes | None:
+    """The body of `url`/health when it answers 200; None when nothing answers there,
+    it answers an error, or what answers is not HTTP (HTTPException). While a child's
+    port is not listening yet, a local connect can even meet itself (TCP simultaneous
+    open: the client's ephemeral port is the port it dials) and read its own request."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return r.read() if r.status == 200 else None
+    except (OSError, http.client.HTTPException):
+        return None
 
 
 def bind_sockets(host: str, port: int) -> list[socket.socket]:
