@@ -10,9 +10,9 @@ For each mode (whole, streaming) it paces requests at --rate per second, first
 straight to the fake backend (the baseline), then through the proxy, and reports
 latency percentiles of both and their difference (the proxy's added latency);
 also the proxy's own pre-forward work from its /metrics (parse, chain, lookup, choice;
-its mean includes waiting for Redis); then it runs closed-loop with --concurrency
-workers for the peak requests/s, and divides the proxy process's CPU time over that
-run by the requests it served (CPU µs per request: on a machine shared with other
+its mean includes waiting for Redis) and, of it, the registry lookup's wait; then it
+runs closed-loop with --concurrency workers for the peak requests/s, and divides the
+proxy process's CPU time over that run by the requests it served (CPU µs per request: on a machine shared with other
 work, steadier than latencies).
 
     python bench/bench_proxy.py [--rate 200] [--seconds 10] [--concurrency 32] [--modes whole,streaming]
@@ -117,12 +117,14 @@ async def one(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
     return time.perf_counter() - t0
 
 
-def pre_forward(proxy_url: str) -> tuple[float, float]:
+def pre_forward(proxy_url: str) -> tuple[float, float, float]:
     """(sum, count) of the proxy's own pre-forward work (kvroute_proxy_overhead_seconds:
-    parse, chain, lookup, choice), from its /metrics."""
+    parse, chain, lookup, choice), and the sum of its registry lookups' waits, from its
+    /metrics."""
     text = request(proxy_url + "/metrics")[2].decode()
     return (metric_sum(text, "kvroute_proxy_overhead_seconds_sum"),
-            metric_sum(text, "kvroute_proxy_overhead_seconds_count"))
+            metric_sum(text, "kvroute_proxy_overhead_seconds_count"),
+            metric_sum(text, "kvroute_proxy_lookup_seconds_sum"))
 
 
 async def paced(url: str, rate: float, seconds: float, stream: bool) -> list[float]:
@@ -185,16 +187,16 @@ async def main_async(args) -> None:
         table = Table(title=f"Proxy overhead: paced at {args.rate:.0f} req/s for {args.seconds:.0f} s, "
                       "fake instant backend, proxy on one core")
         for col in ("mode", "direct p50", "direct p99", "proxy p50", "proxy p99",
-                    "added p50 (ms)", "added p99 (ms)", "pre-forward µs (mean)",
+                    "added p50 (ms)", "added p99 (ms)", "pre-forward µs (mean)", "of it lookup µs",
                     "peak req/s (proxy, 1 core)", "proxy CPU µs/req"):
             table.add_column(col, justify="right")
         for stream in [m == "streaming" for m in args.modes.split(",")]:
             path = "/v1/chat/completions"
             await paced(proxy_url + path, args.rate, 2, stream)  # warm-up
             direct = await paced(fake_url + path, args.rate, args.seconds, stream)
-            s0, n0 = await asyncio.to_thread(pre_forward, proxy_url)
+            s0, n0, l0 = await asyncio.to_thread(pre_forward, proxy_url)
             proxied = await paced(proxy_url + path, args.rate, args.seconds, stream)
-            s1, n1 = await asyncio.to_thread(pre_forward, proxy_url)
+            s1, n1, l1 = await asyncio.to_thread(pre_forward, proxy_url)
             cpu0 = sum(psutil.Process(proxy.pid).cpu_times()[:2])
             peak, served = await closed_loop(proxy_url + path, args.concurrency, args.seconds,
                                              stream)
@@ -203,7 +205,8 @@ async def main_async(args) -> None:
                                   pct(proxied, .99))
             table.add_row("streaming" if stream else "whole", f"{d50:.2f}", f"{d99:.2f}",
                           f"{p50:.2f}", f"{p99:.2f}", f"{p50 - d50:.2f}", f"{p99 - d99:.2f}",
-                          f"{(s1 - s0) / max(n1 - n0, 1) * 1e6:.0f}", f"{peak:.0f}", f"{cpu / max(served, 1) * 1e6:.0f}")
+                          f"{(s1 - s0) / max(n1 - n0, 1) * 1e6:.0f}",
+                          f"{(l1 - l0) / max(n1 - n0, 1) * 1e6:.0f}", f"{peak:.0f}", f"{cpu / max(served, 1) * 1e6:.0f}")
         console.print(f"command: python {' '.join(sys.argv)}")
         console.print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, "
                       f"python {platform.python_version()}; latencies in ms, client side")
