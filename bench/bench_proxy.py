@@ -12,8 +12,8 @@ latency percentiles of both and their difference (the proxy's added latency);
 also the proxy's own pre-forward work from its /metrics (parse, chain, lookup, choice;
 its mean includes waiting for Redis) and, of it, the registry lookup's wait; then it
 runs closed-loop with --concurrency workers for the peak requests/s, and divides the
-proxy process's CPU time over that run by the requests it served (CPU µs per request: on a machine shared with other
-work, steadier than latencies).
+proxy process's CPU time over that run by the requests it served (CPU µs per
+request: on a machine shared with other work, steadier than latencies).
 
     python bench/bench_proxy.py [--rate 200] [--seconds 10] [--concurrency 32] [--modes whole,streaming]
 """
