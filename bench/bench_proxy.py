@@ -203,10 +203,11 @@ async def main_async(args) -> None:
             cpu = sum(psutil.Process(proxy.pid).cpu_times()[:2]) - cpu0
             d50, d99, p50, p99 = (pct(direct, .5), pct(direct, .99), pct(proxied, .5),
                                   pct(proxied, .99))
+            n = max(n1 - n0, 1)
             table.add_row("streaming" if stream else "whole", f"{d50:.2f}", f"{d99:.2f}",
                           f"{p50:.2f}", f"{p99:.2f}", f"{p50 - d50:.2f}", f"{p99 - d99:.2f}",
-                          f"{(s1 - s0) / max(n1 - n0, 1) * 1e6:.0f}",
-                          f"{(l1 - l0) / max(n1 - n0, 1) * 1e6:.0f}", f"{peak:.0f}", f"{cpu / max(served, 1) * 1e6:.0f}")
+                          f"{(s1 - s0) / n * 1e6:.0f}", f"{(l1 - l0) / n * 1e6:.0f}",
+                          f"{peak:.0f}", f"{cpu / max(served, 1) * 1e6:.0f}")
         console.print(f"command: python {' '.join(sys.argv)}")
         console.print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, "
                       f"python {platform.python_version()}; latencies in ms, client side")

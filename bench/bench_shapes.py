@@ -57,7 +57,12 @@ def main() -> None:
     def mlp(m: int) -> float:
         x = mx.random.normal((1, m, hidden)).astype(mx.bfloat16)
         mx.eval(x)
-        return timed(lambda: (lambda y: (y * mx.sigmoid(y)) @ w2.T)(x @ w1.T))
+
+        def run() -> mx.array:
+            y = x @ w1.T
+            return (y * mx.sigmoid(y)) @ w2.T
+
+        return timed(run)
 
     def attention(n: int) -> float:
         q = mx.random.normal((1, heads, n, head_dim)).astype(mx.bfloat16)
