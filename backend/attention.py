@@ -30,6 +30,33 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 
+# MLX on CUDA sends a decode step's attention to cuDNN when the keys are a slice of a
+# buffer whose length is a multiple of 256 (how mlx-lm's caches grow), and cuDNN
+# builds a plan for each row count and buffer length the process has not run yet:
+# ~50 ms on an H200 (0.4-0.7 s for some lengths), paid by the first token of a
+# prompt of a new length, and again whenever a batch's buffer grows to a length or
+# its row count changes to one the plan cache (256 entries) does not hold. MLX's
+# own vector kernel needs no plan and is as fast while rows x buffer tokens are
+# few (up to ~8k); beyond that it is slower per step (8 rows at 16k tokens: 0.34
+# against 0.07 ms a layer), which over the 256 steps a buffer lasts outweighs one
+# plan. So a working cache's buffer misses cuDNN's test (a few unused slots) when
+# it grows for a prompt or suffix, so that no first token waits for a plan, and
+# when it is small; it passes the test when it grows during a long decode.
+CUDNN_DECODE_STEP = 256
+DECODE_SLACK = 8
+VECTOR_DECODE_TOKENS = 8192  # rows x buffer length kept off cuDNN during decode
+
+
+def buffer_length(prev: int, n: int, rows: int, step: int) -> int:
+    """The length a working cache's buffer grows to when `n` tokens join `prev`:
+    at least one `step` more, rounded to a multiple of `step` (as mlx-lm's caches
+    grow), plus the slack that keeps it off cuDNN's decode path (see above)."""
+    length = -(-(prev + max(n, step)) // step) * step
+    if length % CUDNN_DECODE_STEP == 0 and (n > 1 or rows * length <= VECTOR_DECODE_TOKENS):
+        length += DECODE_SLACK
+    return length
+
+
 class FastKVCache(KVCache):
     """A `KVCache` whose batch form is a `FastBatchKVCache`."""
 
@@ -67,11 +94,11 @@ class FastBatchKVCache(BatchKVCache):
         prev = self._idx
         if self.keys is None or (prev + keys.shape[2]) > self.keys.shape[2]:
             B, n_kv_heads, _, k_head_dim = keys.shape
-            n_steps = (self.step + keys.shape[2] - 1) // self.step
-            new_k = mx.zeros((B, n_kv_heads, n_steps * self.step, k_head_dim), keys.dtype)
-            new_v = mx.zeros((B, n_kv_heads, n_steps * self.step, values.shape[3]), values.dtype)
+            grow = buffer_length(prev, keys.shape[2], B, self.step) - prev
+            new_k = mx.zeros((B, n_kv_heads, grow, k_head_dim), keys.dtype)
+            new_v = mx.zeros((B, n_kv_heads, grow, values.shape[3]), values.dtype)
             if self.keys is not None:
-                if prev % self.step != 0:
+                if prev != self.keys.shape[2]:
                     self.keys = self.keys[..., :prev, :]
                     self.values = self.values[..., :prev, :]
                 self.keys = mx.concatenate([self.keys, new_k], axis=2)

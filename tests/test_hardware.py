@@ -232,6 +232,37 @@ def test_a_hit_and_its_hand_over_share_arrays_without_changing_the_entry(demo):
         assert b.size() == 7
 
 
+def test_working_buffers_keep_first_tokens_off_cudnn_decode_plans():
+    """MLX on CUDA takes a decode step's attention to cuDNN, which builds a plan per
+    buffer length and row count on first use, only when the keys' buffer length is
+    a multiple of 256. A buffer grown for a prompt or a suffix, or a small one,
+    must miss that test (the first token never waits for a plan); one grown during
+    a long decode must pass it (cuDNN is faster there). What the cache returns is
+    what was written, whatever the buffer's length."""
+    from backend.attention import CUDNN_DECODE_STEP, VECTOR_DECODE_TOKENS
+
+    def tokens(start: int, n: int) -> mx.array:
+        column = mx.arange(start, start + n, dtype=mx.float32).reshape(1, 1, n, 1)
+        return column * mx.ones((1, 2, 1, 4))
+
+    cache, written = FastBatchKVCache([0]), 0
+    for n in (2048, 2048, 70):  # two prompt chunks and a suffix
+        keys, _ = cache.update_and_fetch(tokens(written, n), tokens(written, n))
+        written += n
+        assert cache.keys.shape[2] % CUDNN_DECODE_STEP != 0
+    lengths = set()
+    while written < VECTOR_DECODE_TOKENS + 2 * CUDNN_DECODE_STEP:  # a long decode
+        keys, values = cache.update_and_fetch(tokens(written, 1), tokens(written, 1))
+        written += 1
+        lengths.add(cache.keys.shape[2])
+    small = {n for n in lengths if n <= VECTOR_DECODE_TOKENS}
+    assert small and all(n % CUDNN_DECODE_STEP for n in small)
+    assert any(n > VECTOR_DECODE_TOKENS and n % CUDNN_DECODE_STEP == 0 for n in lengths)
+    assert keys.shape[2] == written
+    assert mx.array_equal(keys[0, 1, :, 0], mx.arange(written, dtype=mx.float32)).item()
+    assert mx.array_equal(values, keys).item()
+
+
 @pytest.mark.parametrize("mask", ["causal", None, "bool", "additive"])
 def test_plain_attention_is_mlx_attention(mask):
     """The plan-free attention used on CUDA for new shapes (backend/attention.py)
