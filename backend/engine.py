@@ -216,7 +216,8 @@ class Engine:
         self.peak_batch = 0
         # Whether entries need checkpoints: some layer cannot always be trimmed.
         self.checkpointing = not always_trimmable(make_prompt_cache(model))
-        if avoid_cudnn_plans(prefill_step):
+        self.on_cuda = avoid_cudnn_plans(prefill_step)
+        if self.on_cuda:
             log.info("CUDA: attention calls of new shapes skip cuDNN's per-shape plans")
         # Keep MLX's buffer cache across prefill chunks (keep_buffer_cache): by default
         # on a GPU; the server asks for it only where a cache limit bounds it.
@@ -310,9 +311,10 @@ class Engine:
     def warm_up(self) -> float:
         """Run the shapes serving will use once, on the engine thread, so that
         kernels are compiled before the backend says it is healthy: a full and a
-        partial prefill chunk on the fused path, a cache hit, and padded batched
-        prefill and decode on the masked path; then a warm prefill rate for the
-        proxies' estimates. Returns the seconds it took."""
+        partial prefill chunk on the fused path, a cache hit, padded batched
+        prefill and decode on the masked path and, on CUDA, prompts of lengths
+        spread over a chunk; then a warm prefill rate for the proxies' estimates.
+        Returns the seconds it took."""
         t0 = time.perf_counter()
         gen = BatchGenerator(self.model, stop_tokens=[], completion_batch_size=self.max_batch,
                              prefill_batch_size=min(8, self.max_batch),
@@ -328,6 +330,16 @@ class Engine:
             short = [_warm_tokens(n, salt=n) for n in (9, 33, 33, 70)]
             _drain(gen, gen.insert(short, max_tokens=[4, 6, 6, 8],
                                    caches=[new_cache(self.model) for _ in short]))
+            if self.on_cuda:
+                # A matrix size cuBLAS has not run yet launches more slowly the first
+                # time (up to ~6 ms a call, ~1 ms once the process ran a spread of
+                # sizes), and a prompt touches several: its first request at a new
+                # length cost 20-30 ms more than the next (H200, 2k tokens). Prompts
+                # of lengths spread over a prefill chunk take most of that away.
+                spread = max(self.prefill_step // 21, 1)
+                for n in range(spread, self.prefill_step, spread):
+                    _drain(gen, gen.insert([_warm_tokens(n, salt=n)], max_tokens=[1],
+                                           caches=[new_cache(self.model)]))
             # The first prefill rate the proxies see is a warm one: a backend whose
             # first request measured a cold rate looked slower than its peers, lost
             # every tie to them and, getting no traffic, never measured again.
