@@ -10,7 +10,13 @@ counts again. Run it under different settings (e.g. `MLX_USE_CUDA_GRAPHS=0`,
 `CUDA_MODULE_LOADING=EAGER`) to see which costs move. A first run on a fresh machine
 also pays kernel compilation; compare later runs.
 
-    python bench/bench_shapes.py MODEL_DIR
+With --decode it times instead one decode step's attention (one query per
+sequence against a KV cache of S tokens), the way mlx-lm's caches hand it over: a
+slice of a buffer grown 256 tokens at a time, which MLX on CUDA sends to cuDNN
+(a plan per batch size and buffer length, built on first use), and a buffer of a
+length that is not a multiple of 256, which MLX's own vector kernel takes.
+
+    python bench/bench_shapes.py MODEL_DIR [--decode [--batches 1,8] [--lengths 1000,4000]]
 """
 
 from __future__ import annotations
@@ -26,11 +32,19 @@ from mlx_lm.models.cache import make_prompt_cache
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="model directory (bench/models.py makes one)")
+    ap.add_argument("--decode", action="store_true", help="time decode attention only")
+    ap.add_argument("--batches", default="1,8", help="with --decode: rows of the batch")
+    ap.add_argument("--lengths", default="1000,4000,16000,31000",
+                    help="with --decode: cached tokens")
     args = ap.parse_args()
     model, _ = load(args.model)
     hidden, inter = model.args.hidden_size, model.args.intermediate_size
     heads, kv_heads = model.args.num_attention_heads, model.args.num_key_value_heads
     head_dim = hidden // heads
+    if args.decode:
+        decode_attention(heads, kv_heads, head_dim, [int(b) for b in args.batches.split(",")],
+                         [int(n) for n in args.lengths.split(",")])
+        return
 
     def tokens(n: int, salt: int) -> mx.array:
         return mx.array([[(i * 13 + salt) % 900 + 3 for i in range(n)]])
@@ -100,6 +114,37 @@ def main() -> None:
         row(f"after that: MLP matmuls, {m} rows", lambda m=m: mlp(m))
     row("after that: forward 1234 (new length)", lambda: forward(1234))
 
+
+def decode_attention(heads: int, kv_heads: int, head_dim: int, batches: list[int],
+                     lengths: list[int], steps: int = 50, layers: int = 28) -> None:
+    """One decode step's attention against S cached tokens: the first call (which
+    builds cuDNN's plan where cuDNN takes it) and the mean over `steps` steps of
+    `layers` calls each (one evaluation per step, as a model's decode step runs)."""
+    print(f"device {mx.default_device()}, mlx {mx.__version__}; decode attention, ms per call")
+    print(f"{'batch':>5s} {'S':>6s} {'buffer':>7s}  {'first':>8s}  {'steady':>8s}")
+    for batch in batches:
+        for s in lengths:
+            for buffer in ((s + 255) // 256 * 256, (s + 255) // 256 * 256 + 8):
+                q = mx.random.normal((batch, heads, 1, head_dim)).astype(mx.bfloat16)
+                kv = mx.random.normal((batch, kv_heads, buffer, head_dim)).astype(mx.bfloat16)
+                mx.eval(q, kv)
+                k = kv[..., :s, :]
+
+                def call() -> mx.array:
+                    return mx.fast.scaled_dot_product_attention(q, k, k, scale=head_dim ** -0.5)
+
+                mx.synchronize()
+                t0 = time.perf_counter()
+                mx.eval(call())
+                mx.synchronize()
+                first = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    mx.eval([call() for _ in range(layers)])
+                mx.synchronize()
+                steady = (time.perf_counter() - t0) / (steps * layers)
+                print(f"{batch:5d} {s:6d} {buffer:7d}  {first * 1e3:8.2f}  {steady * 1e3:8.3f}",
+                      flush=True)
 
 if __name__ == "__main__":
     main()
