@@ -114,12 +114,6 @@ class PrefixMatch:
     disk_depth: int = 0  # leading keys its disk tier holds (restorable, slower than depth)
 
 
-def _consume(fut: asyncio.Future) -> None:
-    # A late answer nobody waits for: retrieve its exception so asyncio does not log it.
-    if not fut.cancelled():
-        fut.exception()
-
-
 def new_instance_id() -> str:
     return uuid.uuid4().hex
 
@@ -334,12 +328,15 @@ class Registry:
             return None
         fut = self._batch.call(_SCRIPTS["lookup"], [tag + "backends"], [tag, hexed])
         try:
-            flat = await asyncio.wait_for(asyncio.shield(fut),
-                                          self.lookup_timeout if timeout is None else timeout)
-        except asyncio.TimeoutError:
-            if not fut.done() or fut.exception() is not None:
+            # The future is this call's own, so it is awaited bare: the task wakes in
+            # the loop turn its answer arrives (a shield and wait_for cost two more
+            # turns, each as long as everything else the loop is relaying), and a
+            # missed deadline cancels only this future, which the pipeline skips.
+            async with asyncio.timeout(self.lookup_timeout if timeout is None else timeout):
+                flat = await fut
+        except TimeoutError:
+            if fut.cancelled() or fut.exception() is not None:
                 self.late += 1
-                fut.add_done_callback(_consume)
                 return None
             flat = fut.result()  # answered in the same tick the deadline fired
         except Unanswered:
