@@ -22,11 +22,26 @@ length that is not a multiple of 256, which MLX's own vector kernel takes.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend.attention import CUDNN_DECODE_STEP, DECODE_SLACK  # noqa: E402
+
+
+def timed(fn) -> float:
+    """Milliseconds to evaluate `fn()` on an idle device."""
+    mx.synchronize()
+    t0 = time.perf_counter()
+    mx.eval(fn())
+    mx.synchronize()
+    return (time.perf_counter() - t0) * 1000
 
 
 def main() -> None:
@@ -48,13 +63,6 @@ def main() -> None:
 
     def tokens(n: int, salt: int) -> mx.array:
         return mx.array([[(i * 13 + salt) % 900 + 3 for i in range(n)]])
-
-    def timed(fn) -> float:
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        return (time.perf_counter() - t0) * 1000
 
     def forward(n: int, prefix: int = 0) -> float:
         cache = make_prompt_cache(model)
@@ -124,7 +132,8 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, batches: list[int
     print(f"{'batch':>5s} {'S':>6s} {'buffer':>7s}  {'first':>8s}  {'steady':>8s}")
     for batch in batches:
         for s in lengths:
-            for buffer in ((s + 255) // 256 * 256, (s + 255) // 256 * 256 + 8):
+            full = -(-s // CUDNN_DECODE_STEP) * CUDNN_DECODE_STEP  # as mlx-lm's caches grow
+            for buffer in (full, full + DECODE_SLACK):
                 q = mx.random.normal((batch, heads, 1, head_dim)).astype(mx.bfloat16)
                 kv = mx.random.normal((batch, kv_heads, buffer, head_dim)).astype(mx.bfloat16)
                 mx.eval(q, kv)
@@ -133,18 +142,14 @@ def decode_attention(heads: int, kv_heads: int, head_dim: int, batches: list[int
                 def call() -> mx.array:
                     return mx.fast.scaled_dot_product_attention(q, k, k, scale=head_dim ** -0.5)
 
-                mx.synchronize()
-                t0 = time.perf_counter()
-                mx.eval(call())
-                mx.synchronize()
-                first = time.perf_counter() - t0
+                first = timed(call)
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     mx.eval([call() for _ in range(layers)])
                 mx.synchronize()
-                steady = (time.perf_counter() - t0) / (steps * layers)
-                print(f"{batch:5d} {s:6d} {buffer:7d}  {first * 1e3:8.2f}  {steady * 1e3:8.3f}",
-                      flush=True)
+                steady = (time.perf_counter() - t0) / (steps * layers) * 1000
+                print(f"{batch:5d} {s:6d} {buffer:7d}  {first:8.2f}  {steady:8.3f}", flush=True)
+
 
 if __name__ == "__main__":
     main()
