@@ -49,9 +49,10 @@ VECTOR_DECODE_TOKENS = 8192  # rows x buffer length kept off cuDNN during decode
 
 def buffer_length(prev: int, n: int, rows: int, step: int) -> int:
     """The length a working cache's buffer grows to when `n` tokens join `prev`:
-    at least one `step` more, rounded to a multiple of `step` (as mlx-lm's caches
-    grow), plus the slack that keeps it off cuDNN's decode path (see above)."""
-    length = -(-(prev + max(n, step)) // step) * step
+    rounded up to a multiple of `step` (a decode step from a full buffer grows it
+    by one `step`, as mlx-lm's caches do), plus the slack that keeps it off cuDNN's
+    decode path (see above)."""
+    length = -(-(prev + n) // step) * step
     if length % CUDNN_DECODE_STEP == 0 and (n > 1 or rows * length <= VECTOR_DECODE_TOKENS):
         length += DECODE_SLACK
     return length
