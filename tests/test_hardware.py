@@ -9,6 +9,7 @@ SIGTERM.
 
 from __future__ import annotations
 
+import gc
 import signal
 
 import mlx.core as mx
@@ -337,6 +338,10 @@ def test_kept_buffer_cache_generates_the_same_and_keeps_buffers(demo, monkeypatc
     assert generate.mx.array is mx.array and generate.mx._module is mx
     assert _greedy(model, prompts, [new_cache(model) for _ in prompts]) == ref
     mx.eval(mx.zeros((1 << 20,)) + 1)  # its inputs' buffers go back to the cache
+    # Nothing else may free into the cache between the two readings: the generators'
+    # garbage (reference cycles) is collected now, not at some allocation below.
+    gc.collect()
+    mx.synchronize()
     held = mx.get_cache_memory()
     generate.mx.clear_cache()  # what the generator calls after each chunk
     assert held > 0 and mx.get_cache_memory() == held
