@@ -214,6 +214,10 @@ class Engine:
         self.reply_tokens = 0.0  # mean tokens of a finished reply
         self.decoding = 0  # sequences in the decode phase after the last step
         self.peak_batch = 0
+        # Called (engine thread) when waiting, running or decoding changed: the
+        # publisher then writes the record at once instead of at the next heartbeat.
+        self.on_load_change: Callable[[], None] | None = None
+        self._load_seen = (0, 0, 0)
         # Whether entries need checkpoints: some layer cannot always be trimmed.
         self.checkpointing = not always_trimmable(make_prompt_cache(model))
         self.on_cuda = avoid_cudnn_plans(prefill_step)
@@ -768,6 +772,11 @@ class Engine:
     def _update_gauges(self, force: bool = True) -> None:
         # Per decode step only every GAUGE_PERIOD: at 200 steps/s the gauges
         # cost more Python time than one token's worth of the step budget allows.
+        load = (self.waiting, len(self._jobs), self.decoding)
+        if load != self._load_seen:
+            self._load_seen = load
+            if self.on_load_change is not None:
+                self.on_load_change()
         now = time.perf_counter()
         if not force and now - self._gauges_at < GAUGE_PERIOD:
             return

@@ -46,6 +46,7 @@ class Publisher:
         snapshot_fn: Callable[[], dict[str, list[list[int]]]],
         period: float = 1.0,
         *,
+        min_gap: float = 0.05,
         refresh_every: float | None = None,
         backoff_cap: float = 2.0,
         tier: str = "ram",
@@ -54,6 +55,7 @@ class Publisher:
         self.record_fn = record_fn
         self.snapshot_fn = snapshot_fn
         self.period = period
+        self.min_gap = min_gap  # seconds between early heartbeats (beat_soon)
         self.refresh_every = refresh_every if refresh_every is not None else registry.key_ttl / 3
         self.backoff_cap = backoff_cap
         self.tier = tier  # which key sets it keeps: "ram" (the store) or "disk" (the disk tier)
@@ -62,6 +64,7 @@ class Publisher:
         self.failures = 0  # Redis errors seen (each one is followed by a backoff)
         # deque append/popleft are atomic: the engine thread appends, the loop pops.
         self._events: collections.deque[tuple[bool, str, list[int]]] = collections.deque()
+        self._beat_wanted = False
         self._lock = threading.Lock()  # guards _loop/_wake against a concurrent start/stop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -83,10 +86,23 @@ class Publisher:
         else:
             self.on_evict(event.model, event.keys)
 
+    def beat_soon(self) -> None:
+        """The record changed (load, cache size): write it now, not at the next period,
+        at most once every `min_gap` seconds. Proxies place new conversations by these
+        numbers; a record a second old showed a backend busy with a request it had
+        long answered, and new conversations piled onto the other one."""
+        if self._beat_wanted:  # one is due already; it reads the record when it runs
+            return
+        self._beat_wanted = True
+        self._wake_loop()
+
     def _enqueue(self, insert: bool, model: str, keys: list[int]) -> None:
         if not keys:
             return
         self._events.append((insert, model, list(keys)))
+        self._wake_loop()
+
+    def _wake_loop(self) -> None:
         with self._lock:
             loop, wake = self._loop, self._wake
         if loop is not None and wake is not None:
@@ -134,17 +150,20 @@ class Publisher:
     async def _run(self) -> None:
         backoff = 0.1
         need_resync = True  # the first connection publishes the whole store
-        next_beat = next_refresh = 0.0
+        next_beat = next_refresh = last_beat = 0.0
         while not self._stopping.is_set():
             self._wake.clear()
             try:
                 now = time.monotonic()
                 if need_resync or now >= next_refresh:
+                    self._beat_wanted = False
                     await self._resync()
                     need_resync = False
+                    last_beat = now
                     next_beat, next_refresh = now + self.period, now + self.refresh_every
-                elif now >= next_beat:
-                    next_beat = now + self.period
+                elif now >= next_beat or (self._beat_wanted and now >= last_beat + self.min_gap):
+                    self._beat_wanted = False  # before reading the record: a later change beats again
+                    next_beat, last_beat = now + self.period, now
                     if not await self.registry.heartbeat(self.record_fn(), self.tier):
                         log.warning("publisher: our record was missing in Redis; re-advertising")
                         need_resync = True
@@ -169,7 +188,8 @@ class Publisher:
                 need_resync = True
                 await self._sleep(self._stopping, self.backoff_cap)
                 continue
-            await self._sleep(self._wake, next_beat - time.monotonic())
+            due = min(next_beat, last_beat + self.min_gap) if self._beat_wanted else next_beat
+            await self._sleep(self._wake, due - time.monotonic())
 
     @staticmethod
     async def _sleep(event: asyncio.Event, seconds: float) -> None:

@@ -692,6 +692,7 @@ def start_publisher(state: State) -> Publisher:
     publisher = Publisher(registry, lambda: _record(state), state.store.snapshot)
 
     state.store.listeners.append(publisher.on_store_event)
+    state.engine.on_load_change = publisher.beat_soon
     m = state.metrics
     m.l(m.registry_failures).set_function(lambda: publisher.failures)
     m.l(m.registry_connected).set_function(lambda: float(publisher.connected))

@@ -8,6 +8,7 @@ the keys it holds or released as a whole; these tests check that Redis follows i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -85,6 +86,52 @@ def test_publisher_publishes_inserts_and_evictions_in_order(server):
 
         await pub.stop(withdraw=True)
         assert await reg.lookup(MODEL, second) == {}
+        await reg.close()
+
+    run(main())
+
+
+def test_a_load_change_is_published_at_once_and_bursts_are_coalesced(server):
+    """Proxies place new conversations by a backend's published load: a change must
+    reach Redis well before the next periodic heartbeat (here 30 s away), and a burst
+    of changes must not turn into a heartbeat each."""
+    async def main():
+        reg = Registry(server.url, record_ttl=60.0)
+        store = Store(budget_bytes=1 << 30)
+        rec = record("b1")
+        pub = publisher(reg, rec, store, period=30.0, min_gap=0.2)
+        pub.record_fn = lambda: rec  # read when a beat runs: sees the latest load
+        beats = 0
+        heartbeat = reg.heartbeat
+
+        async def counted(*args, **kw):
+            nonlocal beats
+            beats += 1
+            return await heartbeat(*args, **kw)
+
+        reg.heartbeat = counted
+        await pub.start()
+
+        async def published_running():
+            return {r.backend_id: r.running for r in await reg.live_backends()}.get("b1")
+
+        await poll(lambda: _eq(published_running(), 0), what="first heartbeat")
+        beats_before, t0 = beats, time.monotonic()
+
+        def burst():  # the engine thread: every step of a busy batch changes the load
+            nonlocal rec
+            for running in range(1, 201):
+                rec = dataclasses.replace(rec, running=running)
+                pub.beat_soon()
+
+        t = threading.Thread(target=burst)
+        t.start()
+        t.join()
+        await poll(lambda: _eq(published_running(), 200), what="the last load published")
+        elapsed = time.monotonic() - t0
+        assert elapsed < 10  # long before the 30 s heartbeat
+        assert beats - beats_before <= elapsed / 0.2 + 2, (beats - beats_before, elapsed)
+        await pub.stop()
         await reg.close()
 
     run(main())
