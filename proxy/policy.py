@@ -161,8 +161,13 @@ class _Base:
         return [c for c in ctx.candidates if not c.suspect] or list(ctx.candidates)
 
     def least_loaded(self, pool: list[Candidate]) -> Candidate:
-        return min(pool, key=lambda c: (c.load.inflight + c.load.reported_queue,
-                                        c.load.unanswered_tokens, next(self._tie)))
+        # Equally loaded backends take turns: a tie-break by position would send every
+        # request of an idle fleet (Redis down, say) to the one listed first.
+        def load(c: Candidate) -> tuple[int, float]:
+            return c.load.inflight + c.load.reported_queue, c.load.unanswered_tokens
+        least = min(map(load, pool))
+        tied = sorted((c for c in pool if load(c) == least), key=lambda c: c.backend_id)
+        return tied[next(self._tie) % len(tied)]
 
 
 class RoundRobin(_Base):

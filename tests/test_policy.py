@@ -106,6 +106,14 @@ def test_least_loaded_counts_this_proxys_and_reported_requests():
     assert p.choose(ctx(cand("a"), known=False)).reason == "no-registry"
 
 
+def test_equally_loaded_backends_take_turns_without_a_registry():
+    for name in ("least-loaded", "cache-aware"):
+        p = policy(name)
+        c = ctx(cand("a"), cand("b"), cand("c", inflight=1), known=False)
+        picks = Counter(p.choose(c).candidate.backend_id for _ in range(10))
+        assert picks == {"a": 5, "b": 5}, (name, picks)
+
+
 def test_random_draws_from_the_pool():
     p = make_policy(PolicyConfig(name="random"))
     p._random = random.Random(7)
