@@ -43,7 +43,7 @@ def count_middleware(metrics: ProxyMetrics, stats: Stats):
             status = 499  # the client went away before an answer began
             raise
         finally:
-            metrics.api_requests.labels(api, str(status)).inc()
+            metrics.child(metrics.api_requests, api, str(status)).inc()
             stats.count_api(api, status)
 
     return count

@@ -24,6 +24,7 @@ def check_api_key(keys: dict[str, str | None], header: str) -> tuple[bool, str |
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     keys = state_of(request).config.api_keys
+    scope = None  # set either way: a missing key costs request.get an exception
     if keys and request.path.startswith("/v1/"):
         ok, scope = check_api_key(keys, request.headers.get("Authorization", ""))
         if not ok and "x-api-key" in request.headers:
@@ -33,6 +34,6 @@ async def auth_middleware(request: web.Request, handler):
             raise APIError(401, "Missing or invalid API key (send 'Authorization: Bearer <key>' "
                            "or 'x-api-key: <key>').", "authentication_error", None,
                            "invalid_api_key")
-        request["scope"] = scope
+    request["scope"] = scope
     return await handler(request)
 

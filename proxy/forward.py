@@ -61,7 +61,7 @@ async def forward(request: web.Request, state: State, raw: bytes, model: str, sc
     prefill = decision.prefill_tokens
     b.inflight[bid] = b.inflight.get(bid, 0) + 1
     b.unanswered_tokens[bid] = b.unanswered_tokens.get(bid, 0.0) + prefill
-    state.metrics.inflight.labels(bid).set(b.inflight[bid])
+    state.metrics.child(state.metrics.inflight, bid).set(b.inflight[bid])
     answered = False
     upstream = None
     # A stopped or hung backend keeps its connections open and says nothing: without
@@ -110,7 +110,7 @@ async def forward(request: web.Request, state: State, raw: bytes, model: str, sc
             if name in upstream.headers:
                 headers[name] = upstream.headers[name]
         ctype = upstream.headers.get("Content-Type", "application/json")
-        state.metrics.requests.labels(model, bid, str(upstream.status)).inc()
+        state.metrics.child(state.metrics.requests, model, bid, str(upstream.status)).inc()
         if ctype.startswith("text/event-stream"):
             if relay is not None:
                 return await relay.stream(request, upstream, headers, bid)
@@ -131,7 +131,7 @@ async def forward(request: web.Request, state: State, raw: bytes, model: str, sc
         if not answered:
             b.unanswered_tokens[bid] = max(0.0, b.unanswered_tokens.get(bid, 0.0) - prefill)
         b.inflight[bid] = max(0, b.inflight.get(bid, 0) - 1)
-        state.metrics.inflight.labels(bid).set(b.inflight[bid])
+        state.metrics.child(state.metrics.inflight, bid).set(b.inflight[bid])
         if upstream is not None:
             release(upstream)
 
@@ -162,14 +162,14 @@ def _abandon(watch: asyncio.Future, *, upstream, bid: str) -> None:
 def record_decision(state: State, model: str, decision: Decision, upstream) -> None:
     m = state.metrics
     bid = decision.candidate.backend_id
-    m.decisions.labels(model, bid, decision.reason).inc()
-    m.predicted_tokens.labels(model, bid).inc(decision.predicted_tokens)
+    m.child(m.decisions, model, bid, decision.reason).inc()
+    m.child(m.predicted_tokens, model, bid).inc(decision.predicted_tokens)
     cached = upstream.headers.get("x-kvroute-cached-tokens")
     prompt = upstream.headers.get("x-kvroute-prompt-tokens")
     if cached and cached.isdigit():
-        m.actual_tokens.labels(model, bid).inc(int(cached))
+        m.child(m.actual_tokens, model, bid).inc(int(cached))
     if prompt and prompt.isdigit():
-        m.prompt_tokens.labels(model, bid).inc(int(prompt))
+        m.child(m.prompt_tokens, model, bid).inc(int(prompt))
 
 
 def _header_int(upstream, name: str) -> int | None:
@@ -194,10 +194,10 @@ def record_stats(state: State, model: str, decision: Decision, upstream) -> None
     )
     m = state.metrics
     if cached and tps > 0:
-        m.seconds_saved.labels(model, c.backend_id).inc(cached / tps)
+        m.child(m.seconds_saved, model, c.backend_id).inc(cached / tps)
     if ttft_ms is not None and upstream.status < 400:
         hit = is_cache_hit(cached or 0, _header_int(upstream, "x-kvroute-prompt-tokens") or 0)
-        m.ttft.labels(model, "true" if hit else "false").observe(ttft_ms / 1000)
+        m.child(m.ttft, model, "true" if hit else "false").observe(ttft_ms / 1000)
 
 
 async def relay_stream(request: web.Request, upstream, headers: dict, bid: str) -> web.StreamResponse:

@@ -11,6 +11,7 @@ _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05
 class ProxyMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._children: dict[tuple, object] = {}
         self.requests = Counter(
             "kvroute_proxy_requests", "Requests by model, backend and HTTP status",
             ["model", "backend", "status"], registry=r,
@@ -96,6 +97,16 @@ class ProxyMetrics:
                                    "machines started", ["model"], registry=r)
         self.model_load_seconds = Gauge("kvroute_model_load_seconds", "Seconds spent loading a "
                                         "model, summed over its loads", ["model"], registry=r)
+
+    def child(self, metric, *values: str):
+        """`metric.labels(*values)`, remembered: prometheus_client checks and joins the
+        label values on every call (a few µs), and each proxied request records about ten
+        samples. Bounded like the metrics themselves (models x backends x statuses)."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def set_models(self, models: list[dict]) -> None:
         for m in models:

@@ -50,6 +50,8 @@ class Placer:
     def place(self, options: list[Option]) -> Placement:
         if not options:
             raise ValueError("no options to place on")
+        if len(options) == 1:  # nothing to weigh (one backend serves the model)
+            return Placement(0, False, 1)
         best = min(o.cost.ttft for o in options)
         deepest = max(range(len(options)),
                       key=lambda i: (options[i].matched_tokens, -options[i].cost.ttft))

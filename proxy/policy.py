@@ -93,9 +93,12 @@ class RouteContext:
         no hit."""
         return self._covered(c.depth)
 
-    def restore_bytes(self, c: Candidate) -> int:
-        """Request bytes beyond the candidate's match that its disk tier would restore."""
-        return max(0, self._covered(c.disk_depth) - self.matched_bytes(c))
+    def restore_bytes(self, c: Candidate, matched: int | None = None) -> int:
+        """Request bytes beyond the candidate's match (`matched`, when known) that its
+        disk tier would restore."""
+        if matched is None:
+            matched = self.matched_bytes(c)
+        return max(0, self._covered(c.disk_depth) - matched)
 
     def _covered(self, depth: int) -> int:
         d = min(depth, len(self.ends))
@@ -216,9 +219,10 @@ class CacheAware(_Base):
         bpt, rate = calibration or self.calibration(ctx)
         w = self._weights
         load = c.load
+        matched = ctx.matched_bytes(c)
         return CostInput(
-            prompt_tokens=ctx.request_bytes / bpt, matched_tokens=ctx.matched_bytes(c) / bpt,
-            restore_tokens=ctx.restore_bytes(c) / bpt, restore_tps=c.restore_tps,
+            prompt_tokens=ctx.request_bytes / bpt, matched_tokens=matched / bpt,
+            restore_tokens=ctx.restore_bytes(c, matched) / bpt, restore_tps=c.restore_tps,
             queued_tokens=load.unanswered_tokens,
             other_requests=max(0, load.reported_queue - load.inflight),  # other proxies' requests
             decoding=load.decoding, max_batch=load.max_batch,
@@ -234,24 +238,22 @@ class CacheAware(_Base):
             chosen = self.least_loaded(pool)
             return self.decide(ctx, chosen, "no-registry", mark=self._needs_mark(ctx, chosen))
         calibration = self.calibration(ctx)
-        options = []
-        for c in pool:
-            x = self.cost_input(ctx, c, calibration)
-            options.append(Option(cost(x, self._weights), x.matched_tokens + x.restore_tokens,
-                                  c.load.free_share,
-                                  c.load.inflight + c.load.reported_queue, c.backend_id))
+        inputs = [self.cost_input(ctx, c, calibration) for c in pool]
+        options = [Option(cost(x, self._weights), x.matched_tokens + x.restore_tokens,
+                          c.load.free_share, c.load.inflight + c.load.reported_queue, c.backend_id)
+                   for c, x in zip(pool, inputs)]
         placed = self._placer.place(options)
-        chosen, option = pool[placed.index], options[placed.index]
+        chosen, option, x = pool[placed.index], options[placed.index], inputs[placed.index]
         if not option.matched_tokens:
             reason = "load"
-        elif ctx.restore_bytes(chosen):
+        elif x.restore_tokens:
             reason = "disk-hit"
         else:
             # "pending-hit": the label users see in metrics and the dashboard.
             reason = "pending-hit" if chosen.expected_only else "cache-hit"
-        return self.decide(ctx, chosen, reason, calibration[0], ttft_estimate=option.cost.ttft,
-                           predicted_tokens=int(option.matched_tokens),
-                           mark=self._needs_mark(ctx, chosen))
+        return Decision(chosen, reason, max(0.0, x.prompt_tokens - x.matched_tokens),
+                        ttft_estimate=option.cost.ttft, predicted_tokens=int(option.matched_tokens),
+                        mark=self._needs_mark(ctx, chosen))
 
     @staticmethod
     def _needs_mark(ctx: RouteContext, chosen: Candidate) -> bool:
