@@ -319,20 +319,36 @@ class Registry:
         Backends with depth 0 are included, so the caller can still pick by load.
         Returns None ("unknown") if Redis is down, or this lookup's answer misses its
         deadline (`timeout`, default lookup_timeout); never raises for Redis trouble
-        (ValueError only for a malformed model or chain). Lookups issued within one
-        loop tick share one pipeline; a missed deadline costs only its own request.
+        (ValueError only for a malformed model or chain). A lookup with nothing else
+        in flight is sent at once; lookups issued while one is in flight share one
+        pipeline; a missed deadline costs only its own request.
         """
         tag = model_tag(model)
         hexed = chain_hex(chain)
         if time.monotonic() < self._down_until:
             return None
+        deadline = self.lookup_timeout if timeout is None else timeout
+        if deadline <= 0:  # no time to ask at all
+            self.late += 1
+            return None
+        if self._batch.idle():
+            try:
+                async with asyncio.timeout(deadline):
+                    flat = await self._batch.call_alone(_SCRIPTS["lookup"], [tag + "backends"],
+                                                        [tag, hexed])
+            except TimeoutError:
+                self.late += 1
+                return None
+            except Unanswered:
+                return None
+            return self._matches(flat)
         fut = self._batch.call(_SCRIPTS["lookup"], [tag + "backends"], [tag, hexed])
         try:
             # The future is this call's own, so it is awaited bare: the task wakes in
             # the loop turn its answer arrives (a shield and wait_for cost two more
             # turns, each as long as everything else the loop is relaying), and a
             # missed deadline cancels only this future, which the pipeline skips.
-            async with asyncio.timeout(self.lookup_timeout if timeout is None else timeout):
+            async with asyncio.timeout(deadline):
                 flat = await fut
         except TimeoutError:
             if fut.cancelled() or fut.exception() is not None:
@@ -341,6 +357,9 @@ class Registry:
             flat = fut.result()  # answered in the same tick the deadline fired
         except Unanswered:
             return None
+        return self._matches(flat)
+
+    def _matches(self, flat: list) -> dict[str, PrefixMatch] | None:
         try:
             out: dict[str, PrefixMatch] = {}
             for i in range(0, len(flat), 4):

@@ -393,6 +393,28 @@ def test_a_late_lookup_costs_only_its_own_request(server):
     run(main())
 
 
+def test_a_lone_lookup_goes_at_once_and_a_burst_shares_pipelines(server):
+    """A lookup with nothing else in flight is sent from its own task (no pipeline,
+    so no extra turns of the event loop); lookups made while it is in flight are
+    coalesced as before."""
+    async def main():
+        reg = Registry(server.url)
+        r1 = record("b1")
+        chain = chain_of(conv(2))
+        await reg.heartbeat(r1)
+        await reg.advertise("b1", r1.instance_id, MODEL, chain)
+        for _ in range(3):
+            assert (await reg.lookup(MODEL, chain, timeout=10.0))["b1"].depth == len(chain)
+        assert reg._batch.pipelines == 0 and reg._batch.calls == 3
+        burst = await asyncio.gather(*(reg.lookup(MODEL, chain, timeout=10.0) for _ in range(30)))
+        assert all(f["b1"].depth == len(chain) for f in burst)
+        # The first went alone; the 29 behind it shared pipelines.
+        assert 1 <= reg._batch.pipelines < 29 and reg._batch.calls == 33
+        await reg.close()
+
+    run(main())
+
+
 def test_a_lone_lookup_after_redis_lost_its_scripts_is_answered(server):
     """When Redis has lost the scripts (a restart, a failover), a lookup loads them
     again and answers, instead of answering "unknown"."""
