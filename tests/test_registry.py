@@ -367,16 +367,22 @@ def test_lookup_returns_none_within_deadline_when_redis_hangs_or_dies(server):
     run(main())
 
 
+async def advertise_one(reg: Registry) -> list[int]:
+    """Backend b1 live and holding a short conversation's chain; returns the chain."""
+    r1 = record("b1")
+    chain = chain_of(conv(2))
+    await reg.heartbeat(r1)
+    await reg.advertise("b1", r1.instance_id, MODEL, chain)
+    return chain
+
+
 def test_a_late_lookup_costs_only_its_own_request(server):
     """A lookup that misses its deadline (here: the event loop blocked past it, as
     under a burst) answers "unknown" to its own request only; the next lookups are
     answered from Redis, and concurrent lookups share pipelines."""
     async def main():
         reg = Registry(server.url, lookup_timeout=0.05)
-        r1 = record("b1")
-        chain = chain_of(conv(2))
-        await reg.heartbeat(r1)
-        await reg.advertise("b1", r1.instance_id, MODEL, chain)
+        chain = await advertise_one(reg)
         slow = asyncio.ensure_future(reg.lookup(MODEL, chain, timeout=0.0))
         assert await slow is None  # no time at all: unknown for this request
         lagged = [asyncio.ensure_future(reg.lookup(MODEL, chain)) for _ in range(20)]
@@ -399,10 +405,7 @@ def test_a_lone_lookup_goes_at_once_and_a_burst_shares_pipelines(server):
     coalesced as before."""
     async def main():
         reg = Registry(server.url)
-        r1 = record("b1")
-        chain = chain_of(conv(2))
-        await reg.heartbeat(r1)
-        await reg.advertise("b1", r1.instance_id, MODEL, chain)
+        chain = await advertise_one(reg)
         for _ in range(3):
             assert (await reg.lookup(MODEL, chain, timeout=10.0))["b1"].depth == len(chain)
         assert reg._batch.pipelines == 0 and reg._batch.calls == 3
@@ -422,10 +425,7 @@ def test_a_lone_lookup_after_redis_lost_its_scripts_is_answered(server):
 
     async def main():
         reg = Registry(server.url)
-        r1 = record("b1")
-        chain = chain_of(conv(2))
-        await reg.heartbeat(r1)
-        await reg.advertise("b1", r1.instance_id, MODEL, chain)
+        chain = await advertise_one(reg)
         assert (await reg.lookup(MODEL, chain, timeout=10.0))["b1"].depth == len(chain)
         redis_py.Redis.from_url(server.url).script_flush()
         found = await reg.lookup(MODEL, chain, timeout=10.0)
