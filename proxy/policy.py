@@ -93,11 +93,9 @@ class RouteContext:
         no hit."""
         return self._covered(c.depth)
 
-    def restore_bytes(self, c: Candidate, matched: int | None = None) -> int:
-        """Request bytes beyond the candidate's match (`matched`, when known) that its
-        disk tier would restore."""
-        if matched is None:
-            matched = self.matched_bytes(c)
+    def restore_bytes(self, c: Candidate, matched: int) -> int:
+        """Request bytes beyond the candidate's match (`matched`, from matched_bytes)
+        that its disk tier would restore."""
         return max(0, self._covered(c.disk_depth) - matched)
 
     def _covered(self, depth: int) -> int:
@@ -251,9 +249,9 @@ class CacheAware(_Base):
         else:
             # "pending-hit": the label users see in metrics and the dashboard.
             reason = "pending-hit" if chosen.expected_only else "cache-hit"
-        return Decision(chosen, reason, max(0.0, x.prompt_tokens - x.matched_tokens),
-                        ttft_estimate=option.cost.ttft, predicted_tokens=int(option.matched_tokens),
-                        mark=self._needs_mark(ctx, chosen))
+        return self.decide(ctx, chosen, reason, calibration[0], ttft_estimate=option.cost.ttft,
+                           predicted_tokens=int(option.matched_tokens),
+                           mark=self._needs_mark(ctx, chosen))
 
     @staticmethod
     def _needs_mark(ctx: RouteContext, chosen: Candidate) -> bool:
