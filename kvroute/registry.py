@@ -331,35 +331,23 @@ class Registry:
         if deadline <= 0:  # no time to ask at all
             self.late += 1
             return None
-        if self._batch.idle():
-            try:
-                async with asyncio.timeout(deadline):
-                    flat = await self._batch.call_alone(_SCRIPTS["lookup"], [tag + "backends"],
-                                                        [tag, hexed])
-            except TimeoutError:
-                self.late += 1
-                return None
-            except Unanswered:
-                return None
-            return self._matches(flat)
-        fut = self._batch.call(_SCRIPTS["lookup"], [tag + "backends"], [tag, hexed])
+        args = (_SCRIPTS["lookup"], [tag + "backends"], [tag, hexed])
+        # Alone, the call is sent from this task; otherwise it joins a pipeline and its
+        # future, this call's own, is awaited bare: the task wakes in the loop turn its
+        # answer arrives (a shield and wait_for cost two more turns, each as long as
+        # everything else the loop is relaying), and a missed deadline cancels only
+        # this future, which the pipeline skips.
+        fut = None if self._batch.idle() else self._batch.call(*args)
         try:
-            # The future is this call's own, so it is awaited bare: the task wakes in
-            # the loop turn its answer arrives (a shield and wait_for cost two more
-            # turns, each as long as everything else the loop is relaying), and a
-            # missed deadline cancels only this future, which the pipeline skips.
             async with asyncio.timeout(deadline):
-                flat = await fut
+                flat = await (self._batch.call_alone(*args) if fut is None else fut)
         except TimeoutError:
-            if fut.cancelled() or fut.exception() is not None:
+            if fut is None or fut.cancelled() or fut.exception() is not None:
                 self.late += 1
                 return None
             flat = fut.result()  # answered in the same tick the deadline fired
         except Unanswered:
             return None
-        return self._matches(flat)
-
-    def _matches(self, flat: list) -> dict[str, PrefixMatch] | None:
         try:
             out: dict[str, PrefixMatch] = {}
             for i in range(0, len(flat), 4):
