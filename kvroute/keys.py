@@ -20,10 +20,10 @@ Key layout (`<m>` is the model id with `{`, `}`, `%`, blanks and non-ASCII perce
     kvr:resp:<tag>:<id>      STR   a stored /v1/responses answer (its conversation,
                                    encrypted by the proxy), PX its TTL; <tag> is a
                                    keyed hash of the API key's scope, <id> resp_<hex>
-    kvr:models               HASH  "<model>|<machine>" -> that machine's state of a
+    kvr:{models}:states     HASH  "<model>|<machine>" -> that machine's state of a
                                    configured model (JSON, kvroute/models_state.py)
-    kvr:models:used          HASH  <model> -> last request (unix s), from proxies
-    kvr:models:load          STREAM {model, origin} load requests, read by every
+    kvr:{models}:used       HASH  <model> -> last request (unix s), from proxies
+    kvr:{models}:load       STREAM {model, origin} load requests, read by every
                                    `kvroute serve`; MAXLEN ~1000, EXPIRE 60 s
 
 Everything a model's lookup touches shares the hash tag `{m:<m>}`, so one model
@@ -92,10 +92,12 @@ def member(backend_id: str, instance_id: str) -> str:
 
 
 # Models loaded on demand (kvroute/models_state.py). Not under a model's hash tag:
-# one hash holds every model, so a proxy reads all states in one round trip.
-MODEL_STATES = "kvr:models"
-MODELS_USED = "kvr:models:used"
-MODEL_LOADS = "kvr:models:load"
+# one hash holds every model, so a proxy reads all states in one round trip. The
+# three share the tag {models}, so the one command that names two of them (the last
+# machine's clean-up) stays in one slot of a Redis Cluster.
+MODEL_STATES = "kvr:{models}:states"
+MODELS_USED = "kvr:{models}:used"
+MODEL_LOADS = "kvr:{models}:load"
 
 
 def tier_keys(tier: str) -> tuple[str, str]:

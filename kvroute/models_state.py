@@ -4,16 +4,19 @@ Each `kvroute serve` (one per machine) publishes the state of each model it is
 configured for, and consumes load requests that proxies append to a stream. Key
 layout (names in kvroute/keys.py, with the registry's):
 
-    kvr:models              HASH  "<model>|<machine>" -> ModelState (JSON); a field whose
+    kvr:{models}:states     HASH  "<model>|<machine>" -> ModelState (JSON); a field whose
                                   updated_at is older than STALE_AFTER is ignored (its
                                   machine stopped without withdrawing it)
-    kvr:models:used         HASH  <model> -> last request (unix s), written by proxies
+    kvr:{models}:used       HASH  <model> -> last request (unix s), written by proxies
                                   at most once a second per model; drives LRU and idle
                                   unloading
-    kvr:models:load         STREAM entries {model, origin}: "load this model"; each
+    kvr:{models}:load       STREAM entries {model, origin}: "load this model"; each
                                   machine reads every entry (XREAD, no consumer group)
                                   and acts on the models it is configured for; capped
                                   at LOAD_STREAM_LEN entries, EXPIRE LOAD_STREAM_TTL
+
+The client comes from `redis_client.connect`, the registry's, so every URL the
+registry takes (a server, a Cluster, a Sentinel-managed primary) works here too.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import time
 from dataclasses import dataclass
 
 import orjson
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+
+from . import redis_client
 
 from .keys import MODEL_LOADS as LOAD_STREAM
 from .keys import MODEL_STATES as STATE_KEY
@@ -95,8 +99,9 @@ class ModelsState:
     on Redis trouble: callers decide (a proxy keeps its last view, a launcher retries)."""
 
     def __init__(self, url: str, op_timeout: float = 2.0):
-        self._redis = aioredis.from_url(url, socket_connect_timeout=op_timeout,
-                                        socket_timeout=op_timeout + 5.0)
+        # The socket timeout leaves room for load_requests' blocking read.
+        self._redis = redis_client.connect(url, socket_connect_timeout=op_timeout,
+                                           socket_timeout=op_timeout + 5.0)
         self.op_timeout = op_timeout
 
     async def publish(self, states: list[ModelState]) -> None:

@@ -189,3 +189,58 @@ def test_redis_urls():
     for bad in ("http://x", "redis+sentinel://s1:26379", "redis+cluster://a:1?nope=1"):
         with pytest.raises(ValueError):
             connect(bad)
+
+
+def test_models_state_on_a_cluster(cluster):
+    """Every models_state operation on a cluster, the last machine's two-key clean-up
+    included (a CROSSSLOT error if the keys did not share a slot)."""
+    from kvroute import keys
+    from kvroute.models_state import LOADED, ModelsState, ModelState
+
+    assert len({key_slot(k.encode()) for k in (keys.MODEL_STATES, keys.MODELS_USED,
+                                              keys.MODEL_LOADS)}) == 1
+
+    async def main():
+        states = ModelsState(cluster.url)
+        try:
+            await states.publish([ModelState(model="m", machine="a", state=LOADED)])
+            assert [s.state for s in (await states.states())["m"]] == [LOADED]
+            await states.touch("m", 123.0)
+            assert (await states.used()) == {"m": 123.0}
+            start = await states.last_request_id()
+            await states.request_load("m", origin="test")
+            after, wanted = await states.load_requests(start, 1.0)
+            assert wanted == ["m"] and after != start
+            await states.withdraw("a", ["m"])
+            assert await states.states() == {} and await states.used() == {}
+        finally:
+            await states.close()
+
+    asyncio.run(main())
+
+
+def test_serve_on_a_cluster_keeps_a_conversation_on_its_backend(cluster, tmp_path, model_cache):
+    """`kvroute serve --redis-url redis+cluster://...`: ready, and turn 2 cached on turn 1's backend."""
+    import openai
+
+    from harness import ServeProcess, get_json
+    from kvroute import demo_model
+
+    model = demo_model.ensure("text", cache_dir=model_cache)
+    serve = ServeProcess({"redis": {"url": cluster.url},
+                          "models": [{"path": str(model), "alias": "demo", "replicas": 2}]},
+                         tmp_path)
+    try:
+        serve.wait_ready(lambda: len(get_json(f"{serve.url}/health")["backends"]) == 2, 120)
+        client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "system", "content": "A cluster conversation. " * 40},
+                    {"role": "user", "content": "Hello?"}]
+        first = client.chat.completions.with_raw_response.create(model="demo", messages=messages)
+        reply = first.parse().choices[0].message.content
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "More?"}]
+        second = client.chat.completions.with_raw_response.create(model="demo", messages=messages)
+        usage = second.parse().usage
+        assert usage.prompt_tokens_details.cached_tokens >= 0.8 * usage.prompt_tokens
+        assert second.headers["x-kvroute-backend"] == first.headers["x-kvroute-backend"]
+    finally:
+        serve.stop()

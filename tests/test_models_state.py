@@ -7,6 +7,7 @@ import time
 
 from kvroute.models_state import (LOADED, LOADING, UNLOADED, ModelsState, ModelState, STALE_AFTER,
                                   summarize)
+from kvroute import keys
 from kvroute.redis_server import RedisServer
 
 
@@ -50,7 +51,7 @@ def test_stale_states_are_ignored():
 
     async def main(url: str) -> None:
         s = ModelsState(url)
-        await s._redis.hset("kvr:models", mapping={"m|x": fresh.to_json(), "m|y": stale.to_json()})
+        await s._redis.hset(keys.MODEL_STATES, mapping={"m|x": fresh.to_json(), "m|y": stale.to_json()})
         assert [x.machine for x in (await s.states())["m"]] == ["x"]
         await s.close()
 
