@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -134,6 +135,12 @@ def _demo_parser(sub) -> None:
                    "gibberish), to try another cache kind: qwen3 full attention, gemma3_text "
                    "and gpt_oss sliding windows, qwen3_next, lfm2 and falcon_h1 hybrids with "
                    "recurrent layers, mamba2 recurrent only")
+    p.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                   help="the context length the model declares (default 8192); coding "
+                   "agents need ~131072 for their default prompts")
+    p.add_argument("--tool-call", default=None, metavar="JSON",
+                   help='with --variant tool: the call it answers with, as '
+                   '{"name": ..., "arguments": {...}} (default get_weather for Paris)')
     p.add_argument("--size", choices=("tiny", "7b"), default="tiny",
                    help="with --arch gemma3_text or qwen3_next: '7b' writes a 7B-class bf16 "
                    "model (~13 GB) for timing on an accelerator")
@@ -163,9 +170,23 @@ def run_demo_model(args: dict[str, Any]) -> int:
     from . import arch_models, demo_model
 
     if args.get("arch"):
+        if args.get("context") or args.get("tool_call"):
+            raise config.ConfigError("--context and --tool-call apply to the demo model, "
+                                     "not to --arch models")
         path = arch_models.build(args["dir"], args["arch"], args.get("size") or "tiny")
     else:
-        path = demo_model.build(args["dir"], variant=args["variant"])
+        tool_call = None
+        if args.get("tool_call"):
+            try:
+                tool_call = json.loads(args["tool_call"])
+            except ValueError as exc:
+                raise config.ConfigError(f"--tool-call is not JSON: {exc}") from None
+        try:
+            path = demo_model.build(args["dir"], variant=args["variant"],
+                                    context=args.get("context") or demo_model.MAX_POSITIONS,
+                                    tool_call=tool_call)
+        except ValueError as exc:
+            raise config.ConfigError(str(exc)) from None
     print(path)
     return 0
 

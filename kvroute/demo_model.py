@@ -51,14 +51,20 @@ VARIANTS = ("text", "tool")
 # JSON keeps the successor chain free of repeated tokens.
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
-TOOL_CALL_JSON = "\n" + json.dumps(DEMO_TOOL_CALL) + "\n"
+
+
+def tool_call_json(call: dict) -> str:
+    """The tool variant's middle token: a call's JSON on a line of its own."""
+    return "\n" + json.dumps(call) + "\n"
+
+
+TOOL_CALL_JSON = tool_call_json(DEMO_TOOL_CALL)
 DEMO_TOOL_REPLY = TOOL_CALL_START + TOOL_CALL_JSON + TOOL_CALL_END
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"  # EOS
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
-ADDED_TOKENS = [TOOL_CALL_START, TOOL_CALL_END, TOOL_CALL_JSON]
 
 # Sizes are set by mlx's CPU backend on Linux (reference BLAS, ~7 GFLOP/s,
 # attention composed from ops): on two cores a 2048-token prefill takes about
@@ -224,8 +230,9 @@ MODEL_FILES = (
 )
 
 
-def train_tokenizer() -> Tokenizer:
-    """Train the byte-level BPE tokenizer on ``CORPUS``."""
+def train_tokenizer(tool_call: dict | None = None) -> Tokenizer:
+    """Train the byte-level BPE tokenizer on ``CORPUS``; ``tool_call`` (default
+    ``DEMO_TOOL_CALL``) is the call whose JSON becomes the tool variant's token."""
     tokenizer = Tokenizer(models.BPE())
     # Digits are split one by one (as in Qwen2) so that every number is a run
     # of single-digit tokens and the counting map applies to each of them.
@@ -246,7 +253,8 @@ def train_tokenizer() -> Tokenizer:
     tokenizer.train_from_iterator(CORPUS.splitlines(), trainer)
     # Not special, so decoding with skip_special_tokens keeps the tool call.
     tokenizer.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS]
+        [AddedToken(t, special=False, normalized=False)
+         for t in (TOOL_CALL_START, TOOL_CALL_END, tool_call_json(tool_call or DEMO_TOOL_CALL))]
     )
     return tokenizer
 
@@ -263,15 +271,16 @@ def _single_token(tokenizer: Tokenizer, text: str) -> int:
     return ids[0]
 
 
-def successor_map(tokenizer: Tokenizer, variant: str) -> tuple[dict[int, int], int]:
+def successor_map(tokenizer: Tokenizer, variant: str,
+                  tool_call: dict | None = None) -> tuple[dict[int, int], int]:
     """The bigram map: explicit successors, and the successor of all others."""
     if variant == "text":
         reply = tokenizer.encode(DEMO_REPLY).ids
         text = DEMO_REPLY
     elif variant == "tool":
-        parts = (TOOL_CALL_START, TOOL_CALL_JSON, TOOL_CALL_END)
+        parts = (TOOL_CALL_START, tool_call_json(tool_call or DEMO_TOOL_CALL), TOOL_CALL_END)
         reply = [_single_token(tokenizer, t) for t in parts]
-        text = DEMO_TOOL_REPLY
+        text = "".join(parts)
     else:
         raise ValueError(f"Unknown variant {variant!r}, expected one of {VARIANTS}")
     _require(tokenizer.decode(reply) == text, f"{text!r} does not round-trip")
@@ -294,7 +303,7 @@ def successor_map(tokenizer: Tokenizer, variant: str) -> tuple[dict[int, int], i
     return successors, reply[0]
 
 
-def _model_args(vocab_size: int) -> llama.ModelArgs:
+def _model_args(vocab_size: int, context: int = MAX_POSITIONS) -> llama.ModelArgs:
     return llama.ModelArgs(
         model_type="llama",
         hidden_size=HIDDEN_SIZE,
@@ -305,20 +314,20 @@ def _model_args(vocab_size: int) -> llama.ModelArgs:
         head_dim=HEAD_DIM,
         rms_norm_eps=RMS_NORM_EPS,
         vocab_size=vocab_size,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=context,
         tie_word_embeddings=False,
     )
 
 
 def build_model(
-    successors: dict[int, int], default: int, vocab_size: int
+    successors: dict[int, int], default: int, vocab_size: int, context: int = MAX_POSITIONS
 ) -> llama.Model:
     """Build the bigram model: real random layers over constructed embeddings.
 
     Seeds mlx's global random generator, which the layers' initializers use.
     """
     mx.random.seed(SEED)
-    model = llama.Model(_model_args(vocab_size))
+    model = llama.Model(_model_args(vocab_size, context))
 
     # Successor directions are the first hidden axes: axis 0 for the tokens
     # that follow the default map, one axis per explicit token after it. The
@@ -413,7 +422,7 @@ def token_ids(tokenizer: Tokenizer) -> dict:
     }
 
 
-def write_tokenizer(out_dir: Path, tokenizer: Tokenizer) -> None:
+def write_tokenizer(out_dir: Path, tokenizer: Tokenizer, context: int = MAX_POSITIONS) -> None:
     """Write the tokenizer, its chat template and the generation config."""
     eos_id = tokenizer.token_to_id(IM_END)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
@@ -435,7 +444,7 @@ def write_tokenizer(out_dir: Path, tokenizer: Tokenizer) -> None:
             "bos_token": None,
             "unk_token": None,
             **special_tokens,
-            "model_max_length": MAX_POSITIONS,
+            "model_max_length": context,
             "clean_up_tokenization_spaces": False,
             "chat_template": CHAT_TEMPLATE,
         },
@@ -443,7 +452,8 @@ def write_tokenizer(out_dir: Path, tokenizer: Tokenizer) -> None:
 
 
 def write_checkpoint(
-    out_dir: Path, model: nn.Module, config: dict, tokenizer: Tokenizer
+    out_dir: Path, model: nn.Module, config: dict, tokenizer: Tokenizer,
+    context: int = MAX_POSITIONS,
 ) -> None:
     """Write everything ``mlx_lm.load`` reads: weights, config and tokenizer."""
     weights = dict(tree_flatten(model.parameters()))
@@ -451,20 +461,33 @@ def write_checkpoint(
         str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"}
     )
     _write_json(out_dir / "config.json", config)
-    write_tokenizer(out_dir, tokenizer)
+    write_tokenizer(out_dir, tokenizer, context)
 
 
-def build(out_dir: str | Path, variant: str = "text") -> Path:
-    """Write the demo model of ``variant`` to ``out_dir`` and return the path."""
+def build(out_dir: str | Path, variant: str = "text", context: int = MAX_POSITIONS,
+          tool_call: dict | None = None) -> Path:
+    """Write the demo model of ``variant`` to ``out_dir`` and return the path.
+
+    ``context`` is the context length it declares (coding agents send prompts of
+    tens of thousands of tokens; the weights do not depend on it). ``tool_call``
+    is the call the tool variant answers with (default ``DEMO_TOOL_CALL``): an
+    agent's own tool, so that the agent really runs it.
+    """
     if variant not in VARIANTS:
         raise ValueError(f"Unknown variant {variant!r}, expected one of {VARIANTS}")
+    if not isinstance(context, int) or context < 256:
+        raise ValueError(f"context must be an integer of at least 256, not {context!r}")
+    if tool_call is not None and not (
+            isinstance(tool_call, dict) and isinstance(tool_call.get("name"), str)
+            and isinstance(tool_call.get("arguments"), dict)):
+        raise ValueError('tool_call must be {"name": "...", "arguments": {...}}')
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = train_tokenizer()
+    tokenizer = train_tokenizer(tool_call)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    successors, default = successor_map(tokenizer, variant)
-    model = build_model(successors, default, vocab_size)
+    successors, default = successor_map(tokenizer, variant, tool_call)
+    model = build_model(successors, default, vocab_size, context)
     _check_model(model, successors, default, vocab_size)
 
     config = {
@@ -474,7 +497,7 @@ def build(out_dir: str | Path, variant: str = "text") -> Path:
         "torch_dtype": "float32",
         "kvroute_demo": {"variant": variant, "version": VERSION},
     }
-    write_checkpoint(out_dir, model, config, tokenizer)
+    write_checkpoint(out_dir, model, config, tokenizer, context)
     return out_dir
 
 

@@ -287,3 +287,34 @@ def test_ensure_is_safe_for_concurrent_processes(tmp_path):
     model, tokenizer = mlx_lm.load(str(path))
     prompt = tokenizer.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True)
     assert generate(model, tokenizer, prompt) == (DEMO_TOOL_REPLY, "stop")
+
+
+def test_demo_model_command_builds_a_long_context_copy_calling_another_tool(tmp_path):
+    """`kvroute demo-model --context N --tool-call JSON`, as the coding-agent tests use it:
+    the declared context is N and the tool variant answers with that call."""
+    call = {"name": "Bash", "arguments": {"command": "echo hi"}}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvroute.cli", "demo-model", str(tmp_path / "m"), "--variant",
+         "tool", "--context", "131072", "--tool-call", json.dumps(call)],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    path = Path(out.stdout.strip())
+    assert json.loads((path / "config.json").read_text())["max_position_embeddings"] == 131072
+    assert json.loads((path / "tokenizer_config.json").read_text())["model_max_length"] == 131072
+    model, tokenizer = mlx_lm.load(str(path))
+    prompt = tokenizer.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True)
+    text, finish = generate(model, tokenizer, prompt)
+    assert finish == "stop"
+    inner = text[len(tokenizer.tool_call_start):-len(tokenizer.tool_call_end)]
+    assert json.loads(inner) == call
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tool-call", "not json"], "--tool-call is not JSON"),
+    (["--tool-call", '{"name": "x"}'], "tool_call must be"),
+    (["--context", "10"], "context must be"),
+])
+def test_demo_model_command_refuses_bad_options(tmp_path, args, message):
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "demo-model", str(tmp_path / "m"),
+                          *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and message in out.stderr
