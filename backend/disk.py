@@ -4,6 +4,12 @@
   so the engine thread never waits on a disk. An entry superseded before its turn
   is not written (the entry that superseded it is); a superseded entry's file is
   removed after its successor's file is in place. A RAM eviction keeps the file.
+- Entries over the RAM budget: the store hands them whole to `take` (RAM keeps a
+  prefix at most, which is not written again). Such an entry is queued while the
+  queue is empty or it fits the queue's bytes, never while writes are failing; it
+  replaces a queued one it extends, and once its file is in place the records it
+  extends are removed (their keys are its own). A refusal's reason goes back to
+  the store, which counts the commit as refused when RAM keeps nothing of it.
 - Index: file name -> `Record` (tokens, scope, chain) in LRU order; the disk's own
   byte budget evicts least recently used files. A restart re-indexes from the
   files' headers alone (see diskfile.py) and drops, with one log line and a
@@ -44,7 +50,7 @@ import numpy as np
 
 from . import diskfile
 from .diskfile import BadRecord, Record
-from .store import Entry, Event, Hit, held_tokens, trimmed_copy, usable_prefix
+from .store import Entry, Event, Hit, common_prefix, held_tokens, trimmed_copy, usable_prefix
 
 log = logging.getLogger("kvroute.backend.disk")
 
@@ -86,6 +92,7 @@ class DiskTier:
         self.lock = threading.RLock()
         self._by_entry: dict[int, str] = {}  # store entry id -> file name
         self._seen: set[int] = set()  # store entry ids queued or written
+        self._wholes: list[list] = []  # queued ["whole", entry] items, not yet written
         self._superseded: set[int] = set()
         self._key_refs: dict[str, Counter] = {}
         self._queue: queue.Queue = queue.Queue()
@@ -166,13 +173,16 @@ class DiskTier:
         entry = event.entry
         if not self.enabled or entry is None:
             return
+        if event.kind == "insert" and entry.part_of is not None:
+            return  # a RAM prefix of an entry `take` queued whole
         if event.kind == "insert" and entry.id not in self._seen:
             self._seen.add(entry.id)
             if self._pending_bytes + entry.nbytes > self.queue_bytes:
                 # The disk cannot keep up: queued entries pin their arrays in memory.
                 self.metrics.l(self.metrics.disk_writes, result="dropped").inc()
                 return
-            self._pending_bytes += entry.nbytes
+            with self.lock:
+                self._pending_bytes += entry.nbytes
             self._queue.put(("write", entry))
         elif event.kind == "evict":
             # Gone from RAM: no more events for it (its file stays, unless superseded).
@@ -184,6 +194,49 @@ class DiskTier:
                 self._by_entry.pop(entry.id, None)
         self.metrics.l(self.metrics.disk_queue).set(self._queue.qsize())
 
+    def take(self, entry: Entry) -> str:
+        """Queue an entry the RAM budget cannot hold (engine thread: only enqueue).
+        Returns "" when queued, else why not (a label of the refused-commit metric)."""
+        if not self.enabled:
+            return "no_disk_tier"
+        if entry.nbytes > self.budget_bytes:
+            return "over_disk_budget"
+        if self._failing:
+            return "disk_failing"
+        with self.lock:
+            if self._covered(entry):
+                return ""  # e.g. a repeat restored from disk: its file is there already
+            # Queued entries this one extends need no file of their own: dropping them
+            # frees their arrays now, before the writer reaches them.
+            for item in self._wholes:
+                if item[1] is not None and _extends(entry, item[1]):
+                    self._pending_bytes -= item[1].nbytes
+                    item[1] = None
+            if self._pending_bytes and self._pending_bytes + entry.nbytes > self.queue_bytes:
+                self.metrics.l(self.metrics.disk_writes, result="dropped").inc()
+                return "disk_queue_full"
+            self._pending_bytes += entry.nbytes
+            item = ["whole", entry]
+            self._wholes.append(item)
+        self._queue.put(item)
+        self.metrics.l(self.metrics.disk_queue).set(self._queue.qsize())
+        return ""
+
+    def _covered(self, entry: Entry) -> bool:
+        """Whether a file (refreshed in LRU order) or a queued entry holds all of
+        `entry` and serves what it serves."""
+        def holds(old: Any) -> bool:
+            if old.model != entry.model or old.scope != entry.scope:
+                return False
+            if len(old.tokens) > len(entry.tokens) and not old.trimmable:
+                return False
+            return common_prefix(entry.tokens, old.tokens) == len(entry.tokens)
+        for name, record in self.index.items():
+            if holds(record):
+                self.index.move_to_end(name)
+                return True
+        return any(item[1] is not None and holds(item[1]) for item in self._wholes)
+
     # -- the writer thread -----------------------------------------------------
 
     def _write_loop(self) -> None:
@@ -194,9 +247,12 @@ class DiskTier:
             kind, payload = item
             try:
                 if kind == "write":
-                    self._pending_bytes -= payload.nbytes
+                    with self.lock:
+                        self._pending_bytes -= payload.nbytes
                     if payload.id not in self._superseded:
                         self._write(payload)
+                elif kind == "whole":
+                    self._write_whole(item)
                 else:
                     self._superseded.discard(payload)
                     name = self._by_entry.pop(payload, None)
@@ -206,14 +262,28 @@ class DiskTier:
                 log.exception("disk cache: write-behind error")
             self.metrics.l(self.metrics.disk_queue).set(self._queue.qsize())
 
-    def _write(self, entry: Entry) -> None:
+    def _write_whole(self, item: list) -> None:
+        with self.lock:
+            entry, item[1] = item[1], None
+            self._wholes.remove(item)
+            if entry is None:  # a later entry that extends it was queued
+                return
+            self._pending_bytes -= entry.nbytes
+            extended = [r for r in self.index.values() if _extends(entry, r)]
+        chain = list(dict.fromkeys([*entry.chain, *(k for r in extended for k in r.chain)]))
+        if self._write(entry, chain):
+            for record in extended:  # after the file that holds their tokens is in place
+                self._remove(record.name)
+
+    def _write(self, entry: Entry, chain: list[int] | None = None) -> bool:
         if entry.nbytes > self.budget_bytes:
-            return
+            return False
+        chain = list(entry.chain) if chain is None else chain
         self._enforce_budget(entry.nbytes)
         meta = {
             "version": diskfile.FORMAT_VERSION, "fingerprint": self.fingerprint,
             "model": entry.model, "tokens": entry.tokens.tolist(), "scope": entry.scope,
-            "chain": list(entry.chain), "trimmable": entry.trimmable,
+            "chain": chain, "trimmable": entry.trimmable,
             "exit_path": entry.exit_path, "created": entry.created,
         }
         stem = f"{time.time_ns():x}-{os.getpid()}-{next(self._names)}"
@@ -230,11 +300,11 @@ class DiskTier:
             self._failing = True
             self.metrics.l(self.metrics.disk_writes, result="failed").inc()
             self.metrics.l(self.metrics.disk_write_failures, reason=reason).inc()
-            return
+            return False
         if self._failing:
             log.info("disk cache: writes succeed again")
             self._failing = False
-        record = Record(name, entry.tokens, entry.scope, list(entry.chain), entry.trimmable,
+        record = Record(name, entry.tokens, entry.scope, chain, entry.trimmable,
                         entry.exit_path, size, 0, "", entry.created, entry.model)
         with self.lock:
             self._add(record)
@@ -243,6 +313,7 @@ class DiskTier:
         self.metrics.l(self.metrics.disk_writes, result="ok").inc()
         self._enforce_budget(0)
         self._update_gauges()
+        return True
 
     def _add(self, record: Record) -> None:
         with self.lock:
@@ -394,6 +465,13 @@ class DiskTier:
         m.l(m.disk_entries).set(len(self.index))
 
 
+def _extends(entry: Entry, old: Any) -> bool:
+    """Whether `entry` serves every prompt `old` (an entry or a record) serves."""
+    return (entry.trimmable and old.model == entry.model and old.scope == entry.scope
+            and len(old.tokens) <= len(entry.tokens)
+            and common_prefix(old.tokens, entry.tokens) == len(old.tokens))
+
+
 def _probe_errno(directory: Path) -> int:
     """Why writing into `directory` fails now (MLX's errors carry no errno)."""
     try:
@@ -423,4 +501,5 @@ def open_disk_tier(model: str, directory: str, budget_bytes: int, ram_budget: in
     if not tier.open():
         return None
     store.listeners.append(tier.on_store_event)
+    store.overflow = tier.take
     return tier

@@ -44,6 +44,7 @@ from mlx_lm.sample_utils import apply_top_p, make_logits_processors
 from kvroute.errors import APIError, overloaded, server_error
 from kvroute.accel import keep_wired_limit
 from kvroute.hits import is_cache_hit
+from kvroute.sizes import format_bytes
 from kvroute.wire import SamplingParams
 
 from .attention import avoid_cudnn_plans, fast, new_cache
@@ -51,11 +52,12 @@ from .metrics import BackendMetrics
 from .output import Chunk, OutputParser
 from mlx_lm.models.cache import make_prompt_cache
 
-from .store import Store, always_trimmable, common_prefix, held_tokens
+from .store import Commit, Store, always_trimmable, cache_nbytes, common_prefix, held_tokens
 
 log = logging.getLogger("kvroute.backend.engine")
 
 GAUGE_PERIOD = 0.05  # seconds between gauge updates while only decoding
+KV_PROBE = 256  # tokens per chunk that measures KV bytes per token: mlx-lm's cache step
 
 
 @dataclass
@@ -243,6 +245,8 @@ class Engine:
         self._gauges_at = 0.0
         self._gauged_jobs = 0
         self._faults = False  # any job with a test fault admitted: look for delays
+        self._warnings = Warnings(log)
+        self._kv_rate: tuple[float, int] | None = None
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
         self._gen = self._new_generator()
 
@@ -356,6 +360,18 @@ class Engine:
             if not self.keep_buffers:  # on a GPU its buffers are the first request's
                 mx.clear_cache()
         return time.perf_counter() - t0
+
+    def kv_bytes_per_token(self) -> tuple[float, int]:
+        """`kv_rate` of this engine's model, measured once (engine thread only: it
+        runs the model)."""
+        if self._kv_rate is None:
+            self._kv_rate = kv_rate(self.model)
+        return self._kv_rate
+
+    def describe_budgets(self, disk_budget: int, context_length: int) -> dict[str, int | None]:
+        """`describe_budgets` for this engine's store and model (engine thread only)."""
+        return describe_budgets(self.store.budget_bytes, disk_budget, self.kv_bytes_per_token(),
+                                context_length, trimmable=not self.checkpointing)
 
     def _run(self) -> None:
         while not self._stopping:
@@ -622,9 +638,31 @@ class Engine:
         if held is not None and held != len(tokens):
             log.error("not committing: the cache holds %d tokens, the list has %d", held, len(tokens))
             return
-        self.store.insert(self.model_id, tokens, cache, path,
-                          chain=self._keys_for(job, path, len(tokens)), scope=job.scope)
-        self.metrics.l(self.metrics.commits, path=path).inc()
+        done = self.store.commit(self.model_id, tokens, cache, path,
+                                 chain=self._keys_for(job, path, len(tokens)), scope=job.scope,
+                                 prefix_chains=job.checkpoints)
+        self._count_commit(done, path)
+
+    def _count_commit(self, done: Commit, path: str) -> None:
+        """A commit kept nowhere is refused, never counted as a commit, and never
+        silent; one over the RAM budget is a commit that says what RAM kept."""
+        m, budget = self.metrics, format_bytes(self.store.budget_bytes)
+        if done.refused:
+            m.l(m.commits_refused, reason=done.refused).inc()
+            self._warnings.warn(
+                f"refused:{done.refused}", "not keeping a prompt cache of %d tokens (%s): over "
+                "the RAM budget (%s) with no prefix that fits, and %s", done.tokens,
+                format_bytes(done.nbytes), budget, _REFUSALS.get(done.refused, done.refused))
+            return
+        m.l(m.commits, path=path).inc()
+        if done.over_budget:
+            m.l(m.commits_over_budget, whole="disk" if done.on_disk else "dropped").inc()
+            self._warnings.warn(
+                f"over:{done.disk_refused}", "a prompt cache of %d tokens (%s) is over the RAM "
+                "budget (%s): RAM keeps %s; %s", done.tokens, format_bytes(done.nbytes), budget,
+                f"its first {done.kept} tokens" if done.kept else "none of it (its cache cannot be cut)",
+                "the disk tier keeps the whole" if done.on_disk
+                else f"the rest is lost: {_REFUSALS.get(done.disk_refused, done.disk_refused)}")
 
     def _keys_for(self, job: Job, path: str, n_tokens: int) -> list[int]:
         if path == "finish" and job.extend_chain is not None:
@@ -789,6 +827,86 @@ class Engine:
         m.l(m.cache_bytes).set(stats["bytes"])
         m.l(m.cache_entries).set(stats["entries"])
         m.l(m.prefill_tps).set(self.prefill_tps)
+
+
+_REFUSALS = {
+    "no_disk_tier": "there is no disk tier (--disk-cache-dir)",
+    "over_disk_budget": "it is over the disk tier's budget too",
+    "disk_queue_full": "the disk tier's write queue is full",
+    "disk_failing": "the disk tier's writes are failing",
+}
+WARN_EVERY = 60.0  # seconds between two warnings of one kind
+
+
+class Warnings:
+    """A warning of each kind at most every `every` seconds, never none: the first
+    is logged at once, later ones say how many were left out meanwhile."""
+
+    def __init__(self, logger: logging.Logger, every: float = WARN_EVERY):
+        self.logger, self.every = logger, every
+        self._last: dict[str, float] = {}
+        self._held: collections.Counter = collections.Counter()
+
+    def warn(self, kind: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -self.every) < self.every:
+            self._held[kind] += 1
+            return
+        self._last[kind] = now
+        held = self._held.pop(kind, 0)
+        suffix = f" ({held} more like it in the last {self.every:.0f}s)" if held else ""
+        self.logger.warning(message + suffix, *args)
+
+
+def kv_rate(model: Any) -> tuple[float, int]:
+    """(bytes of KV one more token adds to a prompt-cache entry, bytes an entry costs
+    whatever its length): two chunks of KV_PROBE tokens through a fresh cache. Sliding
+    windows and recurrent states stop growing, so a long entry pays at most this rate."""
+    cache = make_prompt_cache(model)
+    sizes = []
+    for salt in (0, 1):
+        model(mx.array([_warm_tokens(KV_PROBE, salt=salt)]), cache=cache)
+        mx.eval([c.state for c in cache])
+        sizes.append(cache_nbytes(cache))
+    per_token = (sizes[1] - sizes[0]) / KV_PROBE
+    return per_token, max(0, int(sizes[0] - per_token * KV_PROBE))
+
+
+def describe_budgets(ram_budget: int, disk_budget: int, kv_rate: tuple[float, int],
+                     context_length: int, trimmable: bool = True) -> dict[str, int | None]:
+    """Log how many tokens one prompt-cache entry may hold in RAM and on disk (the
+    budget over the KV bytes a token costs: `kv_rate`), and warn where that is less
+    than the model's context: a longer prompt keeps only a prefix in RAM (only its
+    checkpoints that fit, where the model's cache cannot be cut: `trimmable` False),
+    and goes whole to the disk tier where there is one. Returns both counts (None: no
+    disk tier, or entries that do not grow with their length)."""
+    per_token, fixed = kv_rate
+
+    def fits(budget: int) -> int | None:
+        if per_token <= 0:
+            return None  # e.g. recurrent states only: an entry's size does not grow
+        return max(0, int((budget - fixed) // per_token))
+
+    def count(n: int | None) -> str:
+        return "any number of" if n is None else f"{n:,}"
+
+    ram = fits(ram_budget)
+    disk = fits(disk_budget) if disk_budget > 0 else None
+    log.info("one prompt-cache entry holds up to %s tokens in RAM (cache budget %s) and %s on "
+             "disk, at %s of KV per token; the model's context is %s tokens", count(ram),
+             format_bytes(ram_budget), "none" if disk_budget <= 0 else count(disk),
+             format_bytes(per_token), f"{context_length:,}")
+    if ram is not None and ram < context_length:
+        kept = (f"RAM keeps only their first {ram:,} tokens" if trimmable
+                else "RAM keeps only their checkpoints that fit (this model's cache cannot be cut)")
+        rest = (", the disk tier the whole" if disk_budget > 0 and (disk is None or disk > ram)
+                else "; raise --cache-bytes or add a disk tier (--disk-cache-dir) to keep them")
+        log.warning("prompts over %s tokens are over the RAM cache budget (%s): %s%s",
+                    f"{ram:,}", format_bytes(ram_budget), kept, rest)
+    if disk is not None and disk < context_length:
+        log.warning("prompts over %s tokens are over the disk tier's budget (%s) as well",
+                    f"{disk:,}", format_bytes(disk_budget))
+    return {"ram_tokens": ram, "disk_tokens": disk}
 
 
 class _KeepingBuffers(types.ModuleType):

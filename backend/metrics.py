@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 EXIT_PATHS = ("eos", "length", "stop", "tool_calls", "disconnect", "error")
 COMMIT_PATHS = ("checkpoint", "disconnect_prefill", "recovered", "finish")
+REFUSED_REASONS = ("no_disk_tier", "over_disk_budget", "disk_queue_full", "disk_failing")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -34,7 +35,16 @@ class BackendMetrics:
             Counter, "kvroute_backend_prefill_seconds_saved",
             "Cached tokens divided by the measured prefill rate")
         self.commits = self._family(Counter, "kvroute_backend_commits",
-                                    "Prompt-cache commits by exit path", ("path",))
+                                    "Prompt-cache commits kept in RAM or on disk, by exit path",
+                                    ("path",))
+        self.commits_refused = self._family(
+            Counter, "kvroute_backend_commits_refused",
+            "Commits kept nowhere: over the RAM budget with no prefix that fits, and no disk "
+            "tier took them, by reason", ("reason",))
+        self.commits_over_budget = self._family(
+            Counter, "kvroute_backend_commits_over_budget",
+            "Commits over the RAM budget: RAM kept a prefix at most; whole: disk (the disk tier "
+            "took it) or dropped", ("whole",))
         self.evictions = self._family(Counter, "kvroute_backend_evictions",
                                       "Prompt-cache entries evicted for the byte budget")
         self.cache_bytes = self._family(Gauge, "kvroute_backend_cache_bytes",
@@ -63,6 +73,10 @@ class BackendMetrics:
             self.finished.labels(**self._labels, exit=path)
         for path in COMMIT_PATHS:
             self.commits.labels(**self._labels, path=path)
+        for reason in REFUSED_REASONS:
+            self.commits_refused.labels(**self._labels, reason=reason)
+        for whole in ("disk", "dropped"):
+            self.commits_over_budget.labels(**self._labels, whole=whole)
 
     def _disk_metrics(self) -> None:
         # The disk tier (backend/disk.py) and the tier each hit came from.

@@ -18,6 +18,10 @@ state of an `ArraysCache`, a `CacheList` of those). Two kinds matter here:
   returns a private copy holding exactly that prefix;
 - `insert` commits an entry, dropping entries it makes redundant;
 - a byte budget is enforced by LRU eviction;
+- an entry larger than the whole budget is still committed (`commit`): RAM keeps
+  the longest prefix of it that fits, where its cache can be cut (never more than
+  what the budget holds), and the whole goes to `overflow` (the disk tier) when
+  one is set. What is kept nowhere is refused, and the caller is told why;
 - every insert and eviction is an `Event` for listeners (the registry publisher),
   with the prefix keys that became held or released by this store as a whole.
 """
@@ -41,6 +45,7 @@ from mlx_lm.models.cache import (
     ConcatenateKVCache,
     KVCache,
     QuantizedKVCache,
+    RotatingKVCache,
     can_trim_prompt_cache,
     trim_prompt_cache,
 )
@@ -64,6 +69,9 @@ class Entry:
     trimmable: bool = True  # whether it can serve a prefix of its tokens (see module doc)
     created: float = field(default_factory=time.time)
     hits: int = 0
+    # The id of the whole entry this one is a prefix of, when that whole went to the
+    # disk tier (over the RAM budget): the disk need not write this part again.
+    part_of: int | None = None
 
 
 @dataclass
@@ -84,6 +92,28 @@ class Hit:
     tokens: int
     cache: list[Any] | None
     entry_id: int | None = None
+
+
+@dataclass
+class Commit:
+    """What `Store.commit` did with one committed state."""
+
+    tokens: int  # tokens of the committed state
+    nbytes: int  # its bytes
+    kept: int  # tokens RAM holds of it: all, a prefix (over the budget), or 0
+    entry: Entry | None = None  # the RAM entry made for it (None: covered, or none kept)
+    over_budget: bool = False  # larger than the whole RAM budget
+    disk_refused: str = ""  # over the budget: why the overflow did not take the whole
+
+    @property
+    def on_disk(self) -> bool:
+        """The whole went to the overflow (the disk tier)."""
+        return self.over_budget and not self.disk_refused
+
+    @property
+    def refused(self) -> str:
+        """Why it is kept nowhere; "" when RAM or the disk keeps it."""
+        return self.disk_refused if self.over_budget and not self.kept else ""
 
 
 def cache_nbytes(cache: list[Any]) -> int:
@@ -155,6 +185,39 @@ def trimmed_copy(cache: list[Any], excess: int) -> list[Any]:
     return view
 
 
+def _cut(value: Any, n: int) -> Any:
+    # The first n tokens (axis 2 of a [batch, heads, tokens, dim] array) in a buffer of
+    # their own: a slice would keep the whole state's buffer alive (mx.array copies).
+    if isinstance(value, (tuple, list)):  # a quantized cache's (data, scales, biases)
+        return type(value)(_cut(v, n) for v in value)
+    return mx.array(value[..., :n, :])
+
+
+def prefix_cache(cache: list[Any], n: int) -> list[Any] | None:
+    """A copy of `cache` holding only its first `n` tokens, in arrays of its own, so
+    that it costs only what those tokens cost; None where some layer cannot be cut
+    (a rotated window, a recurrent state, a layout this code does not know)."""
+    def cut(layer: Any) -> Any | None:
+        if isinstance(layer, CacheList):
+            parts = [cut(c) for c in layer.caches]
+            return None if any(p is None for p in parts) else CacheList(*parts)
+        kind = type(layer)
+        keys = getattr(layer, "keys", None)
+        if keys is None or getattr(layer, "offset", None) is None or layer.offset < n:
+            return None
+        if kind in (KVCache, ConcatenateKVCache, QuantizedKVCache):
+            new = copy.copy(layer)
+        elif kind is RotatingKVCache and layer.offset < layer.max_size and layer._idx == layer.offset:
+            new = copy.copy(layer)  # a window that has not rotated: its tokens in order
+            new._idx = n
+        else:
+            return None
+        new.keys, new.values, new.offset = _cut(layer.keys, n), _cut(layer.values, n), n
+        return new
+    out = [cut(layer) for layer in cache]
+    return None if any(layer is None for layer in out) else out
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -190,6 +253,9 @@ class Store:
         self.nbytes = 0
         self.evictions = 0
         self.listeners: list[Callable[[Event], None]] = []
+        # Where an entry over the budget goes whole (the disk tier: engine thread, it
+        # only enqueues): "" when it took the entry, else why not.
+        self.overflow: Callable[[Entry], str] | None = None
         self._ids = itertools.count(1)
         self._key_refs: dict[str, Counter] = {}
         # Entries change on the engine thread; `snapshot` and `stats` are read from
@@ -242,35 +308,111 @@ class Store:
         chain: list[int] | None = None,
         scope: str | None = None,
     ) -> Entry | None:
-        """Commit `cache`, which must hold exactly `tokens`. Returns the new entry,
-        or None when an existing entry already covers it (that one is refreshed)."""
+        """Commit `cache`, which must hold exactly `tokens`. Returns the new RAM entry
+        (a prefix of it when it is over the budget), or None when an existing entry
+        already covers it (that one is refreshed) or RAM keeps none of it."""
+        return self.commit(model, tokens, cache, exit_path, chain, scope).entry
+
+    @_synchronized
+    def commit(
+        self,
+        model: str,
+        tokens: list[int] | np.ndarray,
+        cache: list[Any],
+        exit_path: str,
+        chain: list[int] | None = None,
+        scope: str | None = None,
+        prefix_chains: dict[int, list[int]] | None = None,
+    ) -> Commit:
+        """`insert`, telling what was kept where. `chain` is the prefix keys of all of
+        `tokens`; `prefix_chains` maps a token position to the keys its first tokens
+        hold: what a RAM prefix of an entry over the budget may advertise (the keys of
+        the deepest position inside it; none when no position is known)."""
         tokens = np.asarray(tokens, dtype=np.int32)
         held = held_tokens(cache)
         if held is not None and held != len(tokens):
             raise ValueError(f"cache holds {held} tokens but {len(tokens)} were given")
-        if len(tokens) == 0:
-            return None
-        covering = self._covering(model, tokens, scope)
-        if covering is not None:
-            self.entries.move_to_end(covering.id)
-            self._merge_chain(covering, chain or [])
-            return None
-        nbytes = cache_nbytes(cache)
-        if nbytes > self.budget_bytes:
-            return None
+        nbytes = cache_nbytes(cache) if len(tokens) else 0
+        done = Commit(len(tokens), nbytes, kept=len(tokens))
+        if len(tokens) == 0 or self._refresh_covering(model, tokens, scope, chain or []):
+            return done
         trimmable = can_trim_prompt_cache(cache)
-        # Entries this one extends are now redundant when a trimmed view of it
-        # serves them; it inherits their keys, so what routed to them still finds it.
-        superseded = [
+        if nbytes <= self.budget_bytes:
+            done.entry = self._add(Entry(next(self._ids), model, tokens, cache, nbytes, exit_path,
+                                         list(chain or []), scope, trimmable))
+            return done
+        return self._commit_over_budget(done, Entry(
+            next(self._ids), model, tokens, cache, nbytes, exit_path, list(chain or []), scope,
+            trimmable), prefix_chains or {})
+
+    def _commit_over_budget(self, done: Commit, whole: Entry, prefix_chains: dict[int, list[int]]) -> Commit:
+        """An entry larger than the whole budget: the whole to the overflow (it
+        inherits the keys of the entries it extends, as `_add` does), the longest
+        prefix that fits to RAM."""
+        whole.chain = self._inherited(whole.chain, self._superseded_by(whole))
+        done.over_budget, done.kept = True, 0
+        done.disk_refused = self.overflow(whole) if self.overflow is not None else "no_disk_tier"
+        part = self._fitting_prefix(whole) if whole.trimmable else None
+        if part is not None:
+            n, view = part
+            mx.eval([c.state for c in view])
+            tokens = whole.tokens[:n]
+            known = [p for p in prefix_chains if 0 < p <= n]
+            keys = list(prefix_chains[max(known)]) if known else []
+            done.kept = n
+            if not self._refresh_covering(whole.model, tokens, whole.scope, keys):
+                done.entry = self._add(Entry(
+                    next(self._ids), whole.model, tokens, view, cache_nbytes(view),
+                    whole.exit_path, keys, whole.scope, can_trim_prompt_cache(view),
+                    part_of=whole.id if done.on_disk else None))
+        return done
+
+    def _fitting_prefix(self, whole: Entry) -> tuple[int, list[Any]] | None:
+        """The longest prefix of `whole` whose own cache fits the budget, as (tokens,
+        cache); None when not even one token does or its layers cannot be cut. Views
+        are lazy: their sizes come from shapes, nothing is computed before `eval`."""
+        n = len(whole.tokens) - 1
+        view = prefix_cache(whole.cache, n)
+        size = cache_nbytes(view) if view is not None else 0
+        for _ in range(8):  # a cut cache's bytes are linear in its tokens: one round
+            if view is None or n <= 0:
+                return None
+            if size <= self.budget_bytes:
+                return n, view
+            n = min(n - 1, n * self.budget_bytes // size)
+            view = prefix_cache(whole.cache, n)
+            size = cache_nbytes(view) if view is not None else 0
+        return None
+
+    def _refresh_covering(self, model: str, tokens: np.ndarray, scope: str | None,
+                          chain: list[int]) -> bool:
+        covering = self._covering(model, tokens, scope)
+        if covering is None:
+            return False
+        self.entries.move_to_end(covering.id)
+        self._merge_chain(covering, chain)
+        return True
+
+    @staticmethod
+    def _inherited(chain: list[int], superseded: list[Entry]) -> list[int]:
+        return list(dict.fromkeys([*chain, *(k for old in superseded for k in old.chain)]))
+
+    def _superseded_by(self, entry: Entry) -> list[Entry]:
+        # Entries this one extends are redundant when a trimmed view of it serves them.
+        return [
             old for old in self.entries.values()
-            if trimmable and old.model == model and old.scope == scope
-            and self._is_prefix(old.tokens, tokens)
+            if entry.trimmable and old.model == entry.model and old.scope == entry.scope
+            and self._is_prefix(old.tokens, entry.tokens)
         ]
-        keys = list(dict.fromkeys([*(chain or []), *(k for old in superseded for k in old.chain)]))
-        entry = Entry(next(self._ids), model, tokens, cache, nbytes, exit_path, keys, scope, trimmable)
+
+    def _add(self, entry: Entry) -> Entry:
+        # It inherits the keys of the entries it supersedes, so what routed to them
+        # still finds it.
+        superseded = self._superseded_by(entry)
+        entry.chain = self._inherited(entry.chain, superseded)
         self.entries[entry.id] = entry
-        self.nbytes += nbytes
-        self._emit("insert", entry, self._hold(model, entry.chain))
+        self.nbytes += entry.nbytes
+        self._emit("insert", entry, self._hold(entry.model, entry.chain))
         for old in superseded:
             self._remove(old, "superseded")
         self._enforce_budget(keep=entry.id)
