@@ -4,7 +4,11 @@
 The one definition of what the proxy accepts there: proxy/messages_api.py validates
 with `MessagesBody` / `CountTokensBody` and translates the result into a chat body;
 kvroute/openapi.py describes them. A user turn holds text and tool results, an
-assistant turn text, tool uses and (ignored) thinking: each role's model says which.
+assistant turn text, tool uses and (ignored) thinking, a system message text: each
+role's model says which. Fields Claude Code sends that change nothing for a text model
+(`thinking`, `context_management`, `output_config.effort`, `metadata`, `service_tier`,
+`cache_control` on any block or tool) are accepted; unknown fields are ignored, as
+everywhere (`Body`). The refusals' wording is Anthropic's: messages_api.py words them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,12 @@ from pydantic import Field, Tag, model_validator
 from .validation import Body, invalid, refusing, tagged_by
 from .wire import MAX_STOP, NonEmpty
 
+# The one `code` of a refused content block (an image, a server tool's result, ...):
+# proxy/messages_api.py words the refusal after the block type that was sent.
+UNSUPPORTED_BLOCK = "unsupported_content"
+PREFILL = "prefill_unsupported"
+
+
 def _blocks(*members: tuple[type, str]) -> Any:
     """A content block of one of these (model, type) kinds, told apart by `type`."""
 
@@ -25,8 +35,8 @@ def _blocks(*members: tuple[type, str]) -> Any:
     allowed = ", ".join(tag for _, tag in members)
     return Annotated[
         Union[tuple(Annotated[model, Tag(tag)] for model, tag in members)],
-        tagged_by("type", kind, "Content block type not supported here; kvroute serves text "
-                  f"models (blocks allowed: {allowed}).", "unsupported_content"),
+        tagged_by("type", kind, f"Content block type not supported here (allowed: {allowed}).",
+                  UNSUPPORTED_BLOCK),
     ]
 
 
@@ -45,7 +55,8 @@ class ToolUseBlock(Body):
 class ToolResultBlock(Body):
     type: Literal["tool_result"]
     tool_use_id: NonEmpty
-    content: Union[str, list[TextBlock]] | None = None
+    # Text only: an image or a tool reference inside a result is refused like any block.
+    content: Union[str, list[_blocks((TextBlock, "text"))]] | None = None
     is_error: bool | None = None
 
 
@@ -58,6 +69,7 @@ class ThinkingBlock(Body):
 UserBlock = _blocks((TextBlock, "text"), (ToolResultBlock, "tool_result"))
 AssistantBlock = _blocks((TextBlock, "text"), (ToolUseBlock, "tool_use"),
                          (ThinkingBlock, "thinking"), (ThinkingBlock, "redacted_thinking"))
+SystemBlock = _blocks((TextBlock, "text"))
 
 
 class UserTurn(Body):
@@ -70,47 +82,79 @@ class AssistantTurn(Body):
     content: Union[str, list[AssistantBlock]]
 
 
+class SystemTurn(Body):
+    """A system message inside the conversation (Anthropic's mid-conversation system
+    messages; Claude Code puts its environment section there, after the first user
+    turn): it stays where it stands, a chat system message at that position."""
+
+    role: Literal["system"]
+    content: Union[str, list[SystemBlock]]
+
+
 def _role(message: Any) -> str | None:
     return message.get("role") if isinstance(message, dict) else None
 
 
 Message = Annotated[
-    Union[Annotated[UserTurn, Tag("user")], Annotated[AssistantTurn, Tag("assistant")]],
-    tagged_by("role", _role, "Invalid role; expected 'user' or 'assistant' (the system prompt "
-              "goes in 'system').", "invalid_value"),
+    Union[Annotated[UserTurn, Tag("user")], Annotated[AssistantTurn, Tag("assistant")],
+          Annotated[SystemTurn, Tag("system")]],
+    tagged_by("role", _role, "Input should be 'user', 'assistant' or 'system'", "invalid_value"),
 ]
 
 
 class ClientTool(Body):
-    """A client tool; Anthropic's server tools (web search ...) have other types."""
+    """A client tool; Anthropic's server tools (web search ...) have other types. Extra
+    fields Claude Code sets (`cache_control`, `strict`, `input_examples`,
+    `eager_input_streaming`) are accepted without effect."""
 
     type: Annotated[Literal["custom"], refusing(
         "Tool type {value} is not supported; only client tools (name, description, "
-        "input_schema) are.")] | None = None
+        "input_schema) are: kvroute runs no server tools.")] | None = None
     name: NonEmpty
     description: str | None = None
     input_schema: dict[str, Any]
+    # A deferred tool is not shown to the model until a tool search loads it (Anthropic's
+    # tool search, which kvroute has not): it is left out of the prompt, as there.
+    defer_loading: bool | None = None
 
 
 class ToolChoice(Body):
     type: Annotated[Literal["auto", "none"], refusing(
-        "Only tool_choice 'auto' and 'none' are supported.")]
-    disable_parallel_tool_use: bool | None = None
+        "Forced tool use (tool_choice 'any' or 'tool') is not supported yet: kvroute cannot "
+        "constrain decoding to a tool call. Use 'auto' or 'none'.")]
+    disable_parallel_tool_use: bool | None = None  # accepted, not enforced
 
 
 class Metadata(Body):
     user_id: str | None = None
 
 
+class OutputConfig(Body):
+    effort: str | None = None  # accepted, without effect: kvroute's models do not reason
+    format: Annotated[None, refusing(
+        "Structured outputs are not supported: kvroute cannot constrain decoding to a "
+        "JSON schema.")] = None
+
+
 class CountTokensBody(Body):
     model: NonEmpty
     messages: Annotated[list[Message], Field(min_length=1)]
-    system: Union[str, list[TextBlock]] | None = None
+    system: Union[str, list[SystemBlock]] | None = None
     tools: list[ClientTool] | None = None
     tool_choice: ToolChoice | None = None
-    # Accepted, without effect: no thinking blocks are produced, metadata is not kept.
+    # Accepted, without effect: no thinking blocks are produced (so no thinking is ever
+    # cleared either), metadata is not kept, every request is served alike.
     thinking: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
     metadata: Metadata | None = None
+    service_tier: str | None = None
+    output_format: Annotated[None, refusing(
+        "Structured outputs are not supported: kvroute cannot constrain decoding to a "
+        "JSON schema.")] = None
+    mcp_servers: Annotated[None, refusing(
+        "The MCP connector is not supported: kvroute runs no server tools; give the tools "
+        "as client tools.")] = None
 
     @model_validator(mode="after")
     def _ends_with_the_user(self) -> "CountTokensBody":
@@ -119,8 +163,8 @@ class CountTokensBody(Body):
         # item": the description allows it, validation refuses it.)
         if self.messages[-1].role == "assistant":
             raise invalid(f"messages[{len(self.messages) - 1}]",
-                          "The last message must be a user message: continuing an assistant "
-                          "message (prefill) is not supported.", "unsupported_parameter")
+                          "Prefilling assistant messages is not supported for this model.",
+                          PREFILL)
         return self
 
 

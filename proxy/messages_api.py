@@ -2,23 +2,34 @@
 by the chat path.
 
 A request becomes the canonical chat body: `system` a system message, each message's
-text blocks its content (blocks joined by a blank line), an assistant's `tool_use`
-blocks its tool calls (ids kept, so the next turn's body is the one the backend
-advertised), a user's `tool_result` blocks tool messages; tools take OpenAI's function
-format. It is routed like any chat completion (`Gateway.route_chat`), so a chat
-completion and a Messages request with the same history share one cache, and the
-backend's chat answer comes back as a message, or as Anthropic's event stream.
+text blocks its content (blocks joined by a blank line), a system message inside
+`messages` a chat system message at the same place, an assistant's `tool_use` blocks
+its tool calls (ids kept, so the next turn's body is the one the backend advertised),
+a user's `tool_result` blocks tool messages; tools take OpenAI's function format (a
+deferred tool, `defer_loading`, is left out, as Anthropic leaves it out of the prompt).
+It is routed like any chat completion (`Gateway.route_chat`), so a chat completion and
+a Messages request with the same history share one cache, and the backend's chat
+answer comes back as a message, or as Anthropic's event stream.
+
+Claude Code's billing line (a system text block `x-anthropic-billing-header: ...`) is
+dropped: it is a header for Anthropic's billing, not prompt, and its hash changes from
+conversation to conversation (in some versions from request to request), which would
+end every shared prefix at the first block.
 
 `cache_control` is accepted anywhere and ignored: every prompt is cached. Usage reports
 the cached part as `cache_read_input_tokens` and the rest as `input_tokens` (Anthropic
 counts them apart); nothing is billed as a cache write, so `cache_creation_input_tokens`
-is 0. Errors take Anthropic's envelope (`error_envelope_middleware`).
+is 0. Errors take Anthropic's envelope (`error_envelope_middleware`) and, where
+Anthropic's API refuses the same thing, Anthropic's wording (`messages.1.role: Input
+should be ...`, `prompt is too long: N tokens > M maximum`, `model: <name>`), so a
+client's own handling of those errors (Claude Code's, the SDKs') works here too.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -37,12 +48,14 @@ PATH = "/v1/messages"
 COUNT_PATH = "/v1/messages/count_tokens"
 # Several text blocks of one turn (Claude Code sends a few) read as paragraphs.
 BLOCK_SEPARATOR = "\n\n"
+# Claude Code's billing attribution, sent as the first system text block.
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 @dataclass
 class MessagesRequest:
     model: str
-    messages: list[dict]  # chat messages, system first when there is one
+    messages: list[dict]  # chat messages, `system` first when there is one
     max_tokens: int | None = None  # None for count_tokens only
     tools: list[dict] | None = None  # chat format
     tool_choice: str = "auto"
@@ -50,6 +63,9 @@ class MessagesRequest:
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
+    # The index in `messages` of the first system message after the conversation began
+    # (one a chat template may refuse there), or None.
+    mid_system: int | None = None
 
 
 # -- request -------------------------------------------------------------------------
@@ -57,6 +73,17 @@ class MessagesRequest:
 
 def _joined(content: str | list[mw.TextBlock]) -> str:
     return content if isinstance(content, str) else BLOCK_SEPARATOR.join(b.text for b in content)
+
+
+def _system_text(content: str | list[mw.TextBlock]) -> str | None:
+    """A system prompt's text without Claude Code's billing line; None when that line
+    was all of it."""
+    if isinstance(content, str):
+        if not content.startswith(BILLING_HEADER):
+            return content
+        return content.partition("\n")[2] or None
+    kept = [b.text for b in content if not b.text.startswith(BILLING_HEADER)]
+    return BLOCK_SEPARATOR.join(kept) if kept or not content else None
 
 
 def _tool_result_text(block: mw.ToolResultBlock) -> str:
@@ -102,14 +129,26 @@ def _assistant(content: str | list) -> dict:
     return msg
 
 
-def _messages(req: mw.CountTokensBody) -> list[dict]:
-    out = [{"role": "system", "content": _joined(req.system)}] if req.system is not None else []
-    for msg in req.messages:
-        if msg.role == "user":
-            out += _user(msg.content)
-        else:
-            out.append(_assistant(msg.content))
-    return out
+def _messages(req: mw.CountTokensBody) -> tuple[list[dict], int | None]:
+    """The chat messages, and the index in `req.messages` of the first system message
+    inside the conversation (after a user or assistant turn), or None."""
+    out: list[dict] = []
+    system = _system_text(req.system) if req.system is not None else None
+    if system is not None:
+        out.append({"role": "system", "content": system})
+    mid_system, begun = None, False
+    for i, msg in enumerate(req.messages):
+        if msg.role == "system":
+            # One without text (Anthropic's directive-only form) says nothing to a template.
+            text = _system_text(msg.content)
+            if text:
+                if begun and mid_system is None:
+                    mid_system = i
+                out.append({"role": "system", "content": text})
+            continue
+        out += _user(msg.content) if msg.role == "user" else [_assistant(msg.content)]
+        begun = True
+    return out, mid_system
 
 
 def _tools(req: mw.CountTokensBody) -> list[dict] | None:
@@ -117,18 +156,25 @@ def _tools(req: mw.CountTokensBody) -> list[dict] | None:
         return None
     out = []
     for tool in req.tools:
+        if tool.defer_loading:
+            continue
         fn: dict = {"name": tool.name}
         if tool.description is not None:
             fn["description"] = tool.description
         fn["parameters"] = tool.input_schema
         out.append({"type": "function", "function": fn})
-    return out
+    return out or None
 
 
 def parse(body: dict, count_only: bool = False) -> MessagesRequest:
-    req = validate(mw.CountTokensBody if count_only else mw.MessagesBody, body)
-    out = MessagesRequest(model=req.model, messages=_messages(req), tools=_tools(req),
-                          tool_choice=req.tool_choice.type if req.tool_choice else "auto")
+    try:
+        req = validate(mw.CountTokensBody if count_only else mw.MessagesBody, body)
+    except APIError as err:
+        raise refusal(err, body) from None
+    messages, mid_system = _messages(req)
+    out = MessagesRequest(model=req.model, messages=messages, tools=_tools(req),
+                          tool_choice=req.tool_choice.type if req.tool_choice else "auto",
+                          mid_system=mid_system)
     if isinstance(req, mw.MessagesBody):
         out.max_tokens = req.max_tokens
         out.stop_sequences = req.stop_sequences or []
@@ -195,7 +241,7 @@ class _MessagesRelay(Relay):
 
     async def whole(self, status: int, data: bytes, headers: dict) -> web.StreamResponse:
         if status >= 400:
-            raise upstream_error(status, data)
+            raise backend_refusal(upstream_error(status, data), self.req)
         reply = ChatReply.from_completion(data)
         content = [{"type": "text", "text": reply.text}] if reply.text else []
         content += [_tool_use(call) for call in reply.tool_calls]
@@ -268,8 +314,11 @@ async def create(request: web.Request) -> web.StreamResponse:
     t_start = time.perf_counter()
     raw, body = await read_json(request)
     req = await off_loop_if_large(len(raw), parse, body)
-    return await request.app[GATEWAY].route_chat(request, carry_fault(body, chat_body(req)),
-                                                 _MessagesRelay(req), t_start)
+    try:
+        return await request.app[GATEWAY].route_chat(
+            request, carry_fault(body, chat_body(req)), _MessagesRelay(req), t_start)
+    except APIError as err:
+        raise unknown_model(err, req.model) from None
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -280,10 +329,13 @@ async def count_tokens(request: web.Request) -> web.Response:
     chat: dict = {"model": req.model, "messages": req.messages}
     if req.tools:
         chat["tools"], chat["tool_choice"] = req.tools, req.tool_choice
-    status, data = await request.app[GATEWAY].ask_backend(request, req.model, COUNT_TOKENS_PATH,
-                                                          chat)
+    try:
+        status, data = await request.app[GATEWAY].ask_backend(request, req.model,
+                                                              COUNT_TOKENS_PATH, chat)
+    except APIError as err:
+        raise unknown_model(err, req.model) from None
     if status >= 400:
-        raise upstream_error(status, data)
+        raise backend_refusal(upstream_error(status, data), req)
     try:
         count = int(orjson.loads(data)["prompt_tokens"])
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
@@ -293,6 +345,104 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 
 # -- errors ------------------------------------------------------------------------------
+#
+# Anthropic's API words a refused body as `<path>: <reason>`, the path dotted
+# (`messages.1.content.0.type`) and the reason pydantic's (`Field required`, `Input
+# should be ...`); a few refusals clients act on have fixed texts (a prompt too long,
+# max_tokens past the context, a role a model does not take). The refusals below keep
+# the status, type and param of kvroute's own; only the message takes Anthropic's words.
+
+# Block types that are media kvroute's text models cannot read.
+_MEDIA = {"image", "document", "search_result", "container_upload"}
+# Block types of Anthropic's server tools and tool search, which kvroute does not run.
+_SERVER = {"server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+           "code_execution_tool_result", "bash_code_execution_tool_result",
+           "text_editor_code_execution_tool_result", "tool_search_tool_result",
+           "mcp_tool_use", "mcp_tool_result", "tool_reference"}
+_VALID = {"a string": "a valid string", "an integer": "a valid integer",
+          "a number": "a valid number", "a boolean": "a valid boolean",
+          "a list": "a valid list", "an object": "a valid dictionary"}
+_INDEX = re.compile(r"\[(\d+)\]")
+_WRONG_TYPE = re.compile(r"expected (an? \w+), got")
+# The backend's context refusals (backend/server.py `_budget`), for their numbers.
+_PROMPT_LIMIT = re.compile(r"maximum prompt length is (\d+) tokens; your prompt has (\d+) "
+                           r"tokens")
+_CONTEXT_LIMIT = re.compile(r"maximum context length is (\d+) tokens; you requested \d+ "
+                            r"\((\d+) in the prompt, (\d+) for the completion\)")
+_TEMPLATE_REFUSAL = "The messages could not be rendered by the chat template"
+
+
+def _dotted(param: str) -> str:
+    return _INDEX.sub(r".\1", param)
+
+
+def _at(body: Any, param: str) -> Any:
+    """The value at an OpenAI-style parameter path (`messages[1].content[0].type`)."""
+    for name, index in re.findall(r"(\w+)|\[(\d+)\]", param):
+        try:
+            body = body[int(index)] if index else body[name]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return body
+
+
+def _block_refusal(err: APIError, body: dict) -> str:
+    block = _dotted(err.param.removesuffix(".type"))
+    kind = _at(body, err.param)
+    if kind in _MEDIA:
+        return (f"{block}: {kind} content is not supported on this model: kvroute serves "
+                "text models; send text instead.")
+    if kind in _SERVER:
+        return (f"{block}: '{kind}' blocks are not supported: kvroute runs no server tools "
+                "(web search, web fetch, code execution, MCP, tool search); client tools "
+                "answer with tool_use and tool_result blocks.")
+    if not isinstance(kind, str):
+        return f"{block}: {err.message}"
+    return f"{block}: Input tag {kind[:40]!r} found using 'type': {err.message}"
+
+
+def refusal(err: APIError, body: dict) -> APIError:
+    """A validation refusal of a Messages body, in Anthropic's words."""
+    if not err.param:
+        return err
+    if err.code == mw.UNSUPPORTED_BLOCK and err.param.endswith(".type"):
+        return replace(err, message=_block_refusal(err, body))
+    if err.code == mw.PREFILL:
+        return err  # Anthropic's sentence, which names no path
+    reason = err.message
+    if err.code == "missing_required_parameter":
+        reason = "Field required"
+    elif err.code == "invalid_type" and (m := _WRONG_TYPE.search(reason)):
+        reason = f"Input should be {_VALID.get(m.group(1), m.group(1))}"
+    elif reason.startswith(prefix := f"Invalid '{err.param}': "):
+        reason = reason.removeprefix(prefix).removesuffix(".")  # pydantic's own reason
+    return replace(err, message=f"{_dotted(err.param)}: {reason}")
+
+
+def backend_refusal(err: APIError, req: MessagesRequest) -> APIError:
+    """A backend's refusal of the translated chat body, in Anthropic's words where its
+    API refuses the same: Claude Code compacts on `prompt is too long`, lowers max_tokens
+    on `input length and max_tokens exceed context limit`, and resends its mid-
+    conversation system messages as user text on `role 'system' is not supported`."""
+    if err.code == "context_length_exceeded":
+        if m := _PROMPT_LIMIT.search(err.message):
+            return replace(err, message=f"prompt is too long: {m[2]} tokens > {m[1]} maximum")
+        if m := _CONTEXT_LIMIT.search(err.message):
+            return replace(err, message=(
+                f"input length and `max_tokens` exceed context limit: {m[2]} + {m[3]} > "
+                f"{m[1]}, decrease input length or `max_tokens` and try again"))
+    if (err.status == 400 and req.mid_system is not None
+            and err.message.startswith(_TEMPLATE_REFUSAL)):
+        return replace(err, message=(
+            f"messages.{req.mid_system}: role 'system' is not supported on this model (its chat "
+            f"template refused the conversation: {err.message})"))
+    return err
+
+
+def unknown_model(err: APIError, model: str) -> APIError:
+    # Anthropic's not_found_error names the model and nothing else.
+    return replace(err, message=f"model: {model}") if err.code == "model_not_found" else err
+
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
