@@ -402,6 +402,11 @@ class Registry:
         """A stored response, None when unknown or expired. Raises RegistryUnavailable."""
         return await self._op("get_response", self._redis.get(response_key(scope_tag, response_id)))
 
+    async def delete_response(self, scope_tag: str, response_id: str) -> bool:
+        """Forget a stored response; False when there was none. Raises RegistryUnavailable."""
+        key = response_key(scope_tag, response_id)
+        return bool(await self._op("delete_response", self._redis.delete(key)))
+
     async def live_backends(self) -> list[BackendRecord]:
         """Every backend whose record is alive, sorted by id. Raises RegistryUnavailable."""
         ids = await self._op("live_backends", self._redis.zrange(ALL_BACKENDS, 0, -1))

@@ -1,8 +1,10 @@
-"""Stored /v1/responses answers: what a later `previous_response_id` continues from.
+"""Stored /v1/responses answers: what a later `previous_response_id` continues from,
+and what `GET /v1/responses/{id}` shows.
 
-A stored response is its canonical conversation: the chat messages of every input
-item that led to it and of its reply, without the request's `instructions` (OpenAI
-does not carry those over to a continuation). A continuation then only appends its new
+A stored record holds the response object as its create answered it, and the
+response's canonical conversation: the chat messages of every input item that led to
+it and of its reply, without the request's `instructions` (OpenAI does not carry those
+over to a continuation). A continuation then only appends its new
 input, and its chat body is the one the same conversation sent in full would make, so
 it routes to and hits the same cache.
 
@@ -67,18 +69,18 @@ class ResponseStore:
             log.warning("could not store response %s: %s", response_id, exc)
             return False
 
-    async def get(self, scope: str | None, response_id: str) -> dict | None:
+    async def get(self, scope: str | None, response_id: str,
+                  param: str = "previous_response_id") -> dict | None:
         """The record stored under `response_id` for this scope, None when there is none
-        (unknown, expired, or stored by another scope). Raises a 503 APIError when Redis
-        cannot answer: the id may well exist."""
+        (unknown, expired, or stored by another scope). Raises a 503 APIError (naming
+        `param`) when Redis cannot answer: the id may well exist."""
         if not _ID_RE.fullmatch(response_id):
             return None
         tag, aead = self._tag_and_key(scope)
         try:
             blob = await self.registry.get_response(tag, response_id)
         except RegistryUnavailable as exc:
-            raise APIError(503, f"Stored responses are unavailable right now ({exc}).",
-                           "server_error", "previous_response_id", "store_unavailable") from None
+            raise _unavailable(exc, param) from None
         if blob is None or len(blob) <= _NONCE_BYTES:
             return None
         try:
@@ -88,3 +90,20 @@ class ResponseStore:
             # Another secret wrote it (a redeploy with a new secret): as good as unknown.
             return None
         return record if isinstance(record, dict) else None
+
+    async def delete(self, scope: str | None, response_id: str) -> bool:
+        """Forget the record of `response_id` in this scope; False when there was none
+        (another scope's id included: its key is another). Raises a 503 APIError when
+        Redis cannot answer."""
+        if not _ID_RE.fullmatch(response_id):
+            return False
+        tag, _ = self._tag_and_key(scope)
+        try:
+            return await self.registry.delete_response(tag, response_id)
+        except RegistryUnavailable as exc:
+            raise _unavailable(exc, "response_id") from None
+
+
+def _unavailable(exc: Exception, param: str) -> APIError:
+    return APIError(503, f"Stored responses are unavailable right now ({exc}).", "server_error",
+                    param, "store_unavailable")
