@@ -25,7 +25,7 @@ from typing import Callable
 import orjson
 from aiohttp import web
 
-from kvroute.errors import APIError
+from kvroute.errors import APIError, not_found
 from kvroute.models_state import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY, UNLOADED,
                                   UNLOADING, ModelsState, ModelState, quietly)
 
@@ -133,12 +133,29 @@ class Models:
             out.append(entry)
         return out
 
+    def entry(self, model: str, live: list[str]) -> dict | None:
+        """/v1/models/{id}: the listing's entry for `model`, None when it lists none."""
+        return next((e for e in self.listing(live) if e["id"] == model), None)
+
     def stats(self) -> list[dict]:
         return [{"model": m, "state": s.state, "machine": s.machine, "pinned": s.pinned,
                  "memory_bytes": s.memory_bytes, "last_used": s.last_used, "loads": s.loads,
                  "unloads": s.unloads, "load_seconds": s.load_seconds,
                  "last_load_seconds": s.last_load_seconds, "error": s.error}
                 for m, s in sorted(self.summaries.items())]
+
+
+async def model_info(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: one model object of the /v1/models listing."""
+    from .state import state_of  # here: the state module imports this one
+
+    state = state_of(request)
+    model = request.match_info["model"]
+    entry = state.models.entry(model, state.backends.models())
+    if entry is None:
+        raise not_found(f"The model '{model[:200]}' does not exist.", param="model",
+                        code="model_not_found")
+    return web.Response(body=orjson.dumps(entry), content_type="application/json")
 
 
 def public_state(s: ModelState | None, live: bool) -> str:
