@@ -153,9 +153,25 @@ _RESPONSE_OBJECT = {
         "created_at": {"type": "integer"},
         "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]},
         "model": {"type": "string"}, "output": {"type": "array"},
-        "usage": {"type": "object", "required": ["input_tokens", "input_tokens_details",
-                                                 "output_tokens", "total_tokens"]},
+        "usage": {"type": "object",
+                  "required": ["input_tokens", "input_tokens_details", "output_tokens",
+                               "output_tokens_details", "total_tokens"],
+                  "properties": {"input_tokens_details": {
+                      "type": "object", "required": ["cached_tokens", "cache_write_tokens"]}}},
     },
+}
+
+_DELETED_RESPONSE = {
+    "type": "object", "required": ["id", "object", "deleted"],
+    "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                   "deleted": {"const": True}},
+}
+
+_MODEL_OBJECT = {
+    "type": "object", "required": ["id", "object", "created", "owned_by"],
+    "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                   "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                   "state": {"enum": ["loaded", "loading", "unloaded"]}},
 }
 
 _MESSAGE_OBJECT = {
@@ -203,6 +219,17 @@ def _get(summary: str, ctype: str = "application/json") -> dict:
                     "responses": {"200": {"description": summary, "content": {ctype: {"schema": {}}}}}}}
 
 
+def _by_id(name: str, about: str, operations: dict[str, tuple[str, dict]]) -> dict:
+    """Operations on one object named in the path: {method: (summary, answer schema)};
+    an unknown one is a 404 in OpenAI's envelope."""
+    parameter = {"name": name, "in": "path", "required": True, "description": about,
+                 "schema": {"type": "string"}}
+    return {method: {"summary": summary, "parameters": [parameter],
+                     "responses": {"200": {"description": summary, "content": {
+                         "application/json": {"schema": schema}}}, **_errors(401, 404)}}
+            for method, (summary, schema) in operations.items()}
+
+
 def spec(role: str) -> dict:
     """role: "proxy" or "backend"."""
     proxy = role == "proxy"
@@ -219,6 +246,12 @@ def spec(role: str) -> dict:
         paths["/v1/responses"] = _agent(
             "OpenAI Responses API, routed and cached like chat", body["ResponsesBody"],
             _RESPONSE_OBJECT, _ERROR)
+        paths["/v1/responses/{response_id}"] = _by_id(
+            "response_id", "A stored response's id (in the API key's scope)", {
+                "get": ("A stored response, as its create answered it", _RESPONSE_OBJECT),
+                "delete": ("Forget a stored response", _DELETED_RESPONSE)})
+        paths["/v1/models/{model}"] = _by_id("model", "A model id of /v1/models", {
+            "get": ("One model of /v1/models", _MODEL_OBJECT)})
         paths["/v1/messages"] = _agent(
             "Anthropic Messages API, routed and cached like chat", body["MessagesBody"],
             _MESSAGE_OBJECT, ANTHROPIC_ERROR)

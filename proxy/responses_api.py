@@ -1,16 +1,35 @@
-"""POST /v1/responses: OpenAI's Responses API, carried by the chat path.
+"""/v1/responses: OpenAI's Responses API, carried by the chat path.
 
 A request becomes the canonical chat body: `instructions` a system message, then the
 stored conversation of `previous_response_id` (if any), then the `input` items
-(messages with text parts; a `function_call` joins the assistant message before it as
-a tool call, exactly how the backend advertises a reply with tool calls; a
-`function_call_output` is a tool message). Function tools take the chat format. The
-body is routed like any chat completion (`Gateway.route_chat`), and the backend's chat
-answer comes back as a response object, or as the documented event stream
-(`response.created` ... `response.completed`, each with a `sequence_number`).
+(messages with text parts; a tool call joins the assistant message before it as a
+chat tool call, exactly how the backend advertises a reply with tool calls; a tool
+call's output is a tool message). The body is routed like any chat completion
+(`Gateway.route_chat`), and the backend's chat answer comes back as a response
+object, or as the documented event stream (`response.created` ...
+`response.completed`, each with a `sequence_number`).
 
-With `store` (OpenAI's default) the response's conversation is kept in Redis for the
-proxy's `--response-ttl` (see response_store.py), scoped by the API key.
+Tools become chat function tools, each under the name the model sees:
+
+- a function tool: its own name;
+- a function of a `namespace` tool: Codex's flat name for it, `namespace__name`
+  (codex-rs `ToolName::canonical_flat_name`: the namespace's trailing and the name's
+  leading underscores trimmed; Codex's default namespace `functions` adds nothing).
+  Its call comes back as Codex reads it: `name` the function's own, `namespace` set;
+- a freeform `custom` tool (apply_patch): a function of one string, `input`, whose
+  description carries the tool's grammar; its call comes back as a
+  `custom_tool_call` with that string as `input`;
+- `local_shell`: a function `local_shell` taking `command` (an argv array),
+  `working_directory` and `timeout_ms`; its call comes back as a `local_shell_call`;
+- a tool OpenAI's servers run (web search, file search, ...): not offered, and named
+  in the answer's `x-kvroute-ignored-tools` header.
+
+A call input item of any kind translates back to the chat tool call the backend
+answered with, so the next turn's prefix keys continue the last one's.
+
+With `store` (OpenAI's default) the response (its conversation, and the response
+object for `GET /v1/responses/{id}`) is kept in Redis for the proxy's
+`--response-ttl` (see response_store.py), scoped by the API key.
 """
 
 from __future__ import annotations
@@ -20,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from kvroute import responses_wire as rw
@@ -31,6 +51,31 @@ from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Us
                         read_json, tool_call_parts, upstream_error)
 
 PATH = "/v1/responses"
+IGNORED_TOOLS_HEADER = "x-kvroute-ignored-tools"
+DEFAULT_NAMESPACE = "functions"  # Codex's namespace of top-level tools
+LOCAL_SHELL = "local_shell"
+# A freeform tool's one parameter, as Codex itself offers freeform tools to providers
+# that only have function tools.
+CUSTOM_INPUT = "input"
+_LOCAL_SHELL_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "command": {"type": "array", "items": {"type": "string"},
+                    "description": "The program and its arguments, one string each."},
+        "working_directory": {"type": "string"},
+        "timeout_ms": {"type": "integer"},
+    },
+    "required": ["command"],
+}
+
+
+@dataclass(frozen=True)
+class ToolRoute:
+    """The client's tool behind a name the model sees (other than a plain function's)."""
+
+    kind: str  # "function" (in a namespace), "custom" or "local_shell"
+    name: str  # the tool's own name
+    namespace: str | None = None
 
 
 @dataclass
@@ -40,6 +85,8 @@ class ResponsesRequest:
     instructions: str | None = None
     tools: list[dict] | None = None  # chat format
     tools_echo: list[dict] = field(default_factory=list)  # as sent, for the response object
+    routes: dict[str, ToolRoute] = field(default_factory=dict)  # by the name the model sees
+    ignored_tools: list[str] = field(default_factory=list)  # hosted tool types, in order
     tool_choice: str = "auto"
     parallel_tool_calls: bool = True
     stream: bool = False
@@ -51,14 +98,113 @@ class ResponsesRequest:
     stop: str | list[str] | None = None  # not in OpenAI's API: kvroute's, as in chat
     metadata: dict = field(default_factory=dict)
     user: str | None = None
+    verbosity: str | None = None
+    prompt_cache_key: str | None = None
 
 
-# -- request -------------------------------------------------------------------------
+# -- request: tools --------------------------------------------------------------------
+
+
+def flat_name(namespace: str | None, name: str) -> str:
+    """The name the model sees for `name` in `namespace` (Codex's canonical flat name)."""
+    if not namespace or namespace == DEFAULT_NAMESPACE:
+        return name
+    return f"{namespace.rstrip('_')}__{name.lstrip('_')}"
+
+
+def _function(name: str, description: str | None, parameters: dict | None) -> dict:
+    fn: dict = {"name": name}
+    if description is not None:
+        fn["description"] = description
+    if parameters is not None:
+        fn["parameters"] = parameters
+    return {"type": "function", "function": fn}
+
+
+def _custom_function(name: str, tool: rw.CustomTool) -> dict:
+    # A freeform tool's input is text the model writes; a chat model writes function
+    # arguments, so it gets one string argument, and the grammar the text must follow
+    # (Codex's apply_patch has a Lark one) goes into the description.
+    about = tool.description or ""
+    fmt = tool.format
+    if fmt is not None and fmt.type == "grammar" and fmt.definition:
+        about += (f"\n\nThe '{CUSTOM_INPUT}' argument is text in this "
+                  f"{fmt.syntax or 'grammar'} grammar:\n{fmt.definition}")
+    parameters = {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}},
+                  "required": [CUSTOM_INPUT]}
+    return _function(name, about.strip() or None, parameters)
+
+
+def _chat_tools(tools: list) -> tuple[list[dict], dict[str, ToolRoute], list[str]]:
+    """(chat tools, routes by the names the model sees, ignored hosted tool types)."""
+    chat: list[dict] = []
+    routes: dict[str, ToolRoute] = {}
+    plain: set[str] = set()
+    ignored: list[str] = []
+
+    def add(tool: rw.FunctionTool | rw.CustomTool, namespace: str | None) -> None:
+        name = flat_name(namespace, tool.name)
+        if isinstance(tool, rw.CustomTool):
+            chat.append(_custom_function(name, tool))
+            routes.setdefault(name, ToolRoute("custom", tool.name, namespace))
+        else:
+            chat.append(_function(name, tool.description, tool.parameters))
+            if namespace is None:
+                plain.add(name)
+            else:
+                routes.setdefault(name, ToolRoute("function", tool.name, namespace))
+
+    for tool in tools:
+        if isinstance(tool, rw.NamespaceTool):
+            for member in tool.tools:
+                add(member, tool.name)
+        elif isinstance(tool, rw.LocalShellTool):
+            if LOCAL_SHELL in routes:
+                continue
+            chat.append(_function(LOCAL_SHELL, "Runs a command on the user's machine.",
+                                  _LOCAL_SHELL_PARAMETERS))
+            routes.setdefault(LOCAL_SHELL, ToolRoute("local_shell", LOCAL_SHELL))
+        elif isinstance(tool, rw.HostedTool):
+            if tool.type not in ignored:
+                ignored.append(tool.type)
+        else:
+            add(tool, None)
+    # A plain function answers to its own name, whatever else flattens to the same.
+    return chat, {n: r for n, r in routes.items() if n not in plain}, ignored
+
+
+# -- request: input items ----------------------------------------------------------------
 
 
 def _text(content: rw.Text) -> str:
     """A string, or the text parts of a list joined as chat joins its content parts."""
     return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def _json(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def _shell_arguments(action: rw.LocalShellAction) -> str:
+    args: dict = {"command": action.command}
+    if action.working_directory is not None:
+        args["working_directory"] = action.working_directory
+    if action.timeout_ms is not None:
+        args["timeout_ms"] = action.timeout_ms
+    return _json(args)
+
+
+def _call_of(item: Any) -> dict | None:
+    """The chat tool call of a call item: the name the model used, its arguments JSON."""
+    if isinstance(item, rw.FunctionCallItem):
+        name, args = flat_name(item.namespace, item.name), item.arguments
+    elif isinstance(item, rw.CustomToolCallItem):
+        name, args = flat_name(item.namespace, item.name), _json({CUSTOM_INPUT: item.input})
+    elif isinstance(item, rw.LocalShellCallItem):
+        name, args = LOCAL_SHELL, _shell_arguments(item.action)
+    else:
+        return None
+    return {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def _input_messages(value: str | list) -> list[dict]:
@@ -68,9 +214,7 @@ def _input_messages(value: str | list) -> list[dict]:
     for item in value:
         if isinstance(item, rw.MessageItem):
             out.append({"role": item.role, "content": _text(item.content)})
-        elif isinstance(item, rw.FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+        elif (call := _call_of(item)) is not None:
             prev = out[-1] if out else None
             if prev is not None and prev["role"] == "assistant":
                 # The calls of one reply follow its text: together they are the one
@@ -78,34 +222,30 @@ def _input_messages(value: str | list) -> list[dict]:
                 prev.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif isinstance(item, rw.FunctionCallOutputItem):
+        elif isinstance(item, (rw.FunctionCallOutputItem, rw.CustomToolCallOutputItem)):
             out.append({"role": "tool", "tool_call_id": item.call_id,
                         "content": _text(item.output)})
+        elif isinstance(item, rw.LocalShellCallOutputItem):
+            out.append({"role": "tool", "tool_call_id": item.call, "content": _text(item.output)})
         # A reasoning item holds nothing a chat template can render: dropped.
     return out
 
 
-def _chat_tool(tool: rw.FunctionTool) -> dict:
-    fn: dict = {"name": tool.name}
-    if tool.description is not None:
-        fn["description"] = tool.description
-    if tool.parameters is not None:
-        fn["parameters"] = tool.parameters
-    return {"type": "function", "function": fn}
-
-
 def parse(body: dict) -> ResponsesRequest:
     req = validate(rw.ResponsesBody, body)
+    tools, routes, ignored = _chat_tools(req.tools or [])
     return ResponsesRequest(
         model=req.model, input=_input_messages(req.input), instructions=req.instructions,
-        tools=[_chat_tool(t) for t in req.tools] if req.tools else None,
-        tools_echo=body["tools"] if req.tools else [],  # as sent
+        tools=tools or None, tools_echo=body["tools"] if req.tools else [],  # as sent
+        routes=routes, ignored_tools=ignored,
         tool_choice=req.tool_choice or "auto",
         parallel_tool_calls=req.parallel_tool_calls is not False,
         stream=bool(req.stream), store=req.store is not False,
         previous_response_id=req.previous_response_id,
         max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
         stop=req.stop, metadata=req.metadata or {}, user=req.user,
+        verbosity=req.text.verbosity if req.text else None,
+        prompt_cache_key=req.prompt_cache_key,
     )
 
 
@@ -128,14 +268,16 @@ def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
     return body
 
 
-# -- response --------------------------------------------------------------------------
+# -- response: output items --------------------------------------------------------------
 
 _CHAT_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
 
 
 def _usage(u: Usage) -> dict:
+    # Every field the SDK's ResponseUsage requires. Cache writes are not counted
+    # (kvroute caches every prompt), as Messages' cache_creation_input_tokens is 0.
     return {"input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": u.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
@@ -150,10 +292,83 @@ def _message_item(item_id: str, text: str, status: str) -> dict:
             "content": [_text_part(text)] if status == "completed" else []}
 
 
-def _call_item(item_id: str, call: dict, status: str) -> dict:
-    call_id, name, args = tool_call_parts(call)
-    return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id,
-            "name": name, "arguments": args if status == "completed" else ""}
+def _custom_input(args: str) -> str:
+    """The text a freeform call carries: its one argument, or what the model wrote when
+    it did not write that argument."""
+    try:
+        parsed = orjson.loads(args)
+    except orjson.JSONDecodeError:
+        return args
+    if isinstance(parsed, dict) and isinstance(parsed.get(CUSTOM_INPUT), str) and len(parsed) == 1:
+        return parsed[CUSTOM_INPUT]
+    return args
+
+
+def _shell_action(args: str) -> dict:
+    try:
+        parsed = orjson.loads(args)
+    except orjson.JSONDecodeError:
+        parsed = {}
+    parsed = parsed if isinstance(parsed, dict) else {}
+    command = parsed.get("command")
+    if isinstance(command, str):
+        command = [command]
+    command = [str(c) for c in command] if isinstance(command, list) else []
+    timeout = parsed.get("timeout_ms")
+    cwd = parsed.get("working_directory")
+    return {"type": "exec", "command": command, "env": {},
+            "timeout_ms": timeout if isinstance(timeout, int) and not isinstance(timeout, bool)
+            else None,
+            "working_directory": cwd if isinstance(cwd, str) else None, "user": None}
+
+
+_ITEM_PREFIX = {"function": "fc_", "custom": "ctc_", "local_shell": "lsh_"}
+
+
+@dataclass
+class OutputCall:
+    """One tool call of the reply, as the output item of the client's kind of tool."""
+
+    item_id: str
+    call_id: str
+    route: ToolRoute
+    arguments: str  # as the model wrote them
+
+    @classmethod
+    def of(cls, call: dict, routes: dict[str, ToolRoute]) -> "OutputCall":
+        call_id, name, args = tool_call_parts(call)
+        route = routes.get(name) or ToolRoute("function", name)
+        return cls(new_id(_ITEM_PREFIX[route.kind]), call_id, route, args)
+
+    def item(self, status: str) -> dict:
+        r, done = self.route, status == "completed"
+        if r.kind == "local_shell":
+            return {"id": self.item_id, "type": "local_shell_call", "status": status,
+                    "call_id": self.call_id, "action": _shell_action(self.arguments)}
+        if r.kind == "custom":
+            item = {"id": self.item_id, "type": "custom_tool_call", "call_id": self.call_id,
+                    "name": r.name, "input": _custom_input(self.arguments) if done else ""}
+        else:
+            item = {"id": self.item_id, "type": "function_call", "status": status,
+                    "call_id": self.call_id, "name": r.name,
+                    "arguments": self.arguments if done else ""}
+        if r.namespace is not None:
+            item["namespace"] = r.namespace
+        return item
+
+    def argument_events(self, index: int) -> list[tuple[str, dict]]:
+        """The events between the item's `added` and `done` (the backend sends each call
+        whole: one delta carries it all)."""
+        ids = {"item_id": self.item_id, "output_index": index}
+        if self.route.kind == "custom":
+            text = _custom_input(self.arguments)
+            return [("response.custom_tool_call_input.delta", {**ids, "delta": text}),
+                    ("response.custom_tool_call_input.done", {**ids, "input": text})]
+        if self.route.kind == "function":
+            return [("response.function_call_arguments.delta", {**ids, "delta": self.arguments}),
+                    ("response.function_call_arguments.done",
+                     {**ids, "name": self.route.name, "arguments": self.arguments})]
+        return []
 
 
 class _ResponsesRelay(Relay):
@@ -165,20 +380,28 @@ class _ResponsesRelay(Relay):
         self.id = new_id("resp_")
         self.created = int(time.time())
 
+    def _headers(self, headers: dict) -> dict:
+        if self.req.ignored_tools:
+            return {**headers, IGNORED_TOOLS_HEADER: ",".join(self.req.ignored_tools)}
+        return headers
+
     def _object(self, status: str, output: list[dict], usage: Usage | None,
                 error: dict | None = None) -> dict:
         r = self.req
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "background": False, "error": error,
             "incomplete_details": ({"reason": "max_output_tokens"} if status == "incomplete"
                                    else None),
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "model": r.model, "output": output, "parallel_tool_calls": r.parallel_tool_calls,
             "previous_response_id": r.previous_response_id,
+            "prompt_cache_key": r.prompt_cache_key,
             "reasoning": {"effort": None, "summary": None}, "store": r.store,
             "temperature": 1.0 if r.temperature is None else r.temperature,
-            "text": {"format": {"type": "text"}}, "tool_choice": r.tool_choice,
+            "text": {"format": {"type": "text"}, "verbosity": r.verbosity or "medium"},
+            "tool_choice": r.tool_choice,
             "tools": r.tools_echo, "top_p": 1.0 if r.top_p is None else r.top_p,
             "truncation": "disabled", "usage": _usage(usage) if usage else None,
             "user": r.user, "metadata": r.metadata,
@@ -186,10 +409,12 @@ class _ResponsesRelay(Relay):
 
     async def _finish(self, reply: ChatReply, output: list[dict]) -> dict:
         status = "incomplete" if reply.finish_reason == "length" else "completed"
+        obj = self._object(status, output, reply.usage)
         if self.req.store:
             messages = self.history + self.req.input + [reply.message()]
-            await self.gateway.responses.put(self.scope, self.id, {"v": 1, "messages": messages})
-        return self._object(status, output, reply.usage)
+            await self.gateway.responses.put(self.scope, self.id,
+                                             {"v": 1, "messages": messages, "response": obj})
+        return obj
 
     async def whole(self, status: int, data: bytes, headers: dict) -> web.StreamResponse:
         if status >= 400:
@@ -201,12 +426,13 @@ class _ResponsesRelay(Relay):
         output = []
         if reply.text or not reply.tool_calls:
             output.append(_message_item(new_id("msg_"), reply.text, "completed"))
-        output += [_call_item(new_id("fc_"), call, "completed") for call in reply.tool_calls]
-        return json_response(await self._finish(reply, output), headers)
+        output += [OutputCall.of(call, self.req.routes).item("completed")
+                   for call in reply.tool_calls]
+        return json_response(await self._finish(reply, output), self._headers(headers))
 
     async def stream(self, request: web.Request, upstream: Any, headers: dict,
                      bid: str) -> web.StreamResponse:
-        w = SSEWriter(headers)
+        w = SSEWriter(self._headers(headers))
         if not await w.start(request):
             return w.resp
         seq = itertools.count()
@@ -217,6 +443,15 @@ class _ResponsesRelay(Relay):
         output: list[dict] = []  # finished items, in output_index order
         reply = ChatReply(usage=Usage.from_headers(headers))
         message: dict | None = None  # the open message item, while its text streams
+
+        async def open_message() -> None:
+            nonlocal message
+            message = {"id": new_id("msg_"), "text": ""}
+            index = len(output)
+            await send("response.output_item.added", output_index=index,
+                       item=_message_item(message["id"], "", "in_progress"))
+            await send("response.content_part.added", item_id=message["id"],
+                       output_index=index, content_index=0, part=_text_part(""))
 
         async def close_message() -> None:
             nonlocal message
@@ -232,6 +467,16 @@ class _ResponsesRelay(Relay):
             output.append(done)
             message = None
 
+        async def send_call(call: dict) -> None:
+            out, index = OutputCall.of(call, self.req.routes), len(output)
+            await send("response.output_item.added", output_index=index,
+                       item=out.item("in_progress"))
+            for kind, fields in out.argument_events(index):
+                await send(kind, **fields)
+            done = out.item("completed")
+            await send("response.output_item.done", output_index=index, item=done)
+            output.append(done)
+
         initial = self._object("in_progress", [], None)
         await send("response.created", response=initial)
         await send("response.in_progress", response=initial)
@@ -242,12 +487,7 @@ class _ResponsesRelay(Relay):
                 text, calls, finish, stop = chunk_parts(chunk)
                 if text:
                     if message is None:
-                        message = {"id": new_id("msg_"), "text": ""}
-                        index = len(output)
-                        await send("response.output_item.added", output_index=index,
-                                   item=_message_item(message["id"], "", "in_progress"))
-                        await send("response.content_part.added", item_id=message["id"],
-                                   output_index=index, content_index=0, part=_text_part(""))
+                        await open_message()
                     message["text"] += text
                     reply.text += text
                     await send("response.output_text.delta", item_id=message["id"],
@@ -255,17 +495,7 @@ class _ResponsesRelay(Relay):
                 for call in calls:
                     await close_message()
                     reply.tool_calls.append(call)
-                    item_id, index = new_id("fc_"), len(output)
-                    done = _call_item(item_id, call, "completed")
-                    await send("response.output_item.added", output_index=index,
-                               item=_call_item(item_id, call, "in_progress"))
-                    # The backend sends each call whole: one delta carries all arguments.
-                    await send("response.function_call_arguments.delta", item_id=item_id,
-                               output_index=index, delta=done["arguments"])
-                    await send("response.function_call_arguments.done", item_id=item_id,
-                               output_index=index, name=done["name"], arguments=done["arguments"])
-                    await send("response.output_item.done", output_index=index, item=done)
-                    output.append(done)
+                    await send_call(call)
                 if finish:
                     reply.finish_reason, reply.stop = finish, stop
                 if not w.open:
@@ -273,11 +503,7 @@ class _ResponsesRelay(Relay):
                     # and the backend stops decoding (its prompt stays cached).
                     return w.resp
             if not output and message is None:  # an empty reply is still one message
-                message = {"id": new_id("msg_"), "text": ""}
-                await send("response.output_item.added", output_index=0,
-                           item=_message_item(message["id"], "", "in_progress"))
-                await send("response.content_part.added", item_id=message["id"], output_index=0,
-                           content_index=0, part=_text_part(""))
+                await open_message()
             await close_message()
             final = await self._finish(reply, output)
             incomplete = final["status"] == "incomplete"
@@ -290,6 +516,9 @@ class _ResponsesRelay(Relay):
                 "failed", output, None, error={"code": err.code or "server_error",
                                                "message": err.message}))
         return await w.end()
+
+
+# -- handlers ----------------------------------------------------------------------------
 
 
 async def create(request: web.Request) -> web.StreamResponse:
@@ -309,6 +538,31 @@ async def create(request: web.Request) -> web.StreamResponse:
     return await gateway.route_chat(request, chat, _ResponsesRelay(request, req, history), t_start)
 
 
+def _unknown(response_id: str) -> Exception:
+    # Unknown, expired, not stored (store: false) or another scope's: all the same here.
+    return not_found(f"Response with id '{response_id[:100]}' not found.", param="response_id",
+                     code="response_not_found")
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    """GET /v1/responses/{id}: the stored response object, as its create answered it."""
+    response_id = request.match_info["response_id"]
+    record = await request.app[GATEWAY].responses.get(request.get("scope"), response_id,
+                                                      param="response_id")
+    if record is None or not isinstance(record.get("response"), dict):
+        raise _unknown(response_id)
+    return json_response(record["response"], {})
+
+
+async def delete(request: web.Request) -> web.Response:
+    """DELETE /v1/responses/{id}: forget a stored response (it can no longer be continued)."""
+    response_id = request.match_info["response_id"]
+    if not await request.app[GATEWAY].responses.delete(request.get("scope"), response_id):
+        raise _unknown(response_id)
+    return json_response({"id": response_id, "object": "response", "deleted": True}, {})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post(PATH, create)
-
+    app.router.add_get(PATH + "/{response_id}", retrieve)
+    app.router.add_delete(PATH + "/{response_id}", delete)
