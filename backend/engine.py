@@ -369,9 +369,15 @@ class Engine:
         return self._kv_rate
 
     def describe_budgets(self, disk_budget: int, context_length: int) -> dict[str, int | None]:
-        """`describe_budgets` for this engine's store and model (engine thread only)."""
-        return describe_budgets(self.store.budget_bytes, disk_budget, self.kv_bytes_per_token(),
-                                context_length, trimmable=not self.checkpointing)
+        """`describe_budgets` for this engine's store and model (engine thread only).
+        A model the measurement cannot run costs a warning, never the start."""
+        try:
+            rate = self.kv_bytes_per_token()
+        except Exception:
+            log.warning("could not measure the KV bytes per token of this model", exc_info=True)
+            return {}
+        return describe_budgets(self.store.budget_bytes, disk_budget, rate, context_length,
+                                trimmable=not self.checkpointing)
 
     def _run(self) -> None:
         while not self._stopping:

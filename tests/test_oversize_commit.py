@@ -24,7 +24,7 @@ from test_store import make_window_cache, tokens
 
 from backend.engine import describe_budgets, kv_rate
 from backend.store import Store, cache_nbytes, prefix_cache
-from kvroute import keys
+from kvroute import arch_models, keys
 from kvroute.redis_server import RedisServer
 
 KIB = 1024
@@ -271,6 +271,38 @@ def test_without_a_disk_tier_ram_keeps_the_longest_prefix_that_fits(text_model, 
         assert metric(backend, "kvroute_backend_commits_over_budget_total", whole="dropped") >= 1
         assert metric(backend, "kvroute_backend_commits_refused_total") == 0
         assert "the rest is lost: there is no disk tier" in backend.log()
+    finally:
+        backend.stop()
+
+
+@pytest.mark.parametrize("disk", [True, False])
+def test_an_untrimmable_family_keeps_its_checkpoints_that_fit_and_the_whole_on_disk(
+        model_cache, tmp_path, disk):
+    """Gemma 3's sliding windows rotate past 32 tokens: such a state cannot be cut, so
+    RAM keeps only the checkpoints that fit (the shared header), the disk the rest."""
+    path = arch_models.ensure("gemma3_text", cache_dir=model_cache)
+    extra = ["--disk-cache-dir", str(tmp_path / "disk")] if disk else []
+    backend = BackendProcess(path, model_id="gemma3_text", log_dir=tmp_path,
+                             backend_id=f"oversize-g3-{disk}",
+                             extra=["--cache-bytes", "100KiB", *extra])
+    backend.start()
+    try:
+        messages = long_conversation(40)  # ~630 tokens, ~370 KiB of state
+        turn1 = chat(backend, messages)
+        prompt = turn1["usage"]["prompt_tokens"]
+        (header,) = backend.cache()
+        assert header["tokens"] < 32 and header["nbytes"] <= 100 * KIB
+        if disk:
+            wait_until(lambda: written(backend, 2), 60, what="the checkpoints on disk")
+        repeat = chat(backend, messages)
+        assert cached(repeat) == (prompt - 1 if disk else header["tokens"])
+        assert_same_answer(repeat, turn1)
+        follow = next_turn(messages, turn1)
+        hit = chat(backend, follow)
+        assert cached(hit) >= (0.9 * prompt if disk else header["tokens"])
+        assert_same_answer(hit, chat(backend, follow, scope=uuid.uuid4().hex))
+        refused = metric(backend, "kvroute_backend_commits_refused_total")
+        assert (refused == 0) if disk else (refused >= 2)
     finally:
         backend.stop()
 
