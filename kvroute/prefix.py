@@ -10,6 +10,11 @@ byte stream made of segments:
     message  one segment per message: role, name, text content, tool calls, tool_call_id
     prompt   for /v1/completions: the prompt text (a one-element list counts as its string)
 
+The segments come in the order the model's chat template renders them (a `Layout`,
+found by `detect_layout` when a backend loads, published in its record): Qwen-style
+templates write the system prompt first and the tools after it, so hashing the tools
+first would make conversations that share only a tool list look like a shared prefix.
+
 Every field is length-prefixed, so moving bytes from one field or message into the
 next one changes the stream. Each segment is cut into blocks of at most
 `block_bytes` bytes; a block never straddles a segment boundary, so every message
@@ -30,7 +35,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import orjson
 import xxhash
@@ -38,7 +44,8 @@ import xxhash
 DEFAULT_BLOCK_BYTES = 256
 
 # Bump when the canonical stream changes: old and new keys must never meet.
-PREFIX_SCHEME = 2
+# 3: segments follow the chat template's layout (tools, system prompt, tools mark).
+PREFIX_SCHEME = 3
 _VERSION = b"kvroute-prefix-v%d" % PREFIX_SCHEME
 
 _H = xxhash.xxh3_64_intdigest
@@ -50,6 +57,169 @@ _TAG_HEADER = b"H"
 _TAG_TOOLS = b"T"
 _TAG_MESSAGE = b"M"
 _TAG_PROMPT = b"P"
+_TAG_TOOLS_MARK = b"t"
+
+
+# ---------------------------------------------------------------------------
+# Layout: where a chat template renders the tools and the system prompt
+
+# Where the tool list goes among the messages.
+TOOLS_AT = (
+    "start",  # before every message
+    "after_system",  # after a leading system message (Qwen2.5/3, Llama 3.1, the demo model)
+    "before_last_user",  # just before the last user message (Mistral v3 [AVAILABLE_TOOLS])
+    "end",  # after every message
+    "none",  # nowhere: the template ignores tools (Gemma 3)
+)
+# Where a leading system message goes.
+SYSTEM_AT = (
+    "first",  # where it is sent
+    # Into the last message when that is a user message, else nowhere (Mistral v3's
+    # "[INST] system\n\nuser[/INST]"): it moves with every new turn.
+    "last_user",
+)
+SYSTEM_ROLES = ("system", "developer")
+TOOLS = "tools"  # the tool list's item in `arrange`
+MARK = "mark"  # the "tools given" mark's item in `arrange`
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a model's chat template renders what the canonical stream hashes.
+
+    `tools_mark`: the template changes what it writes before the tools' place when
+    tools are given (Llama 3.1 writes "Environment: ipython" ahead of the system
+    prompt), so a one-byte mark right after the header says tools are given.
+    """
+
+    tools_at: str = "start"
+    system_at: str = "first"
+    tools_mark: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tools_at not in TOOLS_AT:
+            raise ValueError(f"tools_at must be one of {TOOLS_AT}, not {self.tools_at!r}")
+        if self.system_at not in SYSTEM_AT:
+            raise ValueError(f"system_at must be one of {SYSTEM_AT}, not {self.system_at!r}")
+        if not isinstance(self.tools_mark, bool):
+            raise ValueError("tools_mark must be a boolean")
+
+    def __str__(self) -> str:
+        extra = ([f"system {self.system_at}"] if self.system_at != "first" else []) + (
+            ["tools mark"] if self.tools_mark else [])
+        return f"tools {self.tools_at}" + "".join(f", {e}" for e in extra)
+
+
+DEFAULT_LAYOUT = Layout()
+
+
+def _last_user(roles: list[str], order: list) -> int | None:
+    """Index in `order` of the last user message, None without one."""
+    for j in range(len(order) - 1, -1, -1):
+        if isinstance(order[j], int) and roles[order[j]] == "user":
+            return j
+    return None
+
+
+def arrange(roles: list[str], tools: bool, layout: Layout = DEFAULT_LAYOUT) -> list[int | str]:
+    """The order of a chat request's segments after the header: message indices,
+    TOOLS for the tool list (when `tools`), MARK for the tools mark.
+
+    Tools are placed among the messages as sent, then a system prompt the template
+    moves is moved: Mistral v3 writes [AVAILABLE_TOOLS] before the last user turn
+    and the system prompt inside that turn, after the tools.
+    """
+    order: list[int | str] = list(range(len(roles)))
+    if tools and layout.tools_at != "none":
+        at = layout.tools_at
+        if at == "start":
+            order.insert(0, TOOLS)
+        elif at == "after_system":
+            order.insert(1 if roles and roles[0] in SYSTEM_ROLES else 0, TOOLS)
+        elif at == "end":
+            order.append(TOOLS)
+        else:  # before_last_user; without a user message the template renders no tools
+            j = _last_user(roles, order)
+            if j is not None:
+                order.insert(j, TOOLS)
+        if layout.tools_mark and TOOLS in order:
+            order.insert(0, MARK)
+    if layout.system_at == "last_user" and roles and roles[0] in SYSTEM_ROLES:
+        order.remove(0)
+        if roles[-1] == "user" and len(roles) > 1:
+            order.insert(order.index(len(roles) - 1), 0)
+    return order
+
+
+# ---------------------------------------------------------------------------
+# Finding a template's layout: render probe conversations, find their markers
+
+Render = Callable[[list[dict], "list[dict] | None"], str]
+
+_PROBE = "kvroute-probe-"
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "kvroute_probe_tool", "description": _PROBE + "tool-",
+    "parameters": {"type": "object", "properties": {}}}}
+# Roles of the probe conversations: with and without a leading system message,
+# ending in a user turn (the system prompt may move into it) and in an assistant turn.
+_PROBES = (("system", "user", "assistant", "user"), ("user", "assistant", "user"),
+           ("system", "user", "assistant"), ("system", "user"))
+
+
+def _probe_messages(roles: tuple[str, ...]) -> list[dict]:
+    return [{"role": r, "content": f"{_PROBE}{i}-"} for i, r in enumerate(roles)]
+
+
+def _rendered_order(text: str, n: int) -> list[int | str]:
+    """The probe items in the order `text` renders them (those it renders at all)."""
+    found = {i: text.find(f"{_PROBE}{i}-") for i in range(n)}
+    tool = [p for p in (text.find(_PROBE_TOOL["function"]["name"]), text.find(_PROBE + "tool-"))
+            if p >= 0]
+    if tool:
+        found[TOOLS] = min(tool)
+    return sorted((k for k, p in found.items() if p >= 0), key=found.__getitem__)
+
+
+def _marked(text: str, plain: str, order: list[int | str]) -> bool:
+    """Whether rendering the tools changed the text before their place: then the
+    stream needs the tools mark, or tools and no tools would share that prefix."""
+    j = order.index(TOOLS) if TOOLS in order else 0
+    if j == 0:
+        return False
+    marker = f"{_PROBE}{order[j - 1]}-"
+    end = text.find(marker) + len(marker)
+    return text[:end] != plain[:end]
+
+
+_CANDIDATES = tuple(Layout(t, s) for t in TOOLS_AT for s in SYSTEM_AT)
+
+
+def detect_layout(render: Render) -> tuple[Layout, str]:
+    """The layout of the chat template behind `render(messages, tools) -> text`, and
+    "" or why it fell back to the default (the caller logs it).
+
+    Each probe conversation is rendered with a probe tool and without; the layout is
+    the one whose `arrange` predicts the order in which the markers of every probe's
+    messages and tool appear. Probes the template refuses are skipped.
+    """
+    seen: list[tuple[tuple[str, ...], list, list, str, str]] = []
+    for roles in _PROBES:
+        messages = _probe_messages(roles)
+        try:
+            text, plain = render(messages, [_PROBE_TOOL]), render(messages, None)
+        except Exception:
+            continue  # e.g. a template that refuses system messages
+        seen.append((roles, _rendered_order(text, len(roles)),
+                     _rendered_order(plain, len(roles)), text, plain))
+    if not seen:
+        return DEFAULT_LAYOUT, "the template rendered none of the probe conversations"
+    for layout in _CANDIDATES:
+        if all(arrange(list(r), True, layout) == tools and arrange(list(r), False, layout) == plain
+               for r, tools, plain, _, _ in seen):
+            mark = any(_marked(text, plain, tools) for _, tools, _, text, plain in seen)
+            return Layout(layout.tools_at, layout.system_at, mark), ""
+    shown = "; ".join(f"{'/'.join(r)}: {tools}" for r, tools, _, _, _ in seen)
+    return DEFAULT_LAYOUT, f"no known layout renders the probes in their order ({shown})"
 
 
 def make_salt(secret: str | bytes, scope: str | None = None) -> bytes:
@@ -176,23 +346,30 @@ def _message_segment(msg: Any, i: int) -> bytes:
     )
 
 
-def chat_segments(body: Any, *, model: str, salt: bytes) -> list[bytes]:
-    """The canonical segments of a chat completion request body."""
+def chat_segments(body: Any, *, model: str, salt: bytes,
+                  layout: Layout = DEFAULT_LAYOUT) -> list[bytes]:
+    """The canonical segments of a chat completion request body, in the order the
+    chat template of `layout` renders them."""
     if not isinstance(body, dict):
         raise ValueError(f"request body must be a JSON object, not {type(body).__name__}")
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ValueError("'messages' must be a list")
-    segments = [_header_segment(model, salt)]
+    header = _header_segment(model, salt)
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ValueError(f"'tools' must be a list, not {type(tools).__name__}")
     # tool_choice "none" renders the prompt without tools (kvroute/wire.py): hash what
     # the template sees, or the backend's cache never matches the prediction.
-    if tools and body.get("tool_choice") != "none":
-        segments.append(_TAG_TOOLS + _field(_canonical_json(tools, "tools")))
-    segments.extend(_message_segment(m, i) for i, m in enumerate(messages))
-    return segments
+    hashed = bool(tools) and body.get("tool_choice") != "none"
+    tools_segment = _TAG_TOOLS + _field(_canonical_json(tools, "tools")) if hashed else b""
+    segments = [_message_segment(m, i) for i, m in enumerate(messages)]
+    if layout == DEFAULT_LAYOUT:  # the common case, without a walk over the roles
+        return [header, tools_segment, *segments] if hashed else [header, *segments]
+    roles = [m["role"] for m in messages]  # validated by _message_segment
+    extra = {TOOLS: tools_segment, MARK: _TAG_TOOLS_MARK}
+    return [header] + [segments[i] if isinstance(i, int) else extra[i]
+                       for i in arrange(roles, hashed, layout)]
 
 
 def completion_segments(prompt: Any, *, model: str, salt: bytes) -> list[bytes]:
@@ -237,21 +414,25 @@ def _keys(pairs: list[tuple[int, int]]) -> list[int]:
 
 
 def chat_chain_with_ends(
-    body: dict, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES
+    body: dict, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES,
+    layout: Layout = DEFAULT_LAYOUT,
 ) -> list[tuple[int, int]]:
     """Like chat_chain, with each key paired with the byte offset where its block ends.
 
     Offsets count bytes of the canonical stream (header and framing included), a
     rough stand-in for "matched bytes" when estimating matched tokens.
     """
-    return chain_segments(chat_segments(body, model=model, salt=salt), salt=salt, block_bytes=block_bytes)
+    return chain_segments(chat_segments(body, model=model, salt=salt, layout=layout),
+                          salt=salt, block_bytes=block_bytes)
 
 
 def chat_chain(
-    body: dict, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES
+    body: dict, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES,
+    layout: Layout = DEFAULT_LAYOUT,
 ) -> list[int]:
     """Prefix keys of a chat completion request body (unsigned 64-bit ints)."""
-    return _keys(chat_chain_with_ends(body, model=model, salt=salt, block_bytes=block_bytes))
+    return _keys(chat_chain_with_ends(body, model=model, salt=salt, block_bytes=block_bytes,
+                                      layout=layout))
 
 
 def completion_chain_with_ends(
@@ -270,10 +451,12 @@ def completion_chain(
 
 
 def request_chain(
-    kind: str, body: Any, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES
+    kind: str, body: Any, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES,
+    layout: Layout = DEFAULT_LAYOUT,
 ) -> list[tuple[int, int]]:
     """(key, end offset) for each block of a request body; `kind` is "chat" (a
-    /v1/chat/completions body) or "completion" (a /v1/completions body).
+    /v1/chat/completions body) or "completion" (a /v1/completions body); `layout`
+    is the model's chat template layout (chat only; backends publish theirs).
 
     The one chain function of the project: the proxy predicts with it, the backend
     advertises with it. Raises ValueError for a body the scheme cannot hash.
@@ -281,7 +464,7 @@ def request_chain(
     if not isinstance(body, dict):
         raise ValueError(f"request body must be a JSON object, not {type(body).__name__}")
     if kind == "chat":
-        segments = chat_segments(body, model=model, salt=salt)
+        segments = chat_segments(body, model=model, salt=salt, layout=layout)
     elif kind == "completion":
         segments = completion_segments(body.get("prompt"), model=model, salt=salt)
     else:

@@ -321,7 +321,118 @@ def test_tool_choice_none_hashes_no_tools():
 def test_fingerprint_names_secret_and_block_size_without_the_secret():
     a = fingerprint("s1", 256)
     assert a == fingerprint("s1", 256)
-    assert a["prefix_scheme"] == PREFIX_SCHEME == 2
+    assert a["prefix_scheme"] == PREFIX_SCHEME == 3
     assert a["secret_tag"] != fingerprint("s2", 256)["secret_tag"]
     assert fingerprint("s1", 128)["block_bytes"] == 128
     assert "s1" not in a["secret_tag"] and len(a["secret_tag"]) == 16
+
+
+# -- layouts: the segments in the order the chat template renders them ----------------
+
+from kvroute.prefix import DEFAULT_LAYOUT, MARK, TOOLS, Layout, arrange, detect_layout  # noqa: E402
+
+QWEN = Layout("after_system")
+LLAMA = Layout("after_system", tools_mark=True)
+MISTRAL = Layout("before_last_user", "last_user")
+
+
+def test_arrange_puts_tools_and_system_prompt_where_templates_do():
+    roles = ["system", "user", "assistant", "user"]
+    assert arrange(roles, True) == [TOOLS, 0, 1, 2, 3]
+    assert arrange(roles, True, QWEN) == [0, TOOLS, 1, 2, 3]
+    assert arrange(["user"], True, QWEN) == [TOOLS, 0]  # no system prompt: tools first
+    assert arrange(["developer", "user"], True, QWEN) == [0, TOOLS, 1]
+    assert arrange(roles, True, LLAMA) == [MARK, 0, TOOLS, 1, 2, 3]
+    assert arrange(roles, True, Layout("end")) == [0, 1, 2, 3, TOOLS]
+    assert arrange(roles, True, Layout("none")) == arrange(roles, False) == [0, 1, 2, 3]
+    # Mistral v3: [AVAILABLE_TOOLS], then "[INST] system\n\nuser" as the last turn...
+    assert arrange(roles, True, MISTRAL) == [1, 2, TOOLS, 0, 3]
+    assert arrange(roles, False, MISTRAL) == [1, 2, 0, 3]
+    # ... and no system prompt at all when the last message is not a user message.
+    assert arrange(["system", "user", "assistant"], True, MISTRAL) == [TOOLS, 1, 2]
+    assert arrange(["system"], True, MISTRAL) == []  # no user turn: no tools either
+    assert arrange([], True, QWEN) == [TOOLS]
+
+
+def test_layout_is_a_closed_set():
+    assert Layout() == DEFAULT_LAYOUT
+    for bad in ({"tools_at": "middle"}, {"system_at": "last"}, {"tools_mark": "yes"}):
+        with pytest.raises(ValueError):
+            Layout(**bad)
+    assert str(MISTRAL) == "tools before_last_user, system last_user"
+
+
+def test_layout_orders_the_segments():
+    body = {**conv("what is the weather"), "tools": TOOLS_A}
+    segs = chat_segments(body, model=MODEL, salt=SALT)
+    tools, system, user = segs[1], segs[2], segs[3]
+    assert tools[:1] == b"T" and system[:1] == user[:1] == b"M"
+    assert chat_segments(body, model=MODEL, salt=SALT, layout=QWEN) == [segs[0], system, tools, user]
+    assert chat_segments(body, model=MODEL, salt=SALT, layout=Layout("none")) == [segs[0], system, user]
+    marked = chat_segments(body, model=MODEL, salt=SALT, layout=LLAMA)
+    assert marked == [segs[0], b"t", system, tools, user]
+    # tool_choice "none": the template sees no tools, so neither the list nor the mark.
+    none = {**body, "tool_choice": "none"}
+    assert chat_segments(none, model=MODEL, salt=SALT, layout=LLAMA) == [segs[0], system, user]
+    kw = {"model": MODEL, "salt": SALT}
+    assert request_chain("chat", body, **kw, layout=QWEN) == chat_chain_with_ends(body, **kw, layout=QWEN)
+    # Completions have no template: the layout changes nothing.
+    assert request_chain("completion", {"prompt": "x"}, **kw, layout=QWEN) == \
+        request_chain("completion", {"prompt": "x"}, **kw)
+
+
+def test_shared_tools_are_no_shared_prefix_after_the_system_prompt():
+    a = {**conv("hello", system="You are agent A."), "tools": TOOLS_A}
+    b = {**conv("hello", system="You are agent B."), "tools": TOOLS_A}
+    assert common_prefix(chain(a), chain(b)) > 1  # tools first: they look shared
+    assert common_prefix(chain(a, layout=QWEN), chain(b, layout=QWEN)) == 1  # the header only
+
+
+_tools = st.sampled_from([None, TOOLS_A])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(_message, min_size=1, max_size=6), st.lists(_message, min_size=1, max_size=3),
+       _tools,
+       st.sampled_from([DEFAULT_LAYOUT, QWEN, LLAMA, Layout("none"), Layout("before_last_user")]))
+def test_a_growing_conversation_keeps_its_chain_where_the_template_keeps_its_text(
+        messages, more, tools, layout):
+    # Tools at the start, after the system prompt or nowhere: appending messages never
+    # changes what comes before them. Before the last user turn: as long as no user
+    # message is appended.
+    if layout.tools_at == "before_last_user" and tools:
+        more = [m for m in more if m["role"] != "user"] or [{"role": "tool", "content": "x"}]
+    head = {"messages": messages, "tools": tools}
+    full = {"messages": messages + more, "tools": tools}
+    a, b = chain(head, layout=layout, block_bytes=64), chain(full, layout=layout, block_bytes=64)
+    assert b[: len(a)] == a and len(b) > len(a)
+
+
+def test_detect_layout_falls_back_to_tools_first_and_says_why():
+    def tools_after_first_user(messages, tools):
+        out = [f"<{m['role']}>{m['content']}" for m in messages]
+        if tools:
+            i = next((i for i, m in enumerate(messages) if m["role"] == "user"), 0)
+            out.insert(i + 1, orjson.dumps(tools).decode())
+        return "".join(out)
+
+    layout, why = detect_layout(tools_after_first_user)
+    assert layout == DEFAULT_LAYOUT and "no known layout" in why
+
+    def refuses(messages, tools):
+        raise ValueError("no")
+
+    assert detect_layout(refuses) == (DEFAULT_LAYOUT, "the template rendered none of the probe "
+                                                      "conversations")
+
+    def tools_first(messages, tools):
+        head = "tools:" + orjson.dumps(tools).decode() if tools else ""
+        return head + "".join(f"<{m['role']}>{m['content']}" for m in messages)
+
+    assert detect_layout(tools_first) == (DEFAULT_LAYOUT, "")
+
+    def tools_last(messages, tools):
+        tail = "tools:" + orjson.dumps(tools).decode() if tools else ""
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + tail
+
+    assert detect_layout(tools_last) == (Layout("end"), "")
