@@ -95,6 +95,7 @@ class State:
     vocab_size: int = 0  # rows of the logits: logit_bias token ids must index inside them
     bytes_per_token: float = 0.0  # measured canonical request bytes per prompt token
     drops_reasoning: str = ""  # see _drops_reasoning
+    layout: prefix.Layout = prefix.DEFAULT_LAYOUT  # the chat template's, see _chat_layout
     disk: DiskTier | None = None
     disk_publisher: Publisher | None = None  # keeps the disk tier's key sets in Redis
     device: dict = field(default_factory=dict)  # accelerator, memory limits, warm-up seconds
@@ -233,7 +234,8 @@ def _chat_chains(state: State, body: dict, req: ChatRequest, scope: str | None,
     """The request's prefix keys, the keys of each checkpoint, and a function
     giving the keys of the next turn once the reply is known."""
     salt = prefix.make_salt(state.config.secret, scope)
-    kw = {"model": req.model, "salt": salt, "block_bytes": state.config.block_bytes}
+    kw = {"model": req.model, "salt": salt, "block_bytes": state.config.block_bytes,
+          "layout": state.layout}
     try:
         pairs = prefix.request_chain("chat", body, **kw)
     except ValueError as exc:  # what the template ignores but the key scheme refuses
@@ -256,8 +258,12 @@ def _chat_chains(state: State, body: dict, req: ChatRequest, scope: str | None,
         reply: dict = {"role": "assistant", "content": text or None}
         if tool_calls:
             reply["tool_calls"] = tool_calls
-        return _keys(prefix.request_chain(
+        nxt = _keys(prefix.request_chain(
             "chat", {**body, "messages": body["messages"] + [reply]}, **kw))
+        # A template that moves the tools or the system prompt past the reply (Mistral:
+        # into the last user turn) renders the next turn differently from what this
+        # sequence holds: its chain no longer extends the request's.
+        return nxt if nxt[:len(chain)] == chain else chain
 
     return chain, checkpoints, extend
 
@@ -283,6 +289,24 @@ def _calibrate(state: State, pairs: list[tuple[int, int]], prompt_tokens: int) -
         ratio = pairs[-1][1] / prompt_tokens
         old = state.bytes_per_token
         state.bytes_per_token = ratio if not old else 0.9 * old + 0.1 * ratio
+
+
+def _chat_layout(tokenizer) -> prefix.Layout:
+    """Where the chat template renders the tools and the system prompt, found by
+    rendering probe conversations (prefix.detect_layout): every chain this backend
+    advertises follows it, and its record tells the proxies."""
+
+    def render(messages: list[dict], tools: list[dict] | None) -> str:
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                             tokenize=False)
+
+    layout, problem = prefix.detect_layout(render)
+    if problem:
+        log.warning("chat template: %s; prefix keys hash the tools before the messages, "
+                    "which may predict cache hits that the tokens do not have", problem)
+    else:
+        log.info("chat template layout: %s", layout)
+    return layout
 
 
 def _drops_reasoning(tokenizer) -> str:
@@ -636,7 +660,7 @@ def load_state(config: BackendConfig) -> State:
                           config.cache_bytes, store, metrics_)
     return State(config, engine, tokenizer, metrics_, store, context, time.time(), new_instance_id(),
                  vocab_size=_vocab_size(model_config, tokenizer), disk=disk,
-                 drops_reasoning=_drops_reasoning(tokenizer),
+                 drops_reasoning=_drops_reasoning(tokenizer), layout=_chat_layout(tokenizer),
                  device={"kind": device.kind, "name": device.name, "memory": device.memory,
                          "prefill_step": config.prefill_step,
                          "serial_prefill": engine.serial_prefill, **limits})
@@ -682,6 +706,9 @@ def _record(state: State) -> BackendRecord:
         decoding=state.engine.decoding,
         max_batch=state.engine.max_batch,
         **prefix.fingerprint(c.secret, c.block_bytes),
+        tools_at=state.layout.tools_at,
+        system_at=state.layout.system_at,
+        tools_mark=state.layout.tools_mark,
         started_at=state.started,
         updated_at=time.time(),
     )

@@ -77,6 +77,11 @@ class BackendRecord:
     prefix_scheme: int = 0
     block_bytes: int = 0
     secret_tag: str = ""
+    # Where the model's chat template renders the tools and the system prompt
+    # (kvroute.prefix.Layout): the proxy's chains must put them where the backend's do.
+    tools_at: str = "start"
+    system_at: str = "first"
+    tools_mark: bool = False
     disk_bytes: int = 0  # the disk tier (0 and 0: none)
     disk_budget: int = 0
     restore_tps: float = 0.0  # measured tokens/s restored from the disk tier; 0 = not yet

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from kvroute.prefix import DEFAULT_LAYOUT, PREFIX_SCHEME, Layout
 from kvroute.registry import BackendRecord, RegistryUnavailable
 
 if TYPE_CHECKING:
@@ -38,6 +39,9 @@ class Backends:
     suspect_until: dict[str, float] = field(default_factory=dict)
     # backend id -> (instance id, mismatched fingerprint field or None), as last checked
     mismatch: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+    # model -> its chat template's layout, as its backends last published it. Kept when
+    # they are forgotten: a model loaded again comes back with the same template.
+    layouts: dict[str, Layout] = field(default_factory=dict)
 
     def update(self, records: list[BackendRecord], keep_for: float) -> None:
         # A backend missing from one answer (Redis restarted empty, heartbeat not yet
@@ -47,6 +51,7 @@ class Backends:
             self.records[r.backend_id] = r
             self.seen[r.backend_id] = now
             self.absent_since.pop(r.backend_id, None)
+            self._learn_layout(r)
         for bid in self.seen:
             if self.seen[bid] != now:
                 self.absent_since.setdefault(bid, now)
@@ -55,6 +60,22 @@ class Backends:
             self.records.pop(bid, None)
         self.refreshed = time.time()
         self.refreshed_at = now
+
+    def _learn_layout(self, r: BackendRecord) -> None:
+        if r.prefix_scheme != PREFIX_SCHEME:
+            return  # its keys can never match ours, whatever the layout
+        try:
+            layout = Layout(r.tools_at, r.system_at, r.tools_mark)
+        except ValueError:  # not one this proxy knows: a newer scheme, refused above
+            return
+        for model in r.models:
+            self.layouts[model] = layout
+
+    def layout(self, model: str) -> Layout:
+        """Where `model`'s chat template renders tools and system prompt: what the
+        request's chain must follow to meet the keys its backends advertise; tools
+        first until one of them is known."""
+        return self.layouts.get(model, DEFAULT_LAYOUT)
 
     def lapsed(self, backend_id: str, max_age: float) -> bool:
         """The registry answered recently and no longer lists this backend: its heartbeat
@@ -133,6 +154,7 @@ def describe(state: State) -> list[dict]:
          "prefill_tps": r.prefill_tps, "cache_bytes": r.cache_bytes, "cache_budget": r.cache_budget,
          "decoding": r.decoding, "max_batch": r.max_batch, "bytes_per_token": r.bytes_per_token,
          "mismatch": b.mismatch.get(r.backend_id, (None, None))[1],
+         "tools_at": r.tools_at, "system_at": r.system_at, "tools_mark": r.tools_mark,
          "disk_bytes": r.disk_bytes, "disk_budget": r.disk_budget, "restore_tps": r.restore_tps,
          "ram_hits": r.ram_hits, "disk_hits": r.disk_hits}
         for r in sorted(b.records.values(), key=lambda r: r.backend_id)

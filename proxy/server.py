@@ -51,13 +51,15 @@ _INLINE_CHAIN_BYTES = 256 << 10
 # -- routing ----------------------------------------------------------------------
 
 
-def _chain(config: ProxyConfig, path: str, body: dict, model: str, scope: str | None):
+def _chain(config: ProxyConfig, path: str, body: dict, model: str, scope: str | None,
+           layout: prefix.Layout):
     # From the body alone, no tokenizer (docs/DESIGN.md invariant 6), with the same
-    # function the backend advertises with.
+    # function the backend advertises with, in the layout of the model's chat template
+    # as its backends publish it (proxy/fleet.py).
     salt = prefix.make_salt(config.secret, scope)
     try:
         return prefix.request_chain(prefix.request_kind(path), body, model=model, salt=salt,
-                                    block_bytes=config.block_bytes)
+                                    block_bytes=config.block_bytes, layout=layout)
     except ValueError as exc:
         # The backend would refuse it too; answer without a round trip.
         raise bad_request(f"Invalid request: {exc}.")
@@ -173,12 +175,11 @@ async def _route(request: web.Request, raw: bytes, body: dict, path: str, t_star
         raise bad_request("'model' is required and must be a string.", param="model",
                           code="missing_required_parameter")
     scope = request.get("scope")
+    layout = state.backends.layout(model)
     if len(raw) > _INLINE_CHAIN_BYTES:
-        pairs = await asyncio.to_thread(_chain, state.config, path, body, model, scope)
+        pairs = await asyncio.to_thread(_chain, state.config, path, body, model, scope, layout)
     else:
-        pairs = _chain(state.config, path, body, model, scope)
-    keys = [k for k, _ in pairs]
-    ends = [end for _, end in pairs]
+        pairs = _chain(state.config, path, body, model, scope, layout)
     state.models.touch(model)
     if state.models.needs_load(model, bool(state.backends.serving(model))):
         # A valid request for a configured model that is not loaded: wait for its load.
@@ -186,6 +187,11 @@ async def _route(request: web.Request, raw: bytes, body: dict, path: str, t_star
                                   functools.partial(_serving_now, state, model))
         if done is not None:
             return done
+        if state.backends.layout(model) != layout:  # its backends' template decides
+            pairs = await asyncio.to_thread(_chain, state.config, path, body, model, scope,
+                                            state.backends.layout(model))
+    keys = [k for k, _ in pairs]
+    ends = [end for _, end in pairs]
     route = functools.partial(_route_to, request, state, raw, model, scope, keys, ends, path,
                               t_start, relay)
     if loading.held(request) is None:

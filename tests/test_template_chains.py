@@ -1,7 +1,14 @@
-"""Template-dependent prefix chains on the backend: a chat template that drops the
-reasoning of past replies (Qwen3-style) never gets the reply advertised as the next
-turn's prefix. Real tokenizers: the demo model's, and a copy with reasoning markers
-and such a template."""
+"""Template-dependent prefix chains on the backend.
+
+- A chat template that drops the reasoning of past replies (Qwen3-style) never gets
+  the reply advertised as the next turn's prefix.
+- The layout of a template (where it renders the tools and the system prompt) is found
+  by rendering probes, for the demo model's template and Qwen2.5-, Llama-3.1-,
+  Mistral-v0.3- and Gemma-3-style ones (tests/data/templates); with it, two
+  conversations' chains share exactly the messages and tools that their rendered token
+  streams share.
+
+Real tokenizers: the demo model's, and copies with other templates."""
 
 from __future__ import annotations
 
@@ -44,17 +51,18 @@ def thinking_tokenizer(src: Path, dst: Path, template: str | None):
     return load_tokenizer(dst)
 
 
-def state(drops: str):
+def state(drops: str = "", layout: prefix.Layout = prefix.DEFAULT_LAYOUT):
     return SimpleNamespace(config=SimpleNamespace(secret="s", block_bytes=64),
-                           drops_reasoning=drops, bytes_per_token=0.0)
+                           drops_reasoning=drops, bytes_per_token=0.0, layout=layout)
 
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 2 + 2?"}]}
 
 
-def extended(drops: str, reply: str) -> tuple[list[int], list[int]]:
-    req = parse_chat(BODY)
-    chain, _, extend = _chat_chains(state(drops), BODY, req, None, {}, [1, 2, 3])
+def extended(drops: str, reply: str, body: dict = BODY,
+             layout: prefix.Layout = prefix.DEFAULT_LAYOUT) -> tuple[list[int], list[int]]:
+    req = parse_chat(body)
+    chain, _, extend = _chat_chains(state(drops, layout), body, req, None, {}, [1, 2, 3])
     return chain, extend(reply, [])
 
 
@@ -77,3 +85,151 @@ def test_reasoning_reply_is_not_advertised_as_next_prefix():
         {"role": "assistant", "content": "<think>add them</think>4"}]},
         model="m", salt=prefix.make_salt("s"), block_bytes=64)
     assert extended("", "<think>add them</think>4")[1] == [k for k, _ in expected]
+
+
+# -- layouts: where a template renders the tools and the system prompt ----------------
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from backend.server import _chat_layout  # noqa: E402
+from kvroute.demo_model import CHAT_TEMPLATE  # noqa: E402
+from kvroute.prefix import Layout  # noqa: E402
+
+TEMPLATES = {p.stem: p.read_text() for p in (Path(__file__).parent / "data" / "templates").glob("*.jinja")}
+TEMPLATES["demo"] = CHAT_TEMPLATE  # the demo model's, which every arch model shares
+LAYOUTS = {
+    "demo": Layout("after_system"),
+    "qwen2.5": Layout("after_system"),
+    # "Environment: ipython" ahead of the system prompt when tools are given.
+    "llama3.1": Layout("after_system", tools_mark=True),
+    "mistral-v0.3": Layout("before_last_user", "last_user"),
+    "gemma-3": Layout("none"),
+}
+SALT = prefix.make_salt("s")
+WHOLE = 1 << 20  # one block per segment: chains then share whole messages or nothing
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(text_model):
+    return AutoTokenizer.from_pretrained(text_model)
+
+
+def render(tok, name: str, messages: list[dict], tools: list[dict] | None) -> str:
+    return tok.apply_chat_template(messages, tools=tools, chat_template=TEMPLATES[name],
+                                   add_generation_prompt=True, tokenize=False)
+
+
+def test_template_layouts_are_detected(hf_tokenizer):
+    assert set(TEMPLATES) == set(LAYOUTS)
+    for name, expected in LAYOUTS.items():
+        found = prefix.detect_layout(lambda m, t: render(hf_tokenizer, name, m, t))
+        assert found == (expected, ""), name
+
+
+def test_backend_finds_its_models_layout(text_model, tool_model, tmp_path):
+    assert _chat_layout(load_tokenizer(text_model)) == Layout("after_system")
+    assert _chat_layout(load_tokenizer(tool_model)) == Layout("after_system")
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    tok = thinking_tokenizer(text_model, mistral, TEMPLATES["mistral-v0.3"])
+    assert _chat_layout(tok) == LAYOUTS["mistral-v0.3"]
+
+
+def tools(*names: str) -> list[dict]:
+    # The last property name ends each tool's rendering: it marks where the tools end.
+    return [{"type": "function", "function": {
+        "name": f"lookup_{n}", "description": f"Looks up the {n} of a city.",
+        "parameters": {"type": "object", "properties": {f"city_for_{n}": {"type": "string"}}}}}
+        for n in names]
+
+
+def items_ending(text: str, messages: list[dict], tool_list: list[dict] | None) -> set:
+    """(item, end offset in `text`) for the messages and the tool list `text` renders."""
+    out = {(i, m["content"], text.find(m["content"]) + len(m["content"]))
+           for i, m in enumerate(messages) if m["content"] in text}
+    if tool_list:
+        last = next(iter(tool_list[-1]["function"]["parameters"]["properties"]))
+        if last in text:
+            out.add((prefix.TOOLS, json.dumps(tool_list), text.rfind(last) + len(last)))
+    return out
+
+
+def shared_by_tokens(tok, name: str, a: tuple, b: tuple) -> set:
+    """The messages and tools two conversations' token streams share: those rendered
+    ending at the same place in both, inside the streams' common token prefix."""
+    texts = [render(tok, name, *conv) for conv in (a, b)]
+    enc = [tok(t, add_special_tokens=False, return_offsets_mapping=True) for t in texts]
+    n = prefix.common_prefix(enc[0]["input_ids"], enc[1]["input_ids"])
+    chars = enc[0]["offset_mapping"][n - 1][1] if n else 0
+    both = items_ending(texts[0], *a) & items_ending(texts[1], *b)
+    return {item for item, _, end in both if end <= chars}
+
+
+def body(conv: tuple) -> dict:
+    messages, tool_list = conv
+    return {"messages": messages, **({"tools": tool_list} if tool_list else {})}
+
+
+def shared_by_chains(a: tuple, b: tuple, layout: Layout) -> set:
+    """The messages and tools two conversations' chains claim to share."""
+    chains = [prefix.chat_chain(body(c), model="m", salt=SALT, block_bytes=WHOLE, layout=layout)
+              for c in (a, b)]
+    n = prefix.common_prefix(*chains)
+    roles = [m["role"] for m in a[0]]
+    # Block 0 is the header; each further block is one item of a's arrangement.
+    return {x for x in prefix.arrange(roles, bool(a[1]), layout)[:max(0, n - 1)] if x != prefix.MARK}
+
+
+def msg(role: str, content: str) -> dict:
+    return {"role": role, "content": content}
+
+
+S1 = msg("system", "You are the travel desk of a small airline; be brief.")
+S2 = msg("system", "You answer questions about the weather for farmers.")
+U = msg("user", "What will the weather be in Lyon tomorrow?")
+U_OTHER = msg("user", "Which cities have direct flights to Oslo?")
+A = msg("assistant", "Sunny, with a light wind from the north.")
+U2 = msg("user", "And the day after that?")
+T, T_OTHER = tools("weather", "flights"), tools("weather", "trains")
+
+PAIRS = {
+    "system prompts differ, same tools": (([S1, U], T), ([S2, U], T)),
+    "user messages differ": (([S1, U], T), ([S1, U_OTHER], T)),
+    "tools differ": (([S1, U], T), ([S1, U], T_OTHER)),
+    "tools and no tools": (([S1, U], T), ([S1, U], None)),
+    "next turn": (([S1, U], T), ([S1, U, A, U2], T)),
+    "next turn, no system prompt": (([U], T), ([U, A, U2], T)),
+    "next turn, no tools": (([S1, U], None), ([S1, U, A, U2], None)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_chains_share_what_the_tokens_share(hf_tokenizer, name, pair):
+    a, b = PAIRS[pair]
+    truth = shared_by_tokens(hf_tokenizer, name, a, b)
+    assert shared_by_chains(a, b, LAYOUTS[name]) == truth, truth
+
+
+def test_tools_first_claims_a_prefix_that_qwen_style_tokens_lack(hf_tokenizer):
+    # The bug this layout fixes: same tools, different system prompts.
+    a, b = PAIRS["system prompts differ, same tools"]
+    for name in ("demo", "qwen2.5", "llama3.1"):
+        assert shared_by_tokens(hf_tokenizer, name, a, b) == set()
+        assert shared_by_chains(a, b, prefix.DEFAULT_LAYOUT) == {prefix.TOOLS}
+
+
+def test_next_turn_is_not_advertised_where_the_template_moves_the_system_prompt():
+    with_system = {"model": "m", "messages": [S1, U], "tools": T}
+    mistral = LAYOUTS["mistral-v0.3"]
+    # Mistral renders the system prompt inside the last user turn: the next turn moves
+    # it past this reply, so the reply extends nothing the next request will send.
+    chain, nxt = extended("", "Sunny.", with_system, mistral)
+    assert nxt == chain
+    # Without a system prompt the tools stay before this turn's user message, and a
+    # reply that calls a tool is followed by its result, not a new user turn.
+    chain, nxt = extended("", "Sunny.", {**with_system, "messages": [U]}, mistral)
+    assert nxt[:len(chain)] == chain and len(nxt) > len(chain)
+    for layout in (LAYOUTS["demo"], LAYOUTS["llama3.1"], LAYOUTS["gemma-3"]):
+        chain, nxt = extended("", "Sunny.", with_system, layout)
+        assert nxt[:len(chain)] == chain and len(nxt) > len(chain)
