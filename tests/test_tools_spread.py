@@ -1,0 +1,110 @@
+"""Conversations that share a tool list but not a system prompt, end to end: real
+Redis, two real backends with the demo model, two proxies, the official `openai`
+client.
+
+The demo model's chat template renders, like Qwen's, the system prompt first and the
+tools after it, so two such conversations share no more than the template's first
+tokens. Prefix keys that hashed the tools first claimed a long shared prefix: every new
+conversation went to the backend holding the tools, predicted to hit thousands of
+tokens it did not have. With the template's layout (found by each backend at load,
+published in its record) they spread, predicted about as much as they get, and their
+follow-up turns stay where their prefix is.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import openai
+import pytest
+
+import harness
+from harness import BackendProcess, ProxyProcess, request, wait_until
+
+SECRET = "tools-secret"
+TOKEN = "tools-token"
+MODEL = "tools-model"
+
+
+@pytest.fixture(scope="module")
+def fleet(text_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("tools-spread")
+
+    def backends(redis_url: str) -> list[BackendProcess]:
+        common = ["--redis-url", redis_url, "--internal-token", TOKEN, "--secret", SECRET,
+                  "--cache-bytes", "256MiB"]
+        return [BackendProcess(text_model, MODEL, logs, backend_id=bid, extra=common)
+                for bid in ("t1", "t2")]
+
+    def proxies(redis_url: str) -> list[ProxyProcess]:
+        return [ProxyProcess(redis_url, logs, ["--secret", SECRET, "--internal-token", TOKEN])
+                for _ in range(2)]
+
+    with harness.fleet(backends, proxies) as f:
+        yield f
+
+
+def tool(name: str, what: str) -> dict:
+    return {"type": "function", "function": {
+        "name": name, "description": f"{what} Answers in JSON; fails with an error message.",
+        "parameters": {"type": "object", "required": ["query"], "properties": {
+            "query": {"type": "string", "description": f"What to {name.split('_')[0]}."},
+            "limit": {"type": "integer", "description": "At most this many results."}}}}}
+
+
+TOOLS = [tool("search_docs", "Searches the team's documentation."),
+         tool("read_file", "Reads a file of the repository."),
+         tool("list_tickets", "Lists the open tickets of a project."),
+         tool("create_ticket", "Opens a ticket in the tracker."),
+         tool("run_query", "Runs a read-only SQL query on the warehouse."),
+         tool("send_message", "Posts a message in a chat channel."),
+         tool("get_weather", "Gives the weather forecast of a city."),
+         tool("book_room", "Books a meeting room for a time slot.")]
+
+
+def chat(proxy: ProxyProcess, messages: list[dict]):
+    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=messages,
+                                                      tools=TOOLS, max_tokens=8)
+    return raw.parse(), raw.headers
+
+
+def decisions(proxies: list[ProxyProcess]) -> list[dict]:
+    return [d for p in proxies for d in json.loads(request(p.url + "/stats")[2])["decisions"]]
+
+
+def test_conversations_sharing_only_tools_spread_and_follow_ups_stick(fleet):
+    proxies = fleet["proxies"]
+    for p in proxies:  # the proxies route by the layout the backends published
+        wait_until(lambda: {b["tools_at"] for b in p.health()["backends"]} == {"after_system"},
+                   10, what="the proxy to learn the template's layout")
+    conversations = []
+    for i in range(8):  # one after another: each answered before the next starts
+        messages = [{"role": "system", "content": f"{uuid.uuid4().hex}: you are agent {i} "
+                     "of a small team; use the tools when they help, and answer briefly."},
+                    {"role": "user", "content": "Hello there."}]
+        r, headers = chat(proxies[i % 2], messages)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        conversations.append((headers["x-kvroute-backend"], messages))
+    homes = [bid for bid, _ in conversations]
+    assert 3 <= homes.count("t1") <= 5, homes
+
+    # Nothing but the template's first tokens is shared: nothing is predicted either.
+    first = decisions(proxies)
+    assert len(first) == 8
+    for d in first:
+        assert d["predicted_tokens"] <= max(2 * d["cached_tokens"], 16), d
+
+    for i, (home, messages) in enumerate(conversations):
+        for turn in range(2):
+            messages.append({"role": "user", "content": f"And then ({turn})?"})
+            r, headers = chat(proxies[(i + turn + 1) % 2], messages)
+            assert headers["x-kvroute-backend"] == home, (i, turn, headers)
+            assert headers["x-kvroute-route-reason"] == "cache-hit"
+            assert r.usage.prompt_tokens_details.cached_tokens >= 0.8 * r.usage.prompt_tokens
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    follow_ups = [d for d in decisions(proxies) if d not in first]
+    assert len(follow_ups) == 16
+    for d in follow_ups:
+        assert 0.7 <= d["predicted_tokens"] / d["cached_tokens"] <= 1.3, d
