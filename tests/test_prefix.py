@@ -367,15 +367,15 @@ def test_layout_orders_the_segments():
     segs = chat_segments(body, model=MODEL, salt=SALT)
     tools, system, user = segs[1], segs[2], segs[3]
     assert tools[:1] == b"T" and system[:1] == user[:1] == b"M"
-    assert chat_segments(body, model=MODEL, salt=SALT, layout=QWEN) == [segs[0], system, tools, user]
-    assert chat_segments(body, model=MODEL, salt=SALT, layout=Layout("none")) == [segs[0], system, user]
-    marked = chat_segments(body, model=MODEL, salt=SALT, layout=LLAMA)
-    assert marked == [segs[0], b"t", system, tools, user]
+    kw = {"model": MODEL, "salt": SALT}
+    assert chat_segments(body, **kw, layout=QWEN) == [segs[0], system, tools, user]
+    assert chat_segments(body, **kw, layout=Layout("none")) == [segs[0], system, user]
+    assert chat_segments(body, **kw, layout=LLAMA) == [segs[0], b"t", system, tools, user]
     # tool_choice "none": the template sees no tools, so neither the list nor the mark.
     none = {**body, "tool_choice": "none"}
-    assert chat_segments(none, model=MODEL, salt=SALT, layout=LLAMA) == [segs[0], system, user]
-    kw = {"model": MODEL, "salt": SALT}
-    assert request_chain("chat", body, **kw, layout=QWEN) == chat_chain_with_ends(body, **kw, layout=QWEN)
+    assert chat_segments(none, **kw, layout=LLAMA) == [segs[0], system, user]
+    assert request_chain("chat", body, **kw, layout=QWEN) == \
+        chat_chain_with_ends(body, **kw, layout=QWEN)
     # Completions have no template: the layout changes nothing.
     assert request_chain("completion", {"prompt": "x"}, **kw, layout=QWEN) == \
         request_chain("completion", {"prompt": "x"}, **kw)

@@ -95,7 +95,8 @@ from backend.server import _chat_layout  # noqa: E402
 from kvroute.demo_model import CHAT_TEMPLATE  # noqa: E402
 from kvroute.prefix import Layout  # noqa: E402
 
-TEMPLATES = {p.stem: p.read_text() for p in (Path(__file__).parent / "data" / "templates").glob("*.jinja")}
+TEMPLATES = {p.stem: p.read_text()
+             for p in (Path(__file__).parent / "data" / "templates").glob("*.jinja")}
 TEMPLATES["demo"] = CHAT_TEMPLATE  # the demo model's, which every arch model shares
 LAYOUTS = {
     "demo": Layout("after_system"),
@@ -177,7 +178,8 @@ def shared_by_chains(a: tuple, b: tuple, layout: Layout) -> set:
     n = prefix.common_prefix(*chains)
     roles = [m["role"] for m in a[0]]
     # Block 0 is the header; each further block is one item of a's arrangement.
-    return {x for x in prefix.arrange(roles, bool(a[1]), layout)[:max(0, n - 1)] if x != prefix.MARK}
+    items = prefix.arrange(roles, bool(a[1]), layout)[:max(0, n - 1)]
+    return {x for x in items if x != prefix.MARK}
 
 
 def msg(role: str, content: str) -> dict:
