@@ -7,6 +7,8 @@ byte stream made of segments:
     header   salt and model id
     tools    canonical JSON of the tool list (only when tools are given and
              tool_choice is not "none": the template then never sees them)
+    mark     one byte saying tools are given, for templates that then change what
+             they write before the tools (Llama 3.1)
     message  one segment per message: role, name, text content, tool calls, tool_call_id
     prompt   for /v1/completions: the prompt text (a one-element list counts as its string)
 
@@ -19,7 +21,8 @@ Every field is length-prefixed, so moving bytes from one field or message into t
 next one changes the stream. Each segment is cut into blocks of at most
 `block_bytes` bytes; a block never straddles a segment boundary, so every message
 boundary is a block boundary and a conversation that grows by one message keeps
-its old chain as a prefix. Keys chain: key_i = xxh3_64(key_{i-1} || block_i), the
+its old chain as a prefix, wherever the template keeps its old text (Mistral moves
+the tools and the system prompt to the last user turn: there neither does). Keys chain: key_i = xxh3_64(key_{i-1} || block_i), the
 first block chained from a seed derived from the salt. A change anywhere changes
 every key from its block on.
 
@@ -154,7 +157,7 @@ def arrange(roles: list[str], tools: bool, layout: Layout = DEFAULT_LAYOUT) -> l
 # ---------------------------------------------------------------------------
 # Finding a template's layout: render probe conversations, find their markers
 
-Render = Callable[[list[dict], "list[dict] | None"], str]
+Render = Callable[[list[dict], list[dict] | None], str]
 
 _PROBE = "kvroute-probe-"
 _PROBE_TOOL = {"type": "function", "function": {
