@@ -860,7 +860,7 @@ class Warnings:
             return
         self._last[kind] = now
         held = self._held.pop(kind, 0)
-        suffix = f" ({held} more like it in the last {self.every:.0f}s)" if held else ""
+        suffix = f" ({held} more like it since the last one)" if held else ""
         self.logger.warning(message + suffix, *args)
 
 
@@ -878,15 +878,15 @@ def kv_rate(model: Any) -> tuple[float, int]:
     return per_token, max(0, int(sizes[0] - per_token * KV_PROBE))
 
 
-def describe_budgets(ram_budget: int, disk_budget: int, kv_rate: tuple[float, int],
+def describe_budgets(ram_budget: int, disk_budget: int, rate: tuple[float, int],
                      context_length: int, trimmable: bool = True) -> dict[str, int | None]:
     """Log how many tokens one prompt-cache entry may hold in RAM and on disk (the
-    budget over the KV bytes a token costs: `kv_rate`), and warn where that is less
+    budget over the KV bytes a token costs: `rate`, as `kv_rate` measures it), and warn where that is less
     than the model's context: a longer prompt keeps only a prefix in RAM (only its
     checkpoints that fit, where the model's cache cannot be cut: `trimmable` False),
     and goes whole to the disk tier where there is one. Returns both counts (None: no
     disk tier, or entries that do not grow with their length)."""
-    per_token, fixed = kv_rate
+    per_token, fixed = rate
 
     def fits(budget: int) -> int | None:
         if per_token <= 0:
