@@ -763,6 +763,9 @@ async def serve(config: BackendConfig) -> None:
         seconds = await state.engine.call(state.engine.warm_up)
         state.device["warmup_s"] = round(seconds, 2)
         log.info("warmed up in %.1fs (prefill step %d)", seconds, config.prefill_step)
+    # How long a prompt one entry may hold under the budgets, said once at start.
+    await state.engine.call(lambda: state.engine.describe_budgets(
+        state.disk.budget_bytes if state.disk else 0, state.context_length))
     if config.redis_url:
         state.publisher = start_publisher(state)
         await state.publisher.start()

@@ -348,6 +348,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     responses_api.add_routes(app)
     messages_api.add_routes(app)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", loading.model_info)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_json)
