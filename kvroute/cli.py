@@ -67,7 +67,13 @@ def run_proxy(s: dict[str, Any]) -> int:
         api_keys=config.parse_api_keys(s["api_keys"]),
         lookup_timeout=s["lookup_timeout_ms"] / 1000,
     )
-    run_async(serve(proxy_config))
+    try:
+        run_async(serve(proxy_config))
+    except OSError as exc:  # the port: taken, or not ours to bind
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        print(f"kvroute proxy: cannot listen on {proxy_config.host}:{proxy_config.port}: "
+              f"{reason}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -97,11 +103,12 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         serve_config = config.build(args, os.environ)
         return run_async(launcher.run(serve_config, console))
+    # soft_wrap: the reason stays one line, whatever the terminal's width.
     except config.ConfigError as exc:
-        console.print(f"[red]kvroute serve: {exc}[/]", highlight=False)
+        console.print(f"[red]kvroute serve: {exc}[/]", highlight=False, soft_wrap=True)
         return 2
     except RuntimeError as exc:  # e.g. redis-server missing, a child that never got healthy
-        console.print(f"[red]kvroute serve: {exc}[/]", highlight=False)
+        console.print(f"[red]kvroute serve: {exc}[/]", highlight=False, soft_wrap=True)
         return 1
 
 

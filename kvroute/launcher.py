@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import re
 import secrets
 import signal
 import socket
@@ -28,11 +29,11 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from . import accel, capacity, demo_model
+from . import accel, capacity, demo_model, redis_client
 from .capacity import weights_bytes
 from .config import DEMO, ConfigError, ModelSpec, ServeConfig
 from .loader import Loader, Slot
-from .process import health_body
+from .process import health_body, health_pid
 from .redis_server import RedisServer
 STOP_GRACE = 7.0  # seconds children get to exit before SIGKILL (the whole stop stays < 10 s)
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan"]
@@ -43,9 +44,24 @@ COLORS = ["cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cy
 
 def resolve_path(spec: ModelSpec, console: Console) -> str:
     if spec.path != DEMO:
+        if spec.preload:  # one loaded on demand fails its load instead (state load_failed)
+            _check_model_path(spec.path)
         return spec.path
     with console.status(f"building the demo model ({spec.demo_variant}) ..."):
         return str(demo_model.ensure(spec.demo_variant))
+
+
+# A Hugging Face repo id: "name" or "owner/name", no path syntax.
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _check_model_path(path: str) -> None:
+    """A model is a local directory or a repo id: anything else would only fail later,
+    inside a backend, as a traceback."""
+    if os.path.isdir(path):
+        return
+    if os.path.isabs(path) or path.startswith((".", "~")) or not _REPO_ID.fullmatch(path):
+        raise ConfigError(f"model {path!r}: no such directory (and not a repo id)")
 
 
 def replica_cost(spec: ModelSpec, path: str) -> capacity.Cost:
@@ -112,6 +128,11 @@ class Launcher:
     # -- start ------------------------------------------------------------------
 
     def prepare(self) -> list[str]:
+        if self.redis_url:
+            try:
+                redis_client.check_url(self.redis_url)
+            except ValueError as exc:
+                raise ConfigError(f"--redis-url: {exc}") from None
         for spec in self.config.models:
             self.paths[spec.alias] = resolve_path(spec, self.console)
         aliases = [s.alias for s in self.config.models]
@@ -230,7 +251,7 @@ class Launcher:
                     last = next((l.strip() for l in reversed(child.tail) if l.strip()), "")[-600:]
                     raise RuntimeError(f"{child.name} exited with {child.proc.returncode} while "
                                        f"starting" + (f": {last}" if last else ""))
-                if await asyncio.to_thread(_healthy, child.url):
+                if await asyncio.to_thread(_healthy, child):
                     pending.remove(child)
             if pending:
                 if self.stopping.is_set():
@@ -355,8 +376,10 @@ async def _wait_or_kill(child: Child, timeout: float) -> None:
     await asyncio.gather(*child.pumps, return_exceptions=True)
 
 
-def _healthy(url: str) -> bool:
-    return health_body(url, timeout=1) is not None
+def _healthy(child: Child) -> bool:
+    # Its own answer: another server already on the port (this child then fails to
+    # bind and exits) must not pass for it.
+    return health_pid(health_body(child.url, timeout=1)) == child.proc.pid
 
 
 async def run(config: ServeConfig, console: Console | None = None) -> int:

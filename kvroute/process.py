@@ -10,6 +10,7 @@ import signal
 import socket
 import urllib.request
 
+import orjson
 from aiohttp import web
 
 log = logging.getLogger("kvroute.process")
@@ -34,6 +35,14 @@ async def watch_parent(stop: asyncio.Event, period: float = 1.0) -> None:
             await asyncio.wait_for(stop.wait(), period)
         except asyncio.TimeoutError:
             pass
+
+
+def health_pid(body: bytes | None) -> int | None:
+    """The pid a /health body names (proxies and backends both say it)."""
+    try:
+        return orjson.loads(body).get("pid") if body else None
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
 
 
 def health_body(url: str, timeout: float) -> bytes | None:
@@ -91,10 +100,16 @@ async def start_site(app: web.Application, host: str, port: int,
     # how a disconnect reaches the engine (backend) or the upstream request (proxy).
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
-    if socks is None:
-        await web.TCPSite(runner, host, port).start()
-    for sock in socks or ():
-        await web.SockSite(runner, sock).start()
+    try:
+        if socks is None:
+            await web.TCPSite(runner, host, port).start()
+        for sock in socks or ():
+            await web.SockSite(runner, sock).start()
+    except BaseException:
+        # The app's startup hooks already run background tasks; left running they keep
+        # the process from exiting (asyncio.run waits for them), silently.
+        await runner.cleanup()
+        raise
     return runner
 
 

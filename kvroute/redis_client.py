@@ -62,11 +62,19 @@ def is_cluster(url: str) -> bool:
     return url.split("://", 1)[0] in ("redis+cluster", "rediss+cluster")
 
 
-def connect(url: str, **kwargs: Any):
-    """A redis.asyncio client (Redis or RedisCluster) for `url`; kwargs go to redis-py."""
+def check_url(url: str) -> str:
+    """The URL's scheme; ValueError, saying what is accepted, for one no client takes."""
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if scheme not in SCHEMES:
         raise ValueError(f"Redis URL must start with one of {', '.join(s + '://' for s in SCHEMES)}")
+    if scheme.endswith("+sentinel") and not [p for p in urlsplit(url).path.split("/") if p]:
+        raise ValueError("redis+sentinel:// URLs name the service: redis+sentinel://host:port/<service>")
+    return scheme
+
+
+def connect(url: str, **kwargs: Any):
+    """A redis.asyncio client (Redis or RedisCluster) for `url`; kwargs go to redis-py."""
+    scheme = check_url(url)
     if scheme in ("redis", "rediss", "unix"):
         return aioredis.from_url(url, **kwargs)
     parts = urlsplit(url)

@@ -207,6 +207,56 @@ def test_config_over_memory_is_refused_with_the_numbers(tmp_path, model_cache):
         request(f"http://127.0.0.1:{port}/health", timeout=1)
 
 
+@pytest.mark.parametrize("args, code, reason", [
+    (["--redis-url", "redis+clustr://127.0.0.1:1"], 2, "--redis-url: Redis URL must start with"),
+    (["--model", "/no/such/model"], 2, "model '/no/such/model': no such directory"),
+])
+def test_a_setting_no_component_can_start_with_stops_serve_at_once(model_cache, args, code, reason):
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "serve", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "KVROUTE_CACHE_DIR": str(model_cache)})
+    assert out.returncode == code, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvroute serve: ") and reason in last, out.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_proxy_port_held_by_another_server_stops_serve_with_the_reason(tmp_path, model_cache):
+    """Another kvroute (or anything answering /health 200) already on the proxy port: the
+    launcher must not take that server's answer for its own proxy's, and the proxy, which
+    cannot bind, exits at once (its startup tasks once kept it alive, silently)."""
+    import http.server
+    import threading
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"status": "ok", "pid": 1}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    stranger = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Healthy)
+    threading.Thread(target=stranger.serve_forever, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, "-m", "kvroute.cli", "serve", "--port", str(stranger.server_port),
+             "--backend-port-base", str(free_port())], cwd=ROOT, capture_output=True, text=True,
+            timeout=120, env={**os.environ, "KVROUTE_CACHE_DIR": str(model_cache)})
+    finally:
+        stranger.shutdown()
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == (f"kvroute serve: proxy exited with 1 while starting: kvroute proxy: cannot "
+                    f"listen on 127.0.0.1:{stranger.server_port}: Address already in use"), last
+    assert time.monotonic() - t0 < 60
+
+
 def test_bad_config_is_refused_clearly(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[[models]]\npath = 'demo'\nrelicas = 2\n")
@@ -222,7 +272,7 @@ def test_a_health_poll_answered_by_something_not_http_means_not_ready():
     import socket
     import threading
 
-    from kvroute.launcher import _healthy
+    from kvroute.process import health_body
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -236,7 +286,7 @@ def test_a_health_poll_answered_by_something_not_http_means_not_ready():
     thread = threading.Thread(target=echo, daemon=True)
     thread.start()
     try:
-        assert _healthy(f"http://127.0.0.1:{server.getsockname()[1]}") is False
+        assert health_body(f"http://127.0.0.1:{server.getsockname()[1]}", timeout=1) is None
     finally:
         thread.join(5)
         server.close()
