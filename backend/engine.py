@@ -93,6 +93,9 @@ class Job:
     checkpoints: dict[int, list[int]] = field(default_factory=dict)
     # The chain of the next turn once the reply is known (prompt + assistant message).
     extend_chain: Callable[[str, list[dict]], list[int]] | None = None
+    # (token end, keys) of the deepest message boundary within a prefix of n tokens:
+    # what a partial prefill (disconnect, recovery) is advertised by.
+    partial_chain: Callable[[int], tuple[int, list[int]]] | None = None
     scope: str | None = None
     fault: str | None = None
     cancelled: bool = False
@@ -680,7 +683,18 @@ class Engine:
         # A checkpoint, or a partial prefill: the keys of the deepest checkpoint
         # it contains (a partial one also inherits the keys of what it supersedes).
         held = [p for p in job.checkpoints if p <= n_tokens]
-        return job.checkpoints[max(held)] if held else []
+        depth, keys = (max(held), job.checkpoints[max(held)]) if held else (0, [])
+        if path in ("disconnect_prefill", "recovered") and job.partial_chain is not None:
+            # A model that keeps no checkpoints mid-prompt (full attention) would
+            # advertise nothing for it: the proxy could not route the retry back.
+            try:
+                position, more = job.partial_chain(n_tokens)
+            except Exception:
+                log.warning("could not compute a partial prefill's prefix chain", exc_info=True)
+            else:
+                if position > depth:
+                    keys = more
+        return keys
 
     def _on_token(self, job: Job, r: Any) -> None:
         job.generated += 1

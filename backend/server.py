@@ -231,8 +231,9 @@ def _keys(pairs: list[tuple[int, int]]) -> list[int]:
 
 def _chat_chains(state: State, body: dict, req: ChatRequest, scope: str | None,
                  marks: dict[int, int], prompt: list[int]):
-    """The request's prefix keys, the keys of each checkpoint, and a function
-    giving the keys of the next turn once the reply is known."""
+    """The request's prefix keys, the keys of each checkpoint, a function giving the
+    keys of the next turn once the reply is known, and one giving the keys of a prefill
+    cut short."""
     salt = prefix.make_salt(state.config.secret, scope)
     kw = {"model": req.model, "salt": salt, "block_bytes": state.config.block_bytes,
           "layout": state.layout}
@@ -265,7 +266,28 @@ def _chat_chains(state: State, body: dict, req: ChatRequest, scope: str | None,
         # sequence holds: its chain no longer extends the request's.
         return nxt if nxt[:len(chain)] == chain else chain
 
-    return chain, checkpoints, extend
+    def partial(n_tokens: int) -> tuple[int, list[int]]:
+        """(token end, keys) of the most leading messages whose rendering ends within
+        the first n_tokens: what a prefill cut short (a client gone mid-prompt) can be
+        found by. Positions grow with the messages, so a binary search renders a few
+        heads only; a head the template renders otherwise counts as too long (fewer
+        keys, never a wrong one)."""
+        messages = body["messages"]
+        text = _render(state, req.messages, req.tools, True, tokenize=False)
+        lo, hi, best = 1, len(messages) - 1, (0, [])
+        while lo <= hi:
+            n = (lo + hi) // 2
+            position = _prefix_position(state, prompt, text, req.messages[:n], req.tools)
+            if position is not None and position <= n_tokens:
+                best, lo = (position, n), n + 1
+            else:
+                hi = n - 1
+        if not best[0]:
+            return 0, []
+        position, n = best
+        return position, _keys(prefix.request_chain("chat", {**body, "messages": messages[:n]}, **kw))
+
+    return chain, checkpoints, extend, partial
 
 
 def _completion_chains(state: State, body: dict, req: CompletionRequest, scope: str | None,
@@ -279,7 +301,8 @@ def _completion_chains(state: State, body: dict, req: CompletionRequest, scope: 
     pairs = prefix.request_chain("completion", body, **kw)
     _calibrate(state, pairs, len(prompt))
     chain = _keys(pairs)
-    return chain, {len(prompt) - 1: chain}, extend
+    # One prompt string, one segment: no key names a part of it.
+    return chain, {len(prompt) - 1: chain}, extend, None
 
 
 def _calibrate(state: State, pairs: list[tuple[int, int]], prompt_tokens: int) -> None:
@@ -382,7 +405,7 @@ async def _generate(
         raise bad_request(f"logit_bias token id {max(bias)} is outside the vocabulary "
                           f"(0 to {state.vocab_size - 1}).", param="logit_bias",
                           code="invalid_value")
-    chain, checkpoints, extend_chain = chains
+    chain, checkpoints, extend_chain, partial_chain = chains
     job = Job(
         prompt=prompt,
         params=req.params,
@@ -393,6 +416,7 @@ async def _generate(
         chain=chain,
         checkpoints=checkpoints,
         extend_chain=extend_chain,
+        partial_chain=partial_chain,
         scope=scope,
         fault=req.fault if state.config.enable_faults else None,
     )

@@ -15,6 +15,7 @@ import uuid
 
 import openai
 import pytest
+import redis
 from tokenizers import Tokenizer
 import harness
 from harness import BackendProcess, ProxyProcess, SSEStream, request, wait_until
@@ -144,3 +145,41 @@ def test_a_backend_with_another_secret_is_reported(fleet):
     # Loud, once: one warning that names the backend and what differs.
     lines = [line for line in proxy.log().splitlines() if "odd" in line and "secret" in line]
     assert len(lines) == 1, lines
+
+
+def test_a_prefill_cut_short_is_found_again_by_its_retry(fleet):
+    """A client gone halfway through a long new message (an agent interrupted while it
+    sends a file): the backend keeps what it prefilled, and now also advertises the
+    messages it holds whole, so the retry goes back there and starts from it. A model
+    that keeps no checkpoints mid-prompt (full attention, as here) used to advertise
+    nothing for it, and the retry went wherever load sent it."""
+    proxy = fleet["proxies"][0]
+    head = [{"role": "system", "content": system_prompt()},
+            {"role": "user", "content": "Read this file."},
+            {"role": "assistant", "content": "Send it."}]
+    long = {"role": "user", "content": uuid.uuid4().hex + " the quick brown fox jumps over "
+            "the lazy dog, and a journey of a thousand miles begins with a step." * 250}
+    stream = SSEStream(proxy.url + "/v1/chat/completions",
+                       {"model": MODEL, "messages": [*head, long], "max_tokens": 8})
+
+    def half() -> tuple[str, int] | None:
+        for bid in ("r1", "r2"):
+            for job in fleet["backends"][bid].health()["engine"]["jobs"]:
+                if job["phase"] == "prefill" and job["processed"] >= job["prompt"] // 2:
+                    return bid, job["processed"]
+        return None
+
+    try:
+        holder, processed = wait_until(half, 60, interval=0.01, what="a half-done prefill")
+    finally:
+        stream.close()
+    wait_until(lambda: not any(fleet["backends"][b].health()["engine"]["jobs"]
+                               for b in ("r1", "r2")), 30, what="the dropped request to end")
+    # Past the routing marks (3 s) both proxies set for the first request: only what
+    # the backend advertises can send the retry back.
+    marks = redis.Redis.from_url(fleet["redis"].url)
+    wait_until(lambda: not list(marks.scan_iter(f"kvr:{{m:{MODEL}}}:p:*")), 30, interval=0.2,
+               what="the routing marks to expire")
+    r, headers = chat(fleet["proxies"][1], [*head, long])
+    assert headers["x-kvroute-backend"] == holder
+    assert r.usage.prompt_tokens_details.cached_tokens >= processed

@@ -62,7 +62,7 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 2 + 2?"}
 def extended(drops: str, reply: str, body: dict = BODY,
              layout: prefix.Layout = prefix.DEFAULT_LAYOUT) -> tuple[list[int], list[int]]:
     req = parse_chat(body)
-    chain, _, extend = _chat_chains(state(drops, layout), body, req, None, {}, [1, 2, 3])
+    chain, _, extend, _ = _chat_chains(state(drops, layout), body, req, None, {}, [1, 2, 3])
     return chain, extend(reply, [])
 
 
