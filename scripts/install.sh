@@ -56,6 +56,20 @@ if ! command -v redis-server >/dev/null 2>&1; then
   fi
 fi
 
+# The coding agents the suite drives (Claude Code, Codex CLI), at the versions
+# tests/agents/package-lock.json pins; npm's cache keeps a re-run quick.
+if [ -n "$test_mode" ]; then
+  if ! command -v npm >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    echo "installing nodejs and npm (coding-agent tests) ..." >&2
+    apt_install nodejs npm
+  fi
+  if command -v npm >/dev/null 2>&1; then
+    (cd tests/agents && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+  else
+    echo "npm not found: the coding-agent tests will be skipped" >&2
+  fi
+fi
+
 if [ -n "$test_mode" ] && command -v apt-get >/dev/null 2>&1 \
    && ! command -v chromium >/dev/null 2>&1 && ! command -v google-chrome >/dev/null 2>&1; then
   echo "installing chromium (dashboard test) ..." >&2
