@@ -389,6 +389,8 @@ def _at(body: Any, param: str) -> Any:
 def _block_refusal(err: APIError, body: dict) -> str:
     block = _dotted(err.param.removesuffix(".type"))
     kind = _at(body, err.param)
+    if not isinstance(kind, str):  # a number, an object: nothing to name it by
+        return f"{block}: {err.message}"
     if kind in _MEDIA:
         return (f"{block}: {kind} content is not supported on this model: kvroute serves "
                 "text models; send text instead.")
@@ -396,8 +398,6 @@ def _block_refusal(err: APIError, body: dict) -> str:
         return (f"{block}: '{kind}' blocks are not supported: kvroute runs no server tools "
                 "(web search, web fetch, code execution, MCP, tool search); client tools "
                 "answer with tool_use and tool_result blocks.")
-    if not isinstance(kind, str):
-        return f"{block}: {err.message}"
     return f"{block}: Input tag {kind[:40]!r} found using 'type': {err.message}"
 
 

@@ -323,9 +323,11 @@ DOCUMENT = {"type": "document", "source": {"type": "text", "media_type": "text/p
     (lambda b: {**b, "output_config": {"effort": "high", "format": {
         "type": "json_schema", "schema": {"type": "object"}}}},
      "output_config.format: Structured outputs are not supported"),
+    # Found by the fuzzer: a block type that is no string crashed the refusal's wording.
+    (lambda b: {**b, "system": [{"type": {}, "text": ""}]}, "system.0: "),
 ], ids=["role", "no-max_tokens", "max_tokens-0", "max_tokens-type", "no-model", "image",
         "document-in-tool-result", "server-tool-block", "server-tool", "tool_choice-any",
-        "tool_choice-tool", "prefill", "structured-output"])
+        "tool_choice-tool", "prefill", "structured-output", "block-type-not-a-string"])
 def test_body_refusals(fleet, change, message):
     assert refused(fleet, change(claude_code_body())).startswith(message)
 
