@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from harness import BackendProcess, ProxyProcess, fleet, get_json, metric_sum, request  # noqa: E402
 
-from kvroute import demo_model  # noqa: E402
+from kvroute.devtools import demo_model  # noqa: E402
 
 SECRET = "agents"
 MODEL = "demo"

@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from harness import BackendProcess, free_port, request, wait_until  # noqa: E402
 
-from kvroute import demo_model  # noqa: E402
-from kvroute.redis_server import RedisServer  # noqa: E402
+from kvroute.devtools import demo_model  # noqa: E402
+from kvroute.serve.redis_server import RedisServer  # noqa: E402
 
 SECRET = "capacity"
 MODEL = "demo"

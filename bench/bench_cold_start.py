@@ -40,9 +40,9 @@ from harness import ServeProcess, SSEStream, get_json, wait_until  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from kvroute import demo_model  # noqa: E402
-from kvroute.capacity import weights_bytes  # noqa: E402
-from kvroute.sizes import format_bytes  # noqa: E402
+from kvroute.devtools import demo_model  # noqa: E402
+from kvroute.serve.capacity import weights_bytes  # noqa: E402
+from kvroute.core.sizes import format_bytes  # noqa: E402
 
 # Loaded on the first request, unloaded again between rounds.
 ON_DEMAND = {"preload": False, "idle_unload": "3s"}
@@ -68,7 +68,7 @@ def build_large(out: Path) -> Path:
     """A random-weight qwen3 with 8 layers of width 1024 (about 1 GB in float32)."""
     if (out / "config.json").exists():
         return out
-    from kvroute import arch_models
+    from kvroute.devtools import arch_models
 
     tokenizer = demo_model.train_tokenizer()
     config = arch_models.model_config("qwen3", tokenizer)

@@ -95,7 +95,7 @@ def restore_bench(args) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from backend import diskfile
+    from kvroute.backend import diskfile
 
     if args.memory_limit:
         mx.set_memory_limit(args.memory_limit << 30)
@@ -172,7 +172,7 @@ def _read(path: Path, record, how: str) -> float:
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache
 
-    from backend import diskfile
+    from kvroute.backend import diskfile
 
     t0 = time.perf_counter()
     if how == "mx.load":
@@ -192,8 +192,8 @@ def capacity_bench(args) -> None:
     from harness import BackendProcess, post_json
     from test_proxy import KEY, SECRET, TOKEN, ProxyProcess
 
-    from kvroute import demo_model
-    from kvroute.redis_server import RedisServer
+    from kvroute.devtools import demo_model
+    from kvroute.serve.redis_server import RedisServer
 
     console = Console(width=200)
     model = args.model or str(demo_model.ensure("text"))

@@ -33,7 +33,7 @@ from harness import BackendProcess  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from kvroute import arch_models  # noqa: E402
+from kvroute.devtools import arch_models  # noqa: E402
 
 
 def measure(backend: BackendProcess, size: int, repeat: int) -> dict:

@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from harness import metric_sum, request  # noqa: E402
-from kvroute import accel  # noqa: E402
-from kvroute.redis_server import RedisServer, free_port  # noqa: E402
+from kvroute.core import accel  # noqa: E402
+from kvroute.serve.redis_server import RedisServer, free_port  # noqa: E402
 
 SECRET = "bench-hw"
 

@@ -58,12 +58,12 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.attention import new_cache  # noqa: E402
-from backend.engine import Delta, Engine, Finish, Job  # noqa: E402
-from backend.metrics import BackendMetrics  # noqa: E402
-from backend.store import Store  # noqa: E402
-from kvroute.sizes import parse_bytes  # noqa: E402
-from kvroute.wire import SamplingParams  # noqa: E402
+from kvroute.backend.attention import new_cache  # noqa: E402
+from kvroute.backend.engine import Delta, Engine, Finish, Job  # noqa: E402
+from kvroute.backend.metrics import BackendMetrics  # noqa: E402
+from kvroute.backend.store import Store  # noqa: E402
+from kvroute.core.sizes import parse_bytes  # noqa: E402
+from kvroute.api.wire import SamplingParams  # noqa: E402
 
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:

@@ -36,9 +36,9 @@ import redis.asyncio as aioredis  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from kvroute.prefix import chat_chain, make_salt  # noqa: E402
-from kvroute.redis_server import RedisServer  # noqa: E402
-from kvroute.registry import BackendRecord, Registry  # noqa: E402
+from kvroute.core.prefix import chat_chain, make_salt  # noqa: E402
+from kvroute.serve.redis_server import RedisServer  # noqa: E402
+from kvroute.core.registry import BackendRecord, Registry  # noqa: E402
 
 MODEL = "mlx-community/Qwen2.5-7B-Instruct-4bit"
 console = Console(width=120)
@@ -193,8 +193,8 @@ async def main(args) -> None:
 
 
 async def burst_rows(reg: Registry, raw, records, rng: random.Random) -> list[tuple]:
-    from kvroute.keys import chain_hex, model_tag
-    from kvroute.registry import _SCRIPTS
+    from kvroute.core.keys import chain_hex, model_tag
+    from kvroute.core.registry import _SCRIPTS
 
     chain = random_chain(rng, 64)
     depths = [rng.randrange(65) for _ in records]

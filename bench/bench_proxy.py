@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from harness import free_port, metric_sum, request, wait_until  # noqa: E402
 
-from kvroute import prefix  # noqa: E402
-from kvroute.redis_server import RedisServer  # noqa: E402
-from kvroute.registry import BackendRecord, Registry, new_instance_id  # noqa: E402
+from kvroute.core import prefix  # noqa: E402
+from kvroute.serve.redis_server import RedisServer  # noqa: E402
+from kvroute.core.registry import BackendRecord, Registry, new_instance_id  # noqa: E402
 
 SECRET = "bench"
 MODEL = "fake"

@@ -32,7 +32,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.attention import CUDNN_DECODE_STEP, DECODE_SLACK  # noqa: E402
+from kvroute.backend.attention import CUDNN_DECODE_STEP, DECODE_SLACK  # noqa: E402
 
 
 def timed(fn) -> float:

@@ -26,7 +26,7 @@ from harness import BackendProcess, SSEStream, post_json  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from kvroute import demo_model  # noqa: E402
+from kvroute.devtools import demo_model  # noqa: E402
 
 
 def prompt_of(backend: BackendProcess, n_tokens: int) -> str:

@@ -22,8 +22,8 @@ import timeit
 from rich.console import Console
 from rich.table import Table
 
-from kvroute import wire
-from proxy import messages_api, responses_api
+from kvroute.api import wire
+from kvroute.proxy import messages_api, responses_api
 
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",

@@ -35,7 +35,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvroute import demo_model  # noqa: E402
+from kvroute.devtools import demo_model  # noqa: E402
 
 
 PRESETS = {

@@ -21,10 +21,8 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvroute ./kvroute
-COPY proxy ./proxy
-COPY backend ./backend
 
-# 1. Build kvroute's wheel (backend/ comes along in it but is only imported by
+# 1. Build kvroute's wheel (kvroute/backend/ comes along in it but is only imported by
 #    `kvroute backend`, which this image never runs).
 # 2. Install its dependencies as pyproject.toml declares them (read back from the
 #    wheel's metadata, so versions and markers never drift from pyproject.toml)
@@ -38,7 +36,7 @@ RUN python -m venv /opt/venv \
  && cat /tmp/requirements.txt \
  && /opt/venv/bin/pip install -r /tmp/requirements.txt \
  && /opt/venv/bin/pip install --no-deps /tmp/wheels/kvroute-*.whl \
- && /opt/venv/bin/python -c "import sys, proxy.server, kvroute.cli; bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'backend')); assert not bad, bad" \
+ && /opt/venv/bin/python -c "import sys, kvroute.proxy.server, kvroute.cli; bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm') or m.startswith('kvroute.backend')); assert not bad, bad" \
  && /opt/venv/bin/kvroute proxy --help > /dev/null
 
 # --- runtime -----------------------------------------------------------------------------

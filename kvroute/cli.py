@@ -58,7 +58,7 @@ def _proxy_parser(sub) -> None:
 
 
 def run_proxy(s: dict[str, Any]) -> int:
-    from proxy.server import ProxyConfig, serve
+    from .proxy.server import ProxyConfig, serve
 
     if not s["redis_url"]:
         raise config.ConfigError("--redis-url (or KVROUTE_REDIS_URL) is required")
@@ -97,7 +97,7 @@ def _serve_parser(sub) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from . import launcher
+    from .serve import launcher
 
     console = Console(stderr=True)
     try:
@@ -120,7 +120,7 @@ def _stats_parser(sub) -> None:
 
 
 def run_stats(s: dict[str, Any]) -> int:
-    from .stats_cli import run
+    from .devtools.stats_cli import run
 
     return run(s["url"], s["watch"])
 
@@ -154,9 +154,9 @@ def _demo_parser(sub) -> None:
 
 
 def run_backend(s: dict[str, Any]) -> int:
-    from backend.server import BackendConfig, serve
+    from .backend.server import BackendConfig, serve
 
-    from . import demo_model
+    from .devtools import demo_model
 
     s = dict(s)
     if not s["model"]:
@@ -174,7 +174,7 @@ def run_backend(s: dict[str, Any]) -> int:
 
 
 def run_demo_model(args: dict[str, Any]) -> int:
-    from . import arch_models, demo_model
+    from .devtools import arch_models, demo_model
 
     if args.get("arch"):
         if args.get("context") or args.get("tool_call"):

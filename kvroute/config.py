@@ -55,9 +55,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from .durations import parse_duration
-from .prefix import DEFAULT_BLOCK_BYTES
-from .sizes import parse_bytes
+from .core.durations import parse_duration
+from .core.prefix import DEFAULT_BLOCK_BYTES
+from .core.sizes import parse_bytes
 
 DEMO = "demo"
 POLICIES = ("cache-aware", "round-robin", "least-loaded", "random")
@@ -291,7 +291,7 @@ def _default_text(s: Setting) -> str:
     if s.switch or s.default in (None, "", []):
         return ""
     if s.type is parse_bytes:
-        from .sizes import format_bytes
+        from .core.sizes import format_bytes
 
         return f"default {format_bytes(s.default).replace(' ', '').replace('.0', '')}"
     return f"default {s.default}"

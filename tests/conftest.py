@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import BackendProcess  # noqa: E402
 
-from kvroute import demo_model  # noqa: E402
+from kvroute.devtools import demo_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

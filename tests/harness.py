@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
-from kvroute.redis_server import RedisServer, free_port  # noqa: F401 (tests import it from here)
+from kvroute.serve.redis_server import RedisServer, free_port  # noqa: F401 (tests import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 

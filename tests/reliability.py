@@ -55,9 +55,9 @@ import psutil
 
 from harness import ServeProcess, get_json, request, wait_until
 
-from kvroute.demo_model import DEMO_REPLY
-from kvroute.redis_server import RedisServer
-from kvroute.keys import model_tag  # (the one place key names live)
+from kvroute.devtools.demo_model import DEMO_REPLY
+from kvroute.serve.redis_server import RedisServer
+from kvroute.core.keys import model_tag  # (the one place key names live)
 
 MODEL = "kvroute-demo"
 SECRET = "reliability"

@@ -20,7 +20,7 @@ import redis as redis_py
 import harness
 from harness import BackendProcess, ProxyProcess, get_json, request
 
-from kvroute.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
+from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
 
 SECRET = "agent-secret"
 TOKEN = "agent-internal-token"

@@ -34,8 +34,8 @@ from pathlib import Path
 import pytest
 
 from harness import ROOT, ServeProcess, get_json, request, wait_until
-from kvroute import demo_model
-from kvroute.demo_model import DEMO_REPLY
+from kvroute.devtools import demo_model
+from kvroute.devtools.demo_model import DEMO_REPLY
 
 BIN = ROOT / "tests" / "agents" / "node_modules" / ".bin"
 CLAUDE, CODEX = BIN / "claude", BIN / "codex"

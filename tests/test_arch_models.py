@@ -9,7 +9,8 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import CacheList, RotatingKVCache, make_prompt_cache
 
-from kvroute import arch_models, cli
+from kvroute.devtools import arch_models
+from kvroute import cli
 
 # What make_prompt_cache gives each family: the reason these models exist.
 EXPECTED_CACHES = {

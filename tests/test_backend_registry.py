@@ -21,10 +21,10 @@ import pytest
 import redis as redis_sync
 from harness import BackendProcess, post_json, wait_until
 
-from kvroute.demo_model import DEMO_REPLY
-from kvroute.prefix import chat_chain, common_prefix, make_salt
-from kvroute.redis_server import RedisServer
-from kvroute.registry import PrefixMatch, Registry
+from kvroute.devtools.demo_model import DEMO_REPLY
+from kvroute.core.prefix import chat_chain, common_prefix, make_salt
+from kvroute.serve.redis_server import RedisServer
+from kvroute.core.registry import PrefixMatch, Registry
 
 MODEL_ID = "demo"
 SECRET = "kvr-test-secret-0c4e7d"

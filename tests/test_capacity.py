@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from kvroute import capacity
-from kvroute.capacity import Refusal, Resident, plan_room
+from kvroute.serve import capacity
+from kvroute.serve.capacity import Refusal, Resident, plan_room
 from kvroute.config import ConfigError, build
-from kvroute.durations import parse_duration
+from kvroute.core.durations import parse_duration
 
 GiB = 1 << 30
 
@@ -87,7 +87,8 @@ def test_a_backend_started_on_demand_moves_off_a_port_taken_since_the_plan():
     import socket
 
     from kvroute.config import ServeConfig
-    from kvroute.launcher import Child, Launcher
+    from kvroute.serve.launcher import Launcher
+    from kvroute.serve.processes import Child
 
     launcher = Launcher(ServeConfig())
     with socket.socket() as s:

@@ -11,10 +11,10 @@ import time
 import pytest
 from redis.cluster import key_slot
 
-from kvroute.prefix import chat_chain, make_salt
-from kvroute.redis_server import RedisServer
-from backend.publisher import Publisher
-from kvroute.registry import BackendRecord, Registry, new_instance_id
+from kvroute.core.prefix import chat_chain, make_salt
+from kvroute.serve.redis_server import RedisServer
+from kvroute.backend.publisher import Publisher
+from kvroute.core.registry import BackendRecord, Registry, new_instance_id
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli not installed")
 
@@ -170,7 +170,7 @@ def test_redis_urls():
     from redis.asyncio.cluster import RedisCluster
     from redis.asyncio.sentinel import SentinelManagedSSLConnection
 
-    from kvroute.redis_client import connect
+    from kvroute.core.redis_client import connect
 
     assert isinstance(connect("redis+cluster://a:7000,b:7001"), RedisCluster)
     tls = connect("rediss+sentinel://u:pw@s1:26379,s2:26379/mymaster/2")
@@ -194,8 +194,8 @@ def test_redis_urls():
 def test_models_state_on_a_cluster(cluster):
     """Every models_state operation on a cluster, the last machine's two-key clean-up
     included (a CROSSSLOT error if the keys did not share a slot)."""
-    from kvroute import keys
-    from kvroute.models_state import LOADED, ModelsState, ModelState
+    from kvroute.core import keys
+    from kvroute.core.models_state import LOADED, ModelsState, ModelState
 
     assert len({key_slot(k.encode()) for k in (keys.MODEL_STATES, keys.MODELS_USED,
                                               keys.MODEL_LOADS)}) == 1
@@ -224,7 +224,7 @@ def test_serve_on_a_cluster_keeps_a_conversation_on_its_backend(cluster, tmp_pat
     import openai
 
     from harness import ServeProcess, get_json
-    from kvroute import demo_model
+    from kvroute.devtools import demo_model
 
     model = demo_model.ensure("text", cache_dir=model_cache)
     serve = ServeProcess({"redis": {"url": cluster.url},

@@ -13,7 +13,7 @@ import pytest
 
 from kvroute import config
 from kvroute.config import ConfigError
-from kvroute.sizes import parse_bytes
+from kvroute.core.sizes import parse_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 

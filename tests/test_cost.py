@@ -3,7 +3,7 @@ way a user of the fleet relies on."""
 
 import pytest
 
-from proxy.cost import CostInput, CostWeights, calibrated_rate, cost, fleet_median
+from kvroute.proxy.cost import CostInput, CostWeights, calibrated_rate, cost, fleet_median
 
 W = CostWeights()
 

@@ -25,7 +25,7 @@ import openai
 import pytest
 from harness import BackendProcess, free_port, metric_sum, request, terminate, wait_until
 
-from kvroute.redis_server import RedisServer
+from kvroute.serve.redis_server import RedisServer
 
 SECRET = "s"
 MODEL = "demo"

@@ -11,8 +11,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from kvroute import demo_model
-from kvroute.demo_model import DEMO_REPLY, DEMO_TOOL_CALL, DEMO_TOOL_REPLY
+from kvroute.devtools import demo_model
+from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL, DEMO_TOOL_REPLY
 
 TOOLS = [
     {
@@ -267,7 +267,7 @@ def test_ensure_builds_once_and_reuses(tmp_path, monkeypatch):
 def test_ensure_is_safe_for_concurrent_processes(tmp_path):
     # Three builders race on an empty cache; each must get a complete model.
     script = (
-        "import sys; from kvroute import demo_model;"
+        "import sys; from kvroute.devtools import demo_model;"
         "print(demo_model.ensure('tool', cache_dir=sys.argv[1]))"
     )
     procs = [

@@ -12,10 +12,10 @@ import pytest
 from harness import small_tmpfs, wait_until
 from mlx_lm.models.cache import RotatingKVCache
 
-from backend import diskfile
-from backend.disk import DiskTier
-from backend.metrics import BackendMetrics
-from backend.store import Store, held_tokens
+from kvroute.backend import diskfile
+from kvroute.backend.disk import DiskTier
+from kvroute.backend.metrics import BackendMetrics
+from kvroute.backend.store import Store, held_tokens
 from test_store import make_cache as lazy_cache
 from test_store import tokens
 

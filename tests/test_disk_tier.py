@@ -14,7 +14,7 @@ import pytest
 from harness import BackendProcess, metric_sum, post_json, request, small_tmpfs, wait_until
 from test_families import assert_same_answer, cached, conversation
 
-from kvroute import arch_models
+from kvroute.devtools import arch_models
 
 GREEDY = {"max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}
 
@@ -152,7 +152,7 @@ def test_proxy_routes_turn2_back_to_the_restarted_backend(text_model, tmp_path):
     turn 2 goes back to it (a disk hit) and finds turn 1 cached."""
     from test_proxy import KEY, SECRET, TOKEN, ProxyProcess
 
-    from kvroute.redis_server import RedisServer
+    from kvroute.serve.redis_server import RedisServer
 
     redis = RedisServer().start()
     common = ["--redis-url", redis.url, "--secret", SECRET, "--internal-token", TOKEN]

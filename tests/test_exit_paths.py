@@ -13,7 +13,7 @@ import uuid
 import pytest
 from harness import SSEStream, post_json, wait_until
 
-from kvroute.demo_model import DEMO_REPLY
+from kvroute.devtools.demo_model import DEMO_REPLY
 
 TOOLS = [
     {

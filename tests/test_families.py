@@ -22,8 +22,8 @@ import uuid
 import pytest
 from harness import BackendProcess, SSEStream, post_json, wait_until
 
-from kvroute import arch_models
-from kvroute.demo_model import DEMO_TOOL_REPLY
+from kvroute.devtools import arch_models
+from kvroute.devtools.demo_model import DEMO_TOOL_REPLY
 
 SYSTEM = ("You are the release assistant of a small team. Answer in short sentences, "
           "cite the ticket number when there is one, never invent a version, and keep "

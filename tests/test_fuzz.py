@@ -51,8 +51,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from kvroute import openapi
-from kvroute.redis_server import RedisServer
+from kvroute.api import openapi
+from kvroute.serve.redis_server import RedisServer
 
 MODEL = "demo"
 SECRET = "f"

@@ -19,7 +19,7 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from backend.attention import FastBatchKVCache, fast, new_cache
+from kvroute.backend.attention import FastBatchKVCache, fast, new_cache
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +129,9 @@ def test_serve_shares_the_gpu_memory_among_replicas(text_model):
     """On a GPU the budget is the card's memory and every replica gets a cap, in
     proportion to its need, that together stay within memory_fraction of it; a
     deployment that cannot fit the card is refused with the arithmetic."""
-    from kvroute import accel, config
-    from kvroute.launcher import Launcher
+    from kvroute.core import accel
+    from kvroute import config
+    from kvroute.serve.launcher import Launcher
 
     def plan(card: accel.Accelerator) -> config.ModelSpec:
         cfg = config.build({"models": [str(text_model)], "replicas": 2, "cache_bytes": 8 << 30,
@@ -152,7 +153,7 @@ def test_serve_shares_the_gpu_memory_among_replicas(text_model):
 
 
 def test_replica_limits_never_oversubscribe_what_runs_together():
-    from kvroute.capacity import replica_limits
+    from kvroute.serve.capacity import replica_limits
 
     GiB = 1 << 30
     # All fit: the rest of the budget is shared in proportion to need.
@@ -163,7 +164,7 @@ def test_replica_limits_never_oversubscribe_what_runs_together():
 
 
 def test_the_accelerator_probe_answers():
-    from kvroute import accel
+    from kvroute.core import accel
 
     device = accel.probe()
     assert device.kind in ("cpu", "cuda", "metal") and device.memory > 1 << 30
@@ -240,7 +241,7 @@ def test_working_buffers_keep_first_tokens_off_cudnn_decode_plans():
     must miss that test (the first token never waits for a plan); one grown during
     a long decode must pass it (cuDNN is faster there). What the cache returns is
     what was written, whatever the buffer's length."""
-    from backend.attention import CUDNN_DECODE_STEP, VECTOR_DECODE_TOKENS
+    from kvroute.backend.attention import CUDNN_DECODE_STEP, VECTOR_DECODE_TOKENS
 
     def tokens(start: int, n: int) -> mx.array:
         column = mx.arange(start, start + n, dtype=mx.float32).reshape(1, 1, n, 1)
@@ -269,7 +270,7 @@ def test_plain_attention_is_mlx_attention(mask):
     """The plan-free attention used on CUDA for new shapes (backend/attention.py)
     computes what mx.fast.scaled_dot_product_attention does, with grouped heads,
     fewer queries than keys, and every kind of mask the models pass."""
-    from backend.attention import _plain_attention
+    from kvroute.backend.attention import _plain_attention
 
     mx.random.seed(3)
     B, Hq, Hk, L, S, D = 2, 8, 2, 5, 23, 16
@@ -296,7 +297,7 @@ def test_plan_free_attention_generates_what_the_fused_path_does(demo, monkeypatc
     unequal prompts and a cache hit generate the tokens mlx-lm's own caches give."""
     import sys
 
-    from backend import attention
+    from kvroute.backend import attention
     from mlx_lm.models import base
 
     wrapped = attention.plan_free(base.scaled_dot_product_attention)
@@ -325,7 +326,7 @@ def test_kept_buffer_cache_generates_the_same_and_keeps_buffers(demo, monkeypatc
     is what the generator sees."""
     import importlib
 
-    from backend.engine import keep_buffer_cache
+    from kvroute.backend.engine import keep_buffer_cache
 
     generate = importlib.import_module("mlx_lm.generate")
 

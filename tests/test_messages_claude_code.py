@@ -31,7 +31,7 @@ import pytest
 import harness
 from harness import BackendProcess, ProxyProcess, request
 
-from kvroute.demo_model import DEMO_REPLY, DEMO_TOOL_CALL, MAX_POSITIONS
+from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL, MAX_POSITIONS
 
 KEY = "sk-claude-code"
 TEXT, TOOL, STRICT = "cc-text", "cc-tool", "cc-strict"

@@ -14,7 +14,7 @@ import pytest
 from harness import BackendProcess, free_port, request, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.redis_server import RedisServer
+from kvroute.serve.redis_server import RedisServer
 
 
 def samples(url: str) -> dict:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvroute.models_state import (LOADED, LOADING, UNLOADED, ModelsState, ModelState, STALE_AFTER,
-                                  summarize)
-from kvroute import keys
-from kvroute.redis_server import RedisServer
+from kvroute.core.models_state import (LOADED, LOADING, UNLOADED, ModelsState, ModelState,
+                                       STALE_AFTER, summarize)
+from kvroute.core import keys
+from kvroute.serve.redis_server import RedisServer
 
 
 def test_publish_summarize_withdraw_and_load_requests():

@@ -252,7 +252,7 @@ def test_sigterm_during_a_load_leaves_no_process(dep):
 def test_a_proxy_wakes_a_model_on_another_machine(tmp_path, model_cache):
     """Two `kvroute serve` on one Redis: machine a serves `here`, machine b may load
     `there`. A request to a's proxy for `there` is loaded by b and answered."""
-    from kvroute.redis_server import RedisServer
+    from kvroute.serve.redis_server import RedisServer
 
     with RedisServer() as redis:
         machines = []

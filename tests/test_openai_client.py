@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from kvroute.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
+from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
 
 from test_exit_paths import TOOLS, conversation
 

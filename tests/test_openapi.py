@@ -24,10 +24,11 @@ import jsonschema_rs
 import pytest
 from harness import post_json
 
-from kvroute import config, openapi
-from kvroute.errors import APIError
-from kvroute.wire import parse_chat, parse_completion
-from proxy import messages_api, responses_api
+from kvroute import config
+from kvroute.api import openapi
+from kvroute.api.errors import APIError
+from kvroute.api.wire import parse_chat, parse_completion
+from kvroute.proxy import messages_api, responses_api
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
         "logprobs": True}
@@ -60,8 +61,8 @@ def _described(role: str) -> set[tuple[str, str]]:
 
 def test_every_proxy_route_is_described():
     from kvroute.cli import _fields_of
-    from proxy.server import create_app
-    from proxy.state import ProxyConfig
+    from kvroute.proxy.server import create_app
+    from kvroute.proxy.state import ProxyConfig
 
     # The proxy's own settings, as `kvroute proxy` builds them (nothing is started:
     # only the router is read).
@@ -72,8 +73,8 @@ def test_every_proxy_route_is_described():
 
 
 def test_every_backend_route_is_described():
-    from backend.metrics import BackendMetrics
-    from backend.server import create_app
+    from kvroute.backend.metrics import BackendMetrics
+    from kvroute.backend.server import create_app
 
     # A backend's state holds a loaded model; building the router reads only these
     # three of its fields, so a stand-in carries them (nothing is served).

@@ -22,10 +22,11 @@ from test_disk_tier import chat, metric, next_turn, written
 from test_families import assert_entries_consistent, assert_same_answer, cached, conversation
 from test_store import make_window_cache, tokens
 
-from backend.engine import describe_budgets, kv_rate
-from backend.store import Store, cache_nbytes, prefix_cache
-from kvroute import arch_models, keys
-from kvroute.redis_server import RedisServer
+from kvroute.backend.engine import describe_budgets, kv_rate
+from kvroute.backend.store import Store, cache_nbytes, prefix_cache
+from kvroute.devtools import arch_models
+from kvroute.core import keys
+from kvroute.serve.redis_server import RedisServer
 
 KIB = 1024
 BUDGET = "1MiB"

@@ -1,7 +1,7 @@
 """Cache-aware placement (proxy/placement.py) over costs (proxy/cost.py)."""
 
-from proxy.cost import CostInput, cost
-from proxy.placement import Option, Placer
+from kvroute.proxy.cost import CostInput, cost
+from kvroute.proxy.placement import Option, Placer
 
 
 def opt(prompt=1000, matched=0, free=0.0, load=0, key="", **kw) -> Option:

@@ -7,16 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.prefix import (
-    DEFAULT_BLOCK_BYTES,
-    chat_chain,
-    chat_chain_with_ends,
-    chat_segments,
-    common_prefix,
-    completion_chain,
-    completion_chain_with_ends,
-    make_salt,
-)
+from kvroute.core.prefix import (DEFAULT_BLOCK_BYTES, chat_chain, chat_chain_with_ends,
+                                 chat_segments, common_prefix, completion_chain,
+                                 completion_chain_with_ends, make_salt)
 
 SALT = make_salt("test-secret")
 MODEL = "mlx-community/Qwen2.5-7B-Instruct-4bit"
@@ -283,7 +276,7 @@ def test_any_change_changes_the_chain_from_there(messages, data):
 
 # -- request_chain: the one function both proxy and backend use -----------------------
 
-from kvroute.prefix import PREFIX_SCHEME, fingerprint, request_chain, request_kind  # noqa: E402
+from kvroute.core.prefix import PREFIX_SCHEME, fingerprint, request_chain, request_kind  # noqa: E402
 
 
 def test_request_chain_is_the_chat_and_completion_chain():
@@ -329,7 +322,7 @@ def test_fingerprint_names_secret_and_block_size_without_the_secret():
 
 # -- layouts: the segments in the order the chat template renders them ----------------
 
-from kvroute.prefix import DEFAULT_LAYOUT, MARK, TOOLS, Layout, arrange, detect_layout  # noqa: E402
+from kvroute.core.prefix import DEFAULT_LAYOUT, MARK, TOOLS, Layout, arrange, detect_layout  # noqa: E402
 
 QWEN = Layout("after_system")
 LLAMA = Layout("after_system", tools_mark=True)

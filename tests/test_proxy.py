@@ -18,7 +18,7 @@ import pytest
 import harness
 from harness import BackendProcess, SSEStream, request, wait_until
 
-from kvroute.demo_model import DEMO_REPLY
+from kvroute.devtools.demo_model import DEMO_REPLY
 
 SECRET = "test-secret"
 TOKEN = "internal-test-token"

@@ -15,9 +15,9 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from backend.publisher import Publisher
-from backend.store import Store
-from kvroute.registry import BackendRecord, Registry
+from kvroute.backend.publisher import Publisher
+from kvroute.backend.store import Store
+from kvroute.core.registry import BackendRecord, Registry
 from test_registry import MODEL, chain_of, conv, poll, record, run, server  # noqa: F401
 
 _TOKENS = 8

@@ -11,14 +11,9 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from kvroute.prefix import chat_chain, make_salt
-from kvroute.redis_server import RedisServer, free_port
-from kvroute.registry import (
-    BackendRecord,
-    Registry,
-    RegistryUnavailable,
-    new_instance_id,
-)
+from kvroute.core.prefix import chat_chain, make_salt
+from kvroute.serve.redis_server import RedisServer, free_port
+from kvroute.core.registry import BackendRecord, Registry, RegistryUnavailable, new_instance_id
 
 MODEL = "demo/model"
 SALT = make_salt("registry-test")

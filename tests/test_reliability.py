@@ -30,9 +30,9 @@ import pytest
 from aiohttp import web
 from harness import SSEStream, free_port, get_json, request, wait_until
 
-from kvroute.prefix import DEFAULT_BLOCK_BYTES, chat_chain, fingerprint, make_salt
-from kvroute.redis_server import RedisServer
-from kvroute.registry import BackendRecord, Registry, new_instance_id
+from kvroute.core.prefix import DEFAULT_BLOCK_BYTES, chat_chain, fingerprint, make_salt
+from kvroute.serve.redis_server import RedisServer
+from kvroute.core.registry import BackendRecord, Registry, new_instance_id
 
 import reliability as rel
 
@@ -386,7 +386,7 @@ def test_regression_redis_outage_longer_than_forget_after_keeps_the_fleet():
     """After Redis was unreachable for longer than forget_after (10 s), the first answer
     of a Redis whose records had expired made the proxy forget every backend: requests
     got 404 model_not_found until the heartbeats came back."""
-    from proxy.fleet import Backends
+    from kvroute.proxy.fleet import Backends
 
     b = Backends()
     rec = BackendRecord(backend_id="b1", instance_id="i1", url="http://127.0.0.1:1", models=[MODEL])

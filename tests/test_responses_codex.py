@@ -27,8 +27,8 @@ from pydantic import TypeAdapter
 import harness
 from harness import BackendProcess, ProxyProcess, get_json, request
 
-from kvroute.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
-from proxy import responses_api
+from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
+from kvroute.proxy import responses_api
 
 SECRET = "codex-secret"
 TOKEN = "codex-internal-token"

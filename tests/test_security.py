@@ -13,8 +13,8 @@ import openai
 import pytest
 from harness import BackendProcess, free_port, request, wait_until
 
-from kvroute.redis_server import RedisServer
-from proxy.auth import check_api_key
+from kvroute.serve.redis_server import RedisServer
+from kvroute.proxy.auth import check_api_key
 
 TOKEN = "backend-only-token"
 KEYS = ["sk-alpha:team-a", "sk-beta:team-b", "sk-ops"]
@@ -79,7 +79,7 @@ def test_api_keys_are_compared_in_constant_time():
     the time taken does not reveal which key (or how much of one) matched."""
     keys = {k.partition(":")[0]: k.partition(":")[2] or None for k in KEYS}
     for given in ("Bearer sk-alpha", "Bearer sk-ops", "Bearer nope", "", "Basic sk-ops"):
-        with mock.patch("proxy.auth.hmac.compare_digest", wraps=hmac.compare_digest) as cmp:
+        with mock.patch("kvroute.proxy.auth.hmac.compare_digest", wraps=hmac.compare_digest) as cmp:
             check_api_key(keys, given)
         assert cmp.call_count == len(keys), given
     assert check_api_key(keys, "Bearer sk-beta") == (True, "team-b")

@@ -14,10 +14,10 @@ import pytest
 import redis
 
 from harness import terminate, wait_until
-from kvroute.keys import record_key
-from kvroute.prefix import chat_chain, make_salt
-from kvroute.redis_server import RedisServer, _die_with_parent, free_port, ping
-from kvroute.registry import BackendRecord, Registry, RegistryUnavailable, new_instance_id
+from kvroute.core.keys import record_key
+from kvroute.core.prefix import chat_chain, make_salt
+from kvroute.serve.redis_server import RedisServer, _die_with_parent, free_port, ping
+from kvroute.core.registry import BackendRecord, Registry, RegistryUnavailable, new_instance_id
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from backend.store import Store
+from kvroute.backend.store import Store
 
 
 def make_cache(n_tokens: int, layers: int = 2, seed: int = 0) -> list[KVCache]:
@@ -108,7 +108,7 @@ def make_window_cache(n_tokens: int, window: int = 4) -> list:
 
 
 def test_held_tokens_counts_windows_and_trusts_recurrent_states():
-    from backend.store import held_tokens
+    from kvroute.backend.store import held_tokens
 
     assert held_tokens(make_window_cache(9)) == 9  # the window keeps 4, but saw 9
     assert held_tokens(make_window_cache(9)[1:]) is None  # recurrent only: no count

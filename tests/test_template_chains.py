@@ -21,9 +21,9 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tokenizers import AddedToken, Tokenizer
 
-from backend.server import _chat_chains, _drops_reasoning
-from kvroute import prefix
-from kvroute.wire import parse_chat
+from kvroute.backend.server import _chat_chains, _drops_reasoning
+from kvroute.core import prefix
+from kvroute.api.wire import parse_chat
 
 # Past assistant turns lose everything up to </think>; the last one keeps it.
 DROPPING = r"""{%- set last_user = namespace(i=0) -%}
@@ -91,9 +91,9 @@ def test_reasoning_reply_is_not_advertised_as_next_prefix():
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from backend.server import _chat_layout  # noqa: E402
-from kvroute.demo_model import CHAT_TEMPLATE  # noqa: E402
-from kvroute.prefix import Layout  # noqa: E402
+from kvroute.backend.server import _chat_layout  # noqa: E402
+from kvroute.devtools.demo_model import CHAT_TEMPLATE  # noqa: E402
+from kvroute.core.prefix import Layout  # noqa: E402
 
 TEMPLATES = {p.stem: p.read_text()
              for p in (Path(__file__).parent / "data" / "templates").glob("*.jinja")}

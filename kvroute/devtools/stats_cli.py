@@ -11,7 +11,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from .sizes import format_bytes
+from kvroute.core.sizes import format_bytes
 
 
 def fetch(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict:

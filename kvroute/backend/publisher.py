@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable
 
-from kvroute.registry import KEYS_PER_CALL, BackendRecord, Registry, RegistryUnavailable
+from kvroute.core.registry import KEYS_PER_CALL, BackendRecord, Registry, RegistryUnavailable
 
 log = logging.getLogger("kvroute.registry")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import time
 
-from kvroute import prefix
+from kvroute.core import prefix
 
 _BUCKETS = 4096  # distinct (model, first content key) pairs remembered at most
 _PER_BUCKET = 64

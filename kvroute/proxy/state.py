@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from kvroute.registry import Registry
+from kvroute.core.registry import Registry
 
 from .fleet import Backends
 from .loading import Models

@@ -1,7 +1,7 @@
 """The Redis registry: which backend holds which prefix keys, and which backends are alive.
 
 This is the client: its key names are spelled in kvroute/keys.py (the layout is described
-there), its Lua scripts live in kvroute/lua/*.lua.
+there), its Lua scripts live in kvroute/core/lua/*.lua.
 
 Liveness: an advertisement counts only while the record of the same backend id
 *and instance id* exists. A SIGKILLed backend stops counting when its record's TTL
@@ -125,7 +125,7 @@ def new_instance_id() -> str:
 
 
 # ---------------------------------------------------------------------------
-# Lua: the scripts live in kvroute/lua/*.lua (package data), read once at import.
+# Lua: the scripts live in kvroute/core/lua/*.lua (package data), read once at import.
 
 _LUA_DIR = Path(__file__).with_name("lua")
 

@@ -7,17 +7,28 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import aiohttp
 
-from kvroute.prefix import DEFAULT_LAYOUT, PREFIX_SCHEME, Layout
-from kvroute.registry import BackendRecord, RegistryUnavailable
+from kvroute.core.prefix import DEFAULT_LAYOUT, PREFIX_SCHEME, Layout
+from kvroute.core.registry import BackendRecord, Registry, RegistryUnavailable
 
-if TYPE_CHECKING:
-    from .state import State
+from .metrics import ProxyMetrics
 
 log = logging.getLogger("kvroute.proxy")
+
+
+class FleetState(Protocol):
+    """What the fleet's functions read of the proxy's state (proxy/state.py's State):
+    named here so that this module need not import the one that imports it."""
+
+    registry: Registry
+    backends: "Backends"
+    config: Any  # ProxyConfig: forget_after, refresh_period, probe_timeout
+    metrics: ProxyMetrics
+    session: aiohttp.ClientSession
+    fingerprint: dict
 
 
 @dataclass
@@ -95,7 +106,7 @@ class Backends:
 
 
 
-async def refresh_backends(state: State) -> None:
+async def refresh_backends(state: FleetState) -> None:
     """Keep the last known live backends: the fallback when Redis does not answer."""
     while True:
         try:
@@ -126,7 +137,7 @@ def fingerprint_mismatch(own: dict, r: BackendRecord) -> str | None:
 _WHAT = {"secret": "secret", "block_bytes": "block size", "prefix_scheme": "prefix-key scheme"}
 
 
-def check_fingerprint(state: State, r: BackendRecord) -> str | None:
+def check_fingerprint(state: FleetState, r: BackendRecord) -> str | None:
     """A mismatched backend is ignored for cache matching: logged loudly once per
     instance, counted in a metric and shown on the dashboard."""
     what = fingerprint_mismatch(state.fingerprint, r)
@@ -145,7 +156,7 @@ def check_fingerprint(state: State, r: BackendRecord) -> str | None:
     return what
 
 
-def describe(state: State) -> list[dict]:
+def describe(state: FleetState) -> list[dict]:
     b = state.backends
     return [
         {"id": r.backend_id, "url": r.url, "models": r.models, "queue_depth": r.queue_depth,
@@ -165,7 +176,7 @@ def describe(state: State) -> list[dict]:
 # -- watches: is a silent backend gone? ---------------------------------------------
 
 
-def watch_of(state: State, bid: str, url: str) -> asyncio.Future:
+def watch_of(state: FleetState, bid: str, url: str) -> asyncio.Future:
     """The shared watch of backend `bid`; a new one once the last has fired."""
     watches = state.backends.watches
     watch = watches.get(bid)
@@ -174,7 +185,7 @@ def watch_of(state: State, bid: str, url: str) -> asyncio.Future:
     return watch
 
 
-async def _watch(state: State, bid: str, url: str) -> None:
+async def _watch(state: FleetState, bid: str, url: str) -> None:
     """Returns once backend `bid` looks gone: the registry no longer lists it (its
     heartbeat lapsed) *and* its /health does not answer. Redis trouble alone never
     trips it: while the registry does not answer nothing counts as lapsed, and after
@@ -189,7 +200,7 @@ async def _watch(state: State, bid: str, url: str) -> None:
             return
 
 
-async def _answers(state: State, bid: str, url: str) -> bool:
+async def _answers(state: FleetState, bid: str, url: str) -> bool:
     """Whether `url`/health answers; one probe per backend at a time, its result
     shared by every request waiting on that backend for a refresh period."""
     b = state.backends
@@ -200,7 +211,7 @@ async def _answers(state: State, bid: str, url: str) -> bool:
     return await asyncio.shield(probe[1])
 
 
-async def _probe(state: State, url: str) -> bool:
+async def _probe(state: FleetState, url: str) -> bool:
     try:
         timeout = aiohttp.ClientTimeout(total=state.config.probe_timeout)
         async with state.session.get(url + "/health", timeout=timeout) as r:

@@ -19,20 +19,19 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import orjson
 
 from . import capacity
 from .capacity import Cost, Refusal, Resident
-from .config import ConfigError, ModelSpec
-from .models_state import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY, PUBLISH_PERIOD,
-                           UNLOADED, UNLOADING, ModelsState, ModelState, quietly)
-from .process import health_body
-from .sizes import format_bytes
+from kvroute.config import ConfigError, ModelSpec
+from kvroute.core.models_state import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY,
+                                       PUBLISH_PERIOD, UNLOADED, UNLOADING, ModelsState,
+                                       ModelState, quietly)
+from kvroute.api.process import health_body
+from kvroute.core.sizes import format_bytes
 
-if TYPE_CHECKING:
-    from .launcher import Child, Launcher
+from .processes import Child, Processes
 
 log = logging.getLogger("kvroute.loader")
 
@@ -47,7 +46,7 @@ class Slot:
     """One configured model on this machine: its replicas and their history."""
 
     spec: ModelSpec
-    children: list["Child"]
+    children: list[Child]
     cost: Cost  # of one replica
     state: str = UNLOADED
     last_used: float = 0.0
@@ -77,7 +76,7 @@ class Slot:
 
 
 class Loader:
-    def __init__(self, launcher: "Launcher", slots: list[Slot], budget: tuple[int, str]):
+    def __init__(self, launcher: Processes, slots: list[Slot], budget: tuple[int, str]):
         self.launcher = launcher
         self.config = launcher.config
         self.slots = {s.alias: s for s in slots}
@@ -300,7 +299,7 @@ class Loader:
                 pass
 
 
-def _busy(children: list["Child"]) -> bool:
+def _busy(children: list[Child]) -> bool:
     """Whether any of these running backends has a request queued or running, or does
     not answer its /health (a long prefill can hold it up): then it may be busy."""
     for child in children:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pydantic.json_schema import models_json_schema
 
-from . import __version__
+from kvroute import __version__
 from .messages_wire import CountTokensBody, MessagesBody
 from .responses_wire import ResponsesBody
 from .validation import Body

@@ -28,8 +28,8 @@ import orjson
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvroute.errors import APIError
-from kvroute.registry import Registry, RegistryUnavailable
+from kvroute.api.errors import APIError
+from kvroute.core.registry import Registry, RegistryUnavailable
 
 log = logging.getLogger("kvroute.proxy.responses")
 

@@ -16,8 +16,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvroute.errors import APIError, overloaded
-from kvroute.hits import is_cache_hit
+from kvroute.api.errors import APIError, overloaded
+from kvroute.core.hits import is_cache_hit
 
 from . import loading
 from .fleet import watch_of

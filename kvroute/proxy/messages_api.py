@@ -35,10 +35,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvroute import messages_wire as mw
-from kvroute.errors import APIError
-from kvroute.validation import validate
-from kvroute.wire import COUNT_TOKENS_PATH
+from kvroute.api import messages_wire as mw
+from kvroute.api.errors import APIError
+from kvroute.api.validation import validate
+from kvroute.api.wire import COUNT_TOKENS_PATH
 
 from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
                         chat_chunks, chunk_parts, json_response, new_id, off_loop_if_large,

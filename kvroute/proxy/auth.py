@@ -6,7 +6,7 @@ import hmac
 
 from aiohttp import web
 
-from kvroute.errors import APIError
+from kvroute.api.errors import APIError
 
 from .state import state_of
 

@@ -23,12 +23,13 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvroute import openapi, prefix
-from kvroute.process import start_site, wait_for_stop
-from kvroute.errors import APIError, bad_request, error_middleware, not_found
-from kvroute.models_state import ModelsState
-from kvroute.registry import BackendRecord, Registry, RegistryUnavailable
-from kvroute.wire import parse_json
+from kvroute.api import openapi
+from kvroute.core import prefix
+from kvroute.api.process import start_site, wait_for_stop
+from kvroute.api.errors import APIError, bad_request, error_middleware, not_found
+from kvroute.core.models_state import ModelsState
+from kvroute.core.registry import BackendRecord, Registry, RegistryUnavailable
+from kvroute.api.wire import parse_json
 
 from . import apis, loading, messages_api, responses_api
 from .auth import auth_middleware
@@ -279,6 +280,17 @@ async def models(request: web.Request) -> web.Response:
     return _json({"object": "list", "data": state.models.listing(state.backends.models())})
 
 
+async def model_info(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: one model object of the /v1/models listing."""
+    state = state_of(request)
+    model = request.match_info["model"]
+    entry = state.models.entry(model, state.backends.models())
+    if entry is None:
+        raise not_found(f"The model '{model[:200]}' does not exist.", param="model",
+                        code="model_not_found")
+    return _json(entry)
+
+
 async def health(request: web.Request) -> web.Response:
     state = state_of(request)
     b = state.backends
@@ -348,7 +360,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     responses_api.add_routes(app)
     messages_api.add_routes(app)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model:.+}", loading.model_info)
+    app.router.add_get("/v1/models/{model:.+}", model_info)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_json)

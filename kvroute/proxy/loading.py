@@ -25,9 +25,9 @@ from typing import Callable
 import orjson
 from aiohttp import web
 
-from kvroute.errors import APIError, not_found
-from kvroute.models_state import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY, UNLOADED,
-                                  UNLOADING, ModelsState, ModelState, quietly)
+from kvroute.api.errors import APIError, not_found
+from kvroute.core.models_state import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY,
+                                       UNLOADED, UNLOADING, ModelsState, ModelState, quietly)
 
 log = logging.getLogger("kvroute.proxy.loading")
 
@@ -143,19 +143,6 @@ class Models:
                  "unloads": s.unloads, "load_seconds": s.load_seconds,
                  "last_load_seconds": s.last_load_seconds, "error": s.error}
                 for m, s in sorted(self.summaries.items())]
-
-
-async def model_info(request: web.Request) -> web.Response:
-    """GET /v1/models/{model}: one model object of the /v1/models listing."""
-    from .state import state_of  # here: the state module imports this one
-
-    state = state_of(request)
-    model = request.match_info["model"]
-    entry = state.models.entry(model, state.backends.models())
-    if entry is None:
-        raise not_found(f"The model '{model[:200]}' does not exist.", param="model",
-                        code="model_not_found")
-    return web.Response(body=orjson.dumps(entry), content_type="application/json")
 
 
 def public_state(s: ModelState | None, live: bool) -> str:

@@ -24,8 +24,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvroute.errors import APIError
-from kvroute.wire import parse_json
+from kvroute.api.errors import APIError
+from kvroute.api.wire import parse_json
 
 log = logging.getLogger("kvroute.proxy.translate")
 

@@ -22,18 +22,19 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvroute import accel, openapi, prefix
-from kvroute.process import bind_sockets, start_site, wait_for_stop
-from kvroute.errors import APIError, bad_request, error_middleware, not_found
-from kvroute.registry import BackendRecord, Registry, new_instance_id
-from kvroute.wire import (COUNT_TOKENS_PATH, ChatRequest, CompletionRequest, parse_chat,
-                          parse_completion, parse_json)
+from kvroute.core import accel, prefix
+from kvroute.api import openapi
+from kvroute.api.process import bind_sockets, start_site, wait_for_stop
+from kvroute.api.errors import APIError, bad_request, error_middleware, not_found
+from kvroute.core.registry import BackendRecord, Registry, new_instance_id
+from kvroute.api.wire import (COUNT_TOKENS_PATH, ChatRequest, CompletionRequest, parse_chat,
+                              parse_completion, parse_json)
 
 from .disk import DiskTier, open_disk_tier
 from .engine import Delta, Engine, Finish, Job
 from .metrics import BackendMetrics
 from .publisher import Publisher
-from .responses import ChatBuilder, CompletionBuilder
+from .chunks import ChatBuilder, CompletionBuilder
 from .store import Store
 
 log = logging.getLogger("kvroute.backend")

@@ -42,9 +42,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvroute import responses_wire as rw
-from kvroute.errors import bad_request, not_found
-from kvroute.validation import validate
+from kvroute.api import responses_wire as rw
+from kvroute.api.errors import bad_request, not_found
+from kvroute.api.validation import validate
 
 from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
                         chat_chunks, chunk_parts, json_response, new_id, off_loop_if_large,

@@ -14,7 +14,6 @@ then Redis — within 10 seconds.
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import re
 import secrets
@@ -23,17 +22,19 @@ import socket
 import sys
 import time
 from pathlib import Path
-from dataclasses import dataclass, field
 
 import orjson
 from rich.console import Console
 from rich.table import Table
 
-from . import accel, capacity, demo_model, redis_client
+from kvroute.core import accel, redis_client
+from . import capacity
+from kvroute.devtools import demo_model
 from .capacity import weights_bytes
-from .config import DEMO, ConfigError, ModelSpec, ServeConfig
+from kvroute.config import DEMO, ConfigError, ModelSpec, ServeConfig
 from .loader import Loader, Slot
-from .process import health_body, health_pid
+from .processes import Child
+from kvroute.api.process import health_body, health_pid
 from .redis_server import RedisServer
 STOP_GRACE = 7.0  # seconds children get to exit before SIGKILL (the whole stop stays < 10 s)
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan"]
@@ -93,21 +94,6 @@ def free_port(start: int, taken: set[int]) -> int:
                 except OSError:
                     pass
         port += 1
-
-
-@dataclass
-class Child:
-    name: str
-    args: list[str]
-    url: str  # health is at url + /health
-    color: str
-    env: dict[str, str] = field(default_factory=dict)  # secrets: never on the command line
-    proc: asyncio.subprocess.Process | None = None
-    restarts: int = 0
-    started: float = 0.0
-    pumps: list[asyncio.Task] = field(default_factory=list)
-    wanted: bool = True  # False once its model is unloaded: an exit is then no crash
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
 
 
 class Launcher:

@@ -12,7 +12,7 @@ import collections
 import time
 from dataclasses import dataclass, field
 
-from kvroute.hits import is_cache_hit
+from kvroute.core.hits import is_cache_hit
 
 SERIES_POINTS = 300  # one point every SERIES_PERIOD seconds: 10 minutes
 SERIES_PERIOD = 2.0

@@ -41,11 +41,11 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_top_p, make_logits_processors
 
-from kvroute.errors import APIError, overloaded, server_error
-from kvroute.accel import keep_wired_limit
-from kvroute.hits import is_cache_hit
-from kvroute.sizes import format_bytes
-from kvroute.wire import SamplingParams
+from kvroute.api.errors import APIError, overloaded, server_error
+from kvroute.core.accel import keep_wired_limit
+from kvroute.core.hits import is_cache_hit
+from kvroute.core.sizes import format_bytes
+from kvroute.api.wire import SamplingParams
 
 from .attention import avoid_cudnn_plans, fast, new_cache
 from .metrics import BackendMetrics

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from .sizes import format_bytes
+from kvroute.core.sizes import format_bytes
 
 PROCESS_OVERHEAD = 512 << 20  # Python, MLX and the allocator of one backend process
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -110,7 +110,7 @@ def replica_cost(path: str, cache_bytes: int, max_batch: int, max_prompt_tokens:
 
 def budget(memory_budget: int, memory_fraction: float, device: Any = None) -> tuple[int, str]:
     """The bytes models may take, and where that figure comes from. On a GPU that is
-    the accelerator's memory (`kvroute.accel.Accelerator`), which the replicas share;
+    the accelerator's memory (`kvroute.core.accel.Accelerator`), which the replicas share;
     on a CPU, or with no device given, physical memory."""
     if memory_budget > 0:
         return memory_budget, "memory_budget"

@@ -3,7 +3,7 @@
 On a CUDA GPU the budget is the card's memory, not the host's RAM; on Apple
 silicon it is the GPU's recommended working set (unified memory); on the CPU
 it is physical memory. The launcher asks in a child process (`python -m
-kvroute.accel`), so that it never holds a GPU context of its own.
+kvroute.core.accel`), so that it never holds a GPU context of its own.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def detect() -> Accelerator:
 def probe(timeout: float = 120.0) -> Accelerator:
     """As `detect`, from a child process; the CPU with physical memory if it fails."""
     try:
-        out = subprocess.run([sys.executable, "-m", "kvroute.accel"], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "kvroute.core.accel"], capture_output=True,
                              text=True, timeout=timeout, check=True).stdout
         return Accelerator(**json.loads(out.strip().splitlines()[-1]))
     except (OSError, subprocess.SubprocessError, ValueError, TypeError, IndexError):
