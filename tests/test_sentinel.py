@@ -270,3 +270,56 @@ def test_registry_follows_a_sentinel_failover(deployment):
             runner.run(after())
         finally:
             runner.run(reg.close())
+
+
+def test_serve_on_sentinel_keeps_serving_through_a_failover(deployment, tmp_path, model_cache):
+    """`kvroute serve --redis-url redis+sentinel://...`: turn 2 cached on turn 1's backend;
+    the primary killed while clients keep sending: no request fails (Redis is an
+    accelerator, invariant 4), and once the Sentinels promote the replica the backends
+    advertise again and a new conversation's turn 2 hits on its backend."""
+    import openai
+
+    from harness import ServeProcess, get_json
+    from kvroute.devtools import demo_model
+
+    d = deployment
+    model = demo_model.ensure("text", cache_dir=model_cache)
+    serve = ServeProcess({"redis": {"url": d.url},
+                          "models": [{"path": str(model), "alias": "demo", "replicas": 2}]},
+                         tmp_path)
+    client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0)
+
+    def conversation(tag: str) -> tuple[str, str, object]:
+        messages = [{"role": "system", "content": f"{tag}: a sentinel conversation. " * 40},
+                    {"role": "user", "content": "Hello?"}]
+        first = client.chat.completions.with_raw_response.create(model="demo", messages=messages)
+        messages += [{"role": "assistant", "content": first.parse().choices[0].message.content},
+                     {"role": "user", "content": "More?"}]
+        second = client.chat.completions.with_raw_response.create(model="demo", messages=messages)
+        return (first.headers["x-kvroute-backend"], second.headers["x-kvroute-backend"],
+                second.parse().usage)
+
+    def hit(result) -> bool:
+        b1, b2, usage = result
+        return b1 == b2 and usage.prompt_tokens_details.cached_tokens >= 0.8 * usage.prompt_tokens
+
+    try:
+        serve.wait_ready(lambda: len(get_json(f"{serve.url}/health")["backends"]) == 2, 120)
+        assert hit(conversation("before"))
+        offset = info(d.primary.port)["master_repl_offset"]
+        wait_until(lambda: info(d.replica.port).get("slave_repl_offset", -1) >= offset, 10,
+                   what="the replica to catch up with the primary")
+        d.primary.proc.send_signal(signal.SIGKILL)
+        d.primary.proc.wait()
+        # Traffic through the outage and the promotion: every request answered.
+        deadline = time.monotonic() + 30
+        n = 0
+        while d.sentinels[1].primary_port_named() != d.replica.port:
+            assert time.monotonic() < deadline, "the Sentinels did not promote the replica"
+            conversation(f"during-{n}")  # raises on any failed request
+            n += 1
+        assert n > 0
+        wait_until(lambda: hit(conversation(f"after-{time.monotonic()}")), 30, interval=0.5,
+                   what="conversations to hit again on the new primary")
+    finally:
+        serve.stop()
