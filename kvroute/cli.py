@@ -102,6 +102,9 @@ def run_serve(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
         serve_config = config.build(args, os.environ)
+        # After build, so the launcher's own lines follow KVROUTE_LOG_LEVEL and
+        # KVROUTE_JSON_LOGS as its children do, not only the flags.
+        setup_logging(serve_config.log_level, serve_config.json_logs)
         return run_async(launcher.run(serve_config, console))
     # soft_wrap: the reason stays one line, whatever the terminal's width.
     except config.ConfigError as exc:
@@ -210,7 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config.check_environment(os.environ)
         if args.command == "serve":  # reads its file too: config.build does it all
-            setup_logging(args.log_level or "info", bool(args.json_logs))
             return run_serve(args)
         table = config.TABLES.get(args.command, [])
         settings = {**vars(args), **config.resolve(table, args, os.environ)}
