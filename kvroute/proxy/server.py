@@ -12,6 +12,7 @@ the state and settings in proxy/state.py, API keys in proxy/auth.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -36,7 +37,7 @@ from .auth import auth_middleware
 from .fleet import Backends, check_fingerprint, describe, refresh_backends
 from .forward import Retry, forward, upstream_headers
 from .metrics import ProxyMetrics
-from .policy import Candidate, Load, PolicyConfig, RouteContext, make_policy
+from .policy import Candidate, Decision, Load, PolicyConfig, RouteContext, make_policy
 from .response_store import ResponseStore
 from .state import STATE_KEY, ProxyConfig, State, spawn, state_of
 from .stats import SERIES_PERIOD
@@ -243,9 +244,11 @@ async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | 
             candidates = candidates + pool
         if not pool:
             raise last_error or _no_backend(state, model)
-        decision = state.policy.choose(RouteContext(pool, keys, ends, request_bytes, known))
+        ctx = RouteContext(pool, keys, ends, request_bytes, known)
+        decision = (None if known else _live_route(state, ctx)) or state.policy.choose(ctx)
         c = decision.candidate
         tried.add(c.backend_id)
+        state.live.remember(keys, c.backend_id)
         if decision.mark:
             state.recent.remember(model, keys, c.backend_id, state.config.mark_ttl_ms / 1000)
             if known:
@@ -266,6 +269,27 @@ async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | 
                             c.backend_id, retry.error.message)
                 if failovers > 1:
                     raise retry.error
+
+
+def _live_route(state: State, ctx: RouteContext) -> Decision | None:
+    """With the registry unable to say (lookup past its deadline, Redis down), a turn
+    of a conversation this proxy routed before goes where its prefix is: the backend
+    it last sent the conversation to, if that one is live (a candidate) and not suspect.
+    Only for cache-aware: the other policies are baselines that ignore the cache."""
+    if state.policy.name != "cache-aware":
+        return None
+    found = state.live.find(ctx.chain)
+    if found is None:
+        return None
+    backend_id, depth = found
+    c = next((c for c in ctx.candidates if c.backend_id == backend_id and not c.suspect), None)
+    if c is None:
+        return None
+    c = dataclasses.replace(c, expected_depth=max(c.expected_depth, depth))
+    bpt = c.load.bytes_per_token or state.policy.config.bytes_per_token
+    matched = ctx.matched_bytes(c)
+    return Decision(c, "live-route", max(0, ctx.request_bytes - matched) / bpt,
+                    predicted_tokens=int(matched / bpt), mark=True)
 
 
 # -- other endpoints --------------------------------------------------------------

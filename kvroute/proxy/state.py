@@ -14,7 +14,7 @@ from .fleet import Backends
 from .loading import Models
 from .metrics import ProxyMetrics
 from .policy import RoutingPolicy
-from .recent import RecentChoices
+from .recent import LiveRoutes, RecentChoices
 from .stats import Stats
 
 STATE_KEY = web.AppKey("state", object)
@@ -56,6 +56,7 @@ class State:
     backends: Backends
     models: Models  # configured models of `kvroute serve` deployments, loaded on demand
     recent: RecentChoices = field(default_factory=RecentChoices)
+    live: LiveRoutes = field(default_factory=LiveRoutes)  # conversations' last backends
     stats: Stats = field(default_factory=Stats)
     session: aiohttp.ClientSession | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
