@@ -8,6 +8,8 @@ settings table; this file checks what that one does not."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -260,3 +262,40 @@ def test_serve_logs_at_kvroute_log_level_and_the_flag_beats_it(tmp_path, model_c
                              {"KVROUTE_LOG_LEVEL": "warning", "KVROUTE_JSON_LOGS": "1"})
     launcher_lines = [line for line in loud.splitlines() if '"logger":"kvroute.loader"' in line]
     assert launcher_lines and '"level":"info"' in launcher_lines[0], loud
+
+
+# -- files and modules -------------------------------------------------------------
+
+
+USER_FILES = {"docker/.env"}  # what a user writes (compose's variables), not ours
+
+
+def is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent is no package
+        return False
+
+
+def test_every_source_path_and_module_the_docs_name_exists():
+    """`kvroute/proxy/cost.py`, `tests/test_x.py`, `kvroute.devtools.arch_models.ensure`:
+    after a move, a doc naming the old place is wrong."""
+    for doc in DOCS:
+        text = text_of(doc)
+        # A file (with its extension) or a folder (with its slash): "kvroute/qwen-coder"
+        # in a client's config is a model name.
+        for path in re.findall(r"(?<![\w/.-])((?:kvroute|tests|bench|scripts|docker)/"
+                               r"(?:[\w./-]*\.\w+|[\w./-]*/)(?![\w/-]))", text):
+            if path in USER_FILES:
+                continue
+            assert (ROOT / path).exists(), f"{doc.name} names {path}, which does not exist"
+        for dotted in re.findall(r"`(kvroute(?:\.\w+)+)", text):
+            if re.fullmatch(r"kvroute\.(toml|json|yaml|log)", dotted):  # a file's name
+                continue
+            parts = dotted.split(".")
+            found = [i for i in range(len(parts), 1, -1) if is_module(".".join(parts[:i]))]
+            assert found, f"{doc.name} names {dotted}, which is no module"
+            module = importlib.import_module(".".join(parts[: found[0]]))
+            for attr in parts[found[0]:]:
+                module = getattr(module, attr, None)
+                assert module is not None, f"{doc.name} names {dotted}: no {attr}"
