@@ -26,7 +26,7 @@ The file (every key optional):
     host = "127.0.0.1"
     port = 8000
     policy = "cache-aware"
-    api_keys = ["sk-team-a:team-a", "sk-ops"]   # KEY or KEY:SCOPE
+    api_keys = ["sk-team-a:team-a", "sk-ops:operator"]   # KEY or KEY:SCOPE; operator: /stats too
 
     [backends]
     host = "127.0.0.1"
@@ -205,7 +205,8 @@ PROXY = [
     _SECRET,
     _opt("policy", str, "cache-aware", "routing policy", choices=POLICIES),
     _opt("api_keys", str, [], "accept this API key (repeatable; the variable takes a comma list); "
-         "a SCOPE isolates the key's prompt cache from other scopes", flag="--api-key",
+         "a SCOPE isolates the key's prompt cache from other scopes; the SCOPE `operator` may "
+         "also read /stats (the dashboard's data)", flag="--api-key",
          env="KVROUTE_API_KEYS", many=True, metavar="KEY[:SCOPE]"),
     _TOKEN,
     _MAX_BODY,
@@ -233,7 +234,8 @@ SERVE = [
     _opt("port", int, 8000, "proxy port", toml="proxy.port"),
     _opt("policy", str, "cache-aware", "routing policy", choices=POLICIES, toml="proxy.policy"),
     _opt("api_keys", str, [], "require API keys on the proxy (repeatable; the variable takes a "
-         "comma list)", flag="--api-key", env="KVROUTE_API_KEYS", many=True, metavar="KEY[:SCOPE]",
+         "comma list); a key of SCOPE `operator` may also read /stats", flag="--api-key",
+         env="KVROUTE_API_KEYS", many=True, metavar="KEY[:SCOPE]",
          toml="proxy.api_keys"),
     _opt("redis_url", str, "", "use this Redis instead of an embedded one", toml="redis.url"),
     _opt("secret", str, "", "prefix-key salt (default: random per launch)", toml="secret"),
@@ -264,7 +266,12 @@ SERVE = [
          switch=True),
 ]
 
-STATS = [_opt("url", str, "http://127.0.0.1:8000", "the proxy")]
+STATS = [
+    _opt("url", str, "http://127.0.0.1:8000", "the proxy"),
+    # No flag: a key on a command line shows in `ps`.
+    Setting("api_key", str, "", "the key sent to a proxy with API keys: one of scope "
+            "`operator`", env="KVROUTE_API_KEY"),
+]
 
 # Keys of one [[models]] table: these, and the backend settings with a `models.` key.
 MODEL_SETTINGS = [

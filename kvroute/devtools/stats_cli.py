@@ -1,8 +1,13 @@
-"""`kvroute stats`: the dashboard's figures as terminal tables, from a proxy's /stats."""
+"""`kvroute stats`: the dashboard's figures as terminal tables, from a proxy's /stats.
+
+A proxy with API keys answers /stats only to an operator key (`--api-key KEY:operator`
+on the proxy); `KVROUTE_API_KEY` names the key this command sends."""
 
 from __future__ import annotations
 
+import os
 import time
+import urllib.error
 import urllib.request
 from datetime import datetime
 
@@ -95,6 +100,7 @@ def _disk(b: dict) -> str:
 
 
 def run(url: str, watch: bool, api_key: str | None = None, period: float = 2.0) -> int:
+    api_key = api_key or os.environ.get("KVROUTE_API_KEY") or None
     console = Console()
     try:
         if not watch:
@@ -106,6 +112,12 @@ def run(url: str, watch: bool, api_key: str | None = None, period: float = 2.0) 
                 live.update(render(fetch(url, api_key)))
     except KeyboardInterrupt:
         return 0
+    except urllib.error.HTTPError as exc:
+        hint = ("; set KVROUTE_API_KEY to an operator key (`--api-key KEY:operator` on the "
+                "proxy)" if exc.code in (401, 403) else "")
+        console.print(f"[red]kvroute stats: cannot read {url}/stats: {exc}{hint}[/]",
+                      highlight=False, soft_wrap=True)
+        return 1
     except OSError as exc:
         console.print(f"[red]kvroute stats: cannot read {url}/stats: {exc}[/]")
         return 1
