@@ -20,9 +20,13 @@
   engine starts the request from it (`Restored`).
 - Keys: the chains of the files are advertised as the backend's *disk* tier, so
   the proxy can weigh a restore against a RAM hit or a cold prefill.
-- Degrading: an unusable directory (not creatable, not writable, held by another
-  process) turns the tier off with a warning; a failed write (a full disk) is
-  counted and logged, and the request path never sees either.
+- Degrading: an unusable directory (not creatable, held by another process)
+  turns the tier off with a warning; a failed write (a full disk) is counted and
+  logged, and the request path never sees either. A folder that turns read-only
+  (an ext4 remount after I/O errors) or a file that cannot be removed: the file is
+  skipped for the rest of the process, the tier serves reads of its whole files and
+  writes go to RAM only until one succeeds again (one warning, `stats()["writable"]`
+  and the write-failure metric say so).
 
 One module past 400 lines on purpose: the writer, the index and the reader share
 one index and its lock; the file format is apart, in diskfile.py.
@@ -103,6 +107,8 @@ class DiskTier:
         self._lock_fd: int | None = None
         self._names = itertools.count()
         self._failing = False
+        self.writable = True
+        self._stuck: set[str] = set()  # damaged files that could not be removed: never read
 
     # -- start and stop --------------------------------------------------------
 
@@ -110,17 +116,14 @@ class DiskTier:
         """Claim and index the directory; False (tier off, warned) when unusable."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(self.directory, 0o700)  # entries are prompts' states: owner only
-            fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+            self._lock_fd = self._lock()
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                raise OSError(errno.EBUSY, "another backend uses this directory")
-            self._lock_fd = fd
-            probe = self.directory / ".probe"
-            probe.write_bytes(b"")
-            probe.unlink()
+                os.chmod(self.directory, 0o700)  # entries are prompts' states: owner only
+                probe = self.directory / ".probe"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as exc:  # read-only: its whole files can still be served
+                self._read_only(exc)
         except OSError as exc:
             log.warning("disk cache off: %s is unusable (%s); serving from RAM only",
                         self.directory, exc.strerror or exc)
@@ -136,6 +139,33 @@ class DiskTier:
         log.info("disk cache %s: %d entries, %.1f MB (budget %.1f MB)", self.directory,
                  len(self.index), self.nbytes / 1e6, self.budget_bytes / 1e6)
         return True
+
+    def _lock(self) -> int:
+        """The folder's lock: one backend per folder (read-only folders included)."""
+        path = self.directory / ".lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not path.exists():
+                raise
+            fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise OSError(errno.EBUSY, "another backend uses this directory")
+        return fd
+
+    def _read_only(self, exc: OSError) -> None:
+        """The folder takes no writes (said once): reads go on, writes go to RAM only
+        until one succeeds again (`_write` retries; `take` refuses meanwhile)."""
+        reason = errno.errorcode.get(exc.errno or 0, "EIO")
+        self.metrics.l(self.metrics.disk_write_failures, reason=reason).inc()
+        self._failing = True
+        if self.writable:
+            self.writable = False
+            log.warning("disk cache: %s is not writable (%s: %s); serving its files, "
+                        "writes go to RAM only", self.directory, reason, exc.strerror or exc)
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish the writes already queued (up to `timeout`), then stop."""
@@ -155,17 +185,35 @@ class DiskTier:
             elif path.name.endswith(diskfile.SUFFIX):
                 try:
                     record = diskfile.read_header(path, self.fingerprint)
+                    mtime = path.stat().st_mtime
                 except BadRecord as exc:
                     self._drop(path, exc.reason, str(exc))
                     continue
-                found.append((path.stat().st_mtime, record))
+                except OSError as exc:  # gone or unreadable meanwhile
+                    self._drop(path, "unreadable", str(exc))
+                    continue
+                found.append((mtime, record))
         for _, record in sorted(found, key=lambda f: f[0]):
             self._add(record)
 
     def _drop(self, path: Path, reason: str, detail: str) -> None:
+        """Forget a damaged file and remove it; one that cannot be removed is skipped
+        for the rest of the process (never indexed, never read again)."""
+        if path.name in self._stuck:
+            return
         log.warning("disk cache: dropping %s (%s)", path.name, detail)
         self.metrics.l(self.metrics.disk_dropped, reason=reason).inc()
-        path.unlink(missing_ok=True)
+        self._unlink(path)
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            self._stuck.add(path.name)
+            log.warning("disk cache: cannot remove %s (%s); skipping it", path.name,
+                        exc.strerror or exc)
+            if not self._folder_writable():
+                self._read_only(exc)
 
     # -- the store's events (engine thread: only enqueue) ----------------------
 
@@ -298,12 +346,15 @@ class DiskTier:
                 log.warning("disk cache: writing failed (%s: %s); serving from RAM until writes "
                             "succeed again", reason, getattr(exc, "strerror", None) or exc)
             self._failing = True
+            if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+                self.writable = False
             self.metrics.l(self.metrics.disk_writes, result="failed").inc()
             self.metrics.l(self.metrics.disk_write_failures, reason=reason).inc()
             return False
         if self._failing:
             log.info("disk cache: writes succeed again")
             self._failing = False
+            self.writable = True
         record = Record(name, entry.tokens, entry.scope, chain, entry.trimmable,
                         entry.exit_path, size, 0, "", entry.created, entry.model)
         with self.lock:
@@ -339,7 +390,7 @@ class DiskTier:
                     released.append(k)
             self._emit(DiskEvent("evict", record.model, released))
         if unlink:
-            (self.directory / name).unlink(missing_ok=True)
+            self._unlink(self.directory / name)
         self._update_gauges()
 
     def _enforce_budget(self, incoming: int) -> None:
@@ -429,6 +480,15 @@ class DiskTier:
             pass
         return cache
 
+    def _folder_writable(self) -> bool:
+        probe = self.directory / ".probe"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+            return True
+        except OSError:
+            return False
+
     def _with_header(self, record: Record, path: Path) -> Record:
         fresh = diskfile.read_header(path, self.fingerprint)
         with self.lock:
@@ -450,6 +510,8 @@ class DiskTier:
     def stats(self) -> dict:
         return {
             "enabled": self.enabled,
+            "writable": self.writable,
+            "skipped_files": len(self._stuck),
             "directory": str(self.directory),
             "entries": len(self.index),
             "bytes": self.nbytes,
@@ -483,7 +545,10 @@ def _probe_errno(directory: Path) -> int:
     except OSError as exc:
         return exc.errno or errno.EIO
     finally:
-        (directory / ".probe").unlink(missing_ok=True)
+        try:
+            (directory / ".probe").unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def open_disk_tier(model: str, directory: str, budget_bytes: int, ram_budget: int,

@@ -5,14 +5,22 @@ format, so any layer cache mlx-lm can save round-trips, windows and recurrent
 states included). Its string metadata carries one more key, `kvroute`: a JSON
 object with the exact token ids the state holds, the model fingerprint, the
 format version, the cache scope, the advertised prefix chain, whether the entry
-can be trimmed. The file's name ends with a checksum of its tensor bytes.
+can be trimmed. The file's name ends with two checksums: one of its header (the
+8-byte length and the JSON header: metadata, token ids, tensor table) and one of
+the whole file, header included, so a flipped token id in the header is as damaged
+as a flipped tensor byte.
 
 Reading a record's header never touches its tensors: a safetensors file starts
 with an 8-byte length and a JSON header (tensor offsets and the metadata), so a
 restart re-indexes a directory of any size quickly. The header also tells the
-file's exact length, which finds a truncated file without reading it; the
-checksum finds corrupted tensor bytes when a record is loaded. Anything that does
-not check out raises `BadRecord` and is never handed to the model.
+file's exact length, which finds a truncated file without reading it; the header's
+checksum finds a damaged header at the same time, the whole file's checksum finds
+corrupted tensor bytes when a record is loaded. Anything that does not check out
+raises `BadRecord` and is never handed to the model.
+
+Durability: `write` fsyncs the temporary file before renaming it into place and
+the directory after, so after a power loss a record is whole or absent (and a
+damaged one is still found by its checksums).
 """
 
 from __future__ import annotations
@@ -22,13 +30,13 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import orjson
 import xxhash
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the checksums cover the header too (1: tensor bytes only)
 SUFFIX = ".kvr.safetensors"
 TMP_SUFFIX = ".tmp.safetensors"  # mx.save_safetensors insists on the extension
 _MAX_HEADER = 64 << 20
@@ -52,7 +60,7 @@ class Record:
     exit_path: str
     size: int  # bytes on disk
     data_offset: int  # where the tensor bytes start
-    checksum: str  # xxh3_64 of the tensor bytes, hex
+    checksum: str  # xxh3_64 of the whole file (header and tensor bytes), hex
     created: float = 0.0
     model: str = ""
     hits: int = field(default=0, compare=False)
@@ -77,26 +85,63 @@ def fingerprint(model_path: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
+# Test-only: called with each step of a write ("tmp_written", "tmp_synced",
+# "renamed", "dir_synced"); tests set it in a backend process to SIGKILL it there.
+crash_point: Callable[[str], None] | None = None
+
+
+def _step(name: str) -> None:
+    if crash_point is not None:
+        crash_point(name)
+
+
 def write(directory: Path, stem: str, cache: list[Any], meta: dict) -> tuple[str, int]:
-    """Write `cache` under a temporary name, then rename it into place, so a reader
-    (or a restart after a crash) never sees half a record. The final name carries
-    the xxh3 of the tensor bytes (a header cannot hold the checksum of a file it
-    starts). Returns the file's name and size."""
+    """Write `cache` under a temporary name, fsync it, rename it into place and fsync
+    the directory, so a reader (or a restart after a crash or a power loss) never sees
+    half a record. The final name carries the checksums (a header cannot hold the
+    checksum of a file it starts). Returns the file's name and size."""
     from mlx_lm.models.cache import save_prompt_cache
 
     tmp = directory / (stem + TMP_SUFFIX)
     try:
         save_prompt_cache(str(tmp), cache, {"kvroute": orjson.dumps(meta).decode()})
+        _step("tmp_written")
         os.chmod(tmp, 0o600)
         with open(tmp, "rb") as f:  # just written: read back from the page cache
             blob = f.read()
+            os.fsync(f.fileno())
+        _step("tmp_synced")
         offset = 8 + struct.unpack("<Q", blob[:8])[0]
-        name = f"{stem}.{xxhash.xxh3_64(memoryview(blob)[offset:]).hexdigest()}{SUFFIX}"
+        name = f"{stem}.{_digest(blob[:offset])}.{_digest(blob)}{SUFFIX}"
         os.replace(tmp, directory / name)
+        _step("renamed")
+        _fsync_dir(directory)
+        _step("dir_synced")
         return name, len(blob)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # a read-only folder: a restart drops it as partial
+            pass
         raise
+
+
+def _digest(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_64(data).hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _name_digests(name: str) -> tuple[str, str]:
+    """(header checksum, file checksum) from a record's file name; empty if absent."""
+    parts = name.removesuffix(SUFFIX).split(".")
+    return (parts[1], parts[2]) if len(parts) == 3 else ("", "")
 
 
 def read_header(path: Path, expect_fingerprint: str) -> Record:
@@ -110,7 +155,8 @@ def read_header(path: Path, expect_fingerprint: str) -> Record:
             n = struct.unpack("<Q", head)[0]
             if n > min(_MAX_HEADER, size - 8):
                 raise BadRecord("corrupt", "header length out of range")
-            header = orjson.loads(f.read(n))
+            raw = f.read(n)
+            header = orjson.loads(raw)
     except OSError as exc:
         raise BadRecord("unreadable", str(exc))
     except orjson.JSONDecodeError:
@@ -128,6 +174,9 @@ def read_header(path: Path, expect_fingerprint: str) -> Record:
         raise BadRecord("truncated", f"{size} bytes on disk, the header describes {8 + n + end}")
     if meta.get("version") != FORMAT_VERSION:
         raise BadRecord("version", f"format version {meta.get('version')}, expected {FORMAT_VERSION}")
+    header_sum, checksum = _name_digests(path.name)
+    if _digest(head + raw) != header_sum:
+        raise BadRecord("corrupt", "header does not match its checksum")
     if meta.get("fingerprint") != expect_fingerprint:
         raise BadRecord("foreign", "written for other model weights")
     try:
@@ -140,7 +189,7 @@ def read_header(path: Path, expect_fingerprint: str) -> Record:
             exit_path=str(meta["exit_path"]),
             size=size,
             data_offset=8 + n,
-            checksum=path.name.removesuffix(SUFFIX).rpartition(".")[2],
+            checksum=checksum,
             created=float(meta["created"]),
             model=str(meta["model"]),
         )
@@ -201,18 +250,19 @@ def _load_mlx(path: Path, record: Record) -> list[Any]:
     from mlx_lm.models import cache as cache_mod
 
     with open(path, "rb") as f:
-        header = orjson.loads(f.read(record.data_offset)[8:])
+        head = f.read(record.data_offset)
+    header = orjson.loads(head[8:])
     header.pop("__metadata__", None)
     arrays, metadata = mx.load(str(path), return_metadata=True)
     mx.eval(list(arrays.values()))
-    digest = xxhash.xxh3_64()  # over the tensors in file order: the file's data section
+    digest = xxhash.xxh3_64(head)  # then the tensors in file order: the file's data section
     for name, _ in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
         a = arrays[name]
         if a.size:
             a = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
             digest.update(memoryview(np.asarray(a)).cast("B"))
     if digest.hexdigest() != record.checksum:
-        raise BadRecord("corrupt", "tensor bytes do not match the checksum")
+        raise BadRecord("corrupt", "the file does not match its checksum")
     return _rebuild(cache_mod, arrays, metadata, mx)
 
 
@@ -222,8 +272,8 @@ def load_copy(path: Path, record: Record, parallel: int = 4) -> list[Any]:
         blob = read_bytes(path, record.size, parallel)
     except OSError as exc:
         raise BadRecord("unreadable", str(exc))
-    if xxhash.xxh3_64(memoryview(blob)[record.data_offset:]).hexdigest() != record.checksum:
-        raise BadRecord("corrupt", "tensor bytes do not match the checksum")
+    if _digest(blob) != record.checksum:
+        raise BadRecord("corrupt", "the file does not match its checksum")
     return from_bytes(blob, record.data_offset)
 
 
