@@ -25,6 +25,7 @@ from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
 SECRET = "agent-secret"
 TOKEN = "agent-internal-token"
 KEY, OTHER_KEY = "sk-agents", "sk-other-team"
+OPERATOR_KEY = "sk-ops"  # /stats needs an operator key once keys are set
 TEXT, TOOL = "agent-text", "agent-tool"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
 
@@ -44,7 +45,8 @@ def fleet(text_model, tool_model, tmp_path_factory):
     def proxies(redis_url: str) -> list[ProxyProcess]:
         return [ProxyProcess(redis_url, logs, ["--secret", SECRET, "--internal-token", TOKEN,
                                                "--api-key", f"{KEY}:team-a",
-                                               "--api-key", f"{OTHER_KEY}:team-b"])]
+                                               "--api-key", f"{OTHER_KEY}:team-b",
+                                               "--api-key", f"{OPERATOR_KEY}:operator"])]
 
     with harness.fleet(backends, proxies) as f:
         yield {**f, "proxy": f["proxies"][0]}
@@ -404,7 +406,7 @@ def test_a_generation_failure_ends_each_stream_with_its_error_event(fleet):
 
 def test_requests_are_counted_per_api(fleet):
     url = fleet["proxy"].url
-    apis = get_json(url + "/stats")["apis"]
+    apis = get_json(url + "/stats", headers={"Authorization": f"Bearer {OPERATOR_KEY}"})["apis"]
     assert {"chat", "responses", "messages"} <= set(apis), apis
     assert all(apis[a]["requests"] >= 1 for a in ("chat", "responses", "messages"))
     assert apis["messages"]["errors"] >= 1  # the refused ones count too

@@ -42,6 +42,7 @@ CLAUDE, CODEX = BIN / "claude", BIN / "codex"
 DOC = ROOT / "docs" / "AGENTS.md"
 DOC_PORT = "127.0.0.1:8000"
 KEY = "sk-team-a"
+OPERATOR_KEY = "sk-ops"  # /stats needs an operator key once keys are set
 CONTEXT = 131072
 MARKER = "kvroute-tool-ok"
 
@@ -100,7 +101,7 @@ def serve(agent_models, tmp_path_factory):
     # whole 131k context, and four such replicas would not fit this machine.
     small = {"max_batch": 4, "cache_bytes": "1GiB"}
     config = {
-        "proxy": {"api_keys": [f"{KEY}:team-a"]},
+        "proxy": {"api_keys": [f"{KEY}:team-a", f"{OPERATOR_KEY}:operator"]},
         "models": [
             {"path": str(agent_models["text"]), "alias": "qwen-coder", "replicas": 2, **small},
             {"path": str(agent_models["bash"]), "alias": "bash-coder", "replicas": 1, **small},
@@ -116,7 +117,7 @@ def serve(agent_models, tmp_path_factory):
 
 
 def stats(serve) -> dict:
-    return get_json(f"{serve.url}/stats", headers={"Authorization": f"Bearer {KEY}"})
+    return get_json(f"{serve.url}/stats", headers={"Authorization": f"Bearer {OPERATOR_KEY}"})
 
 
 def healthy(serve) -> list[dict]:
