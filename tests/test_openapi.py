@@ -27,7 +27,9 @@ from harness import post_json
 from kvroute import config
 from kvroute.api import openapi
 from kvroute.api.errors import APIError
-from kvroute.api.wire import parse_chat, parse_completion
+from kvroute.api.messages_wire import CountTokensBody, MessagesBody
+from kvroute.api.responses_wire import ResponsesBody
+from kvroute.api.wire import ChatCompletionBody, CompletionBody, parse_chat, parse_completion
 from kvroute.proxy import messages_api, responses_api
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
@@ -37,12 +39,13 @@ RESPONSES = {"model": "demo", "input": "Hi", "max_output_tokens": 1}
 MESSAGES = {"model": "demo", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
 COUNT = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}]}
 
+# Self-contained schemas (each with its own $defs): a body judged by JSON Schema alone.
 BODIES = {  # name: (self-contained schema, base body, validation)
-    "chat": (openapi.CHAT_REQUEST, CHAT, parse_chat),
-    "completion": (openapi.COMPLETION_REQUEST, COMPLETION, parse_completion),
-    "responses": (openapi.RESPONSES_REQUEST, RESPONSES, responses_api.parse),
-    "messages": (openapi.MESSAGES_REQUEST, MESSAGES, messages_api.parse),
-    "count_tokens": (openapi.COUNT_TOKENS_REQUEST, COUNT,
+    "chat": (ChatCompletionBody.model_json_schema(), CHAT, parse_chat),
+    "completion": (CompletionBody.model_json_schema(), COMPLETION, parse_completion),
+    "responses": (ResponsesBody.model_json_schema(), RESPONSES, responses_api.parse),
+    "messages": (MessagesBody.model_json_schema(), MESSAGES, messages_api.parse),
+    "count_tokens": (CountTokensBody.model_json_schema(), COUNT,
                      lambda body: messages_api.parse(body, count_only=True)),
 }
 

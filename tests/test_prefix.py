@@ -7,9 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.core.prefix import (DEFAULT_BLOCK_BYTES, chat_chain, chat_chain_with_ends,
-                                 chat_segments, common_prefix, completion_chain,
-                                 completion_chain_with_ends, make_salt)
+from kvroute.core.prefix import (DEFAULT_BLOCK_BYTES, chain_segments, chat_chain, chat_segments,
+                                 common_prefix, completion_segments, make_salt, request_chain)
 
 SALT = make_salt("test-secret")
 MODEL = "mlx-community/Qwen2.5-7B-Instruct-4bit"
@@ -19,6 +18,15 @@ def chain(body, **kw):
     kw.setdefault("model", MODEL)
     kw.setdefault("salt", SALT)
     return chat_chain(body, **kw)
+
+
+def chat_ends(body, **kw):
+    return request_chain("chat", body, model=MODEL, salt=SALT, **kw)
+
+
+def completion_keys(prompt, **kw):
+    return [k for k, _ in request_chain("completion", {"prompt": prompt}, model=MODEL, salt=SALT,
+                                        **kw)]
 
 
 def conv(*contents, system="You are a helpful assistant."):
@@ -48,7 +56,7 @@ def test_diverges_exactly_at_first_differing_block():
     b = conv(changed)
     ca, cb = chain(a), chain(b)
     # Find the block that holds byte 3000 of the user message: walk the ends.
-    ends = chat_chain_with_ends(a, model=MODEL, salt=SALT)
+    ends = chat_ends(a)
     segs = chat_segments(a, model=MODEL, salt=SALT)
     user_seg_start = sum(len(s) for s in segs[:-1])
     # The content field starts after tag, role field, name field and its own length prefix.
@@ -73,7 +81,7 @@ def test_message_boundaries_are_block_boundaries():
 
 def test_block_sizes_and_offsets():
     body = conv("x" * 1000)
-    pairs = chat_chain_with_ends(body, model=MODEL, salt=SALT, block_bytes=64)
+    pairs = chat_ends(body, block_bytes=64)
     segs = chat_segments(body, model=MODEL, salt=SALT)
     total = sum(len(s) for s in segs)
     ends = [e for _, e in pairs]
@@ -163,14 +171,15 @@ def test_salts_and_scopes_never_collide():
 
 def test_completion_chain():
     prompt = "Once upon a time " * 100
-    a = completion_chain(prompt, model=MODEL, salt=SALT)
-    b = completion_chain(prompt + "there was", model=MODEL, salt=SALT)
-    assert a == completion_chain(prompt, model=MODEL, salt=SALT)
+    a = completion_keys(prompt)
+    b = completion_keys(prompt + "there was")
+    assert a == completion_keys(prompt)
     assert 1 <= common_prefix(a, b) < len(a)
     # A completion and a chat request share only the header block (salt and model).
     assert common_prefix(a, chain({"messages": [{"role": "user", "content": prompt}]})) == 1
-    pairs = completion_chain_with_ends(prompt, model=MODEL, salt=SALT, block_bytes=100)
-    assert [k for k, _ in pairs] == completion_chain(prompt, model=MODEL, salt=SALT, block_bytes=100)
+    pairs = request_chain("completion", {"prompt": prompt}, model=MODEL, salt=SALT, block_bytes=100)
+    assert [e for _, e in pairs][-1] == sum(len(s) for s in completion_segments(
+        prompt, model=MODEL, salt=SALT))
 
 
 def test_common_prefix():
@@ -212,7 +221,7 @@ def test_bad_arguments_raise_value_error():
     with pytest.raises(ValueError, match="block_bytes"):
         chat_chain(conv("x"), model=MODEL, salt=SALT, block_bytes=0)
     with pytest.raises(ValueError, match="prompt"):
-        completion_chain(None, model=MODEL, salt=SALT)
+        completion_keys(None)
     with pytest.raises(ValueError, match="scope"):
         make_salt("s", scope=3)
 
@@ -276,15 +285,17 @@ def test_any_change_changes_the_chain_from_there(messages, data):
 
 # -- request_chain: the one function both proxy and backend use -----------------------
 
-from kvroute.core.prefix import PREFIX_SCHEME, fingerprint, request_chain, request_kind  # noqa: E402
+from kvroute.core.prefix import PREFIX_SCHEME, fingerprint, request_kind  # noqa: E402
 
 
 def test_request_chain_is_the_chat_and_completion_chain():
     body = conv("hello " * 80)
-    assert request_chain("chat", body, model=MODEL, salt=SALT) == chat_chain_with_ends(
-        body, model=MODEL, salt=SALT)
+    assert request_chain("chat", body, model=MODEL, salt=SALT) == chain_segments(
+        chat_segments(body, model=MODEL, salt=SALT), salt=SALT, block_bytes=DEFAULT_BLOCK_BYTES)
     assert request_chain("completion", {"prompt": "once"}, model=MODEL, salt=SALT) == \
-        completion_chain_with_ends("once", model=MODEL, salt=SALT)
+        chain_segments(completion_segments("once", model=MODEL, salt=SALT), salt=SALT,
+                       block_bytes=DEFAULT_BLOCK_BYTES)
+    assert chat_chain(body, model=MODEL, salt=SALT) == [k for k, _ in chat_ends(body)]
     assert request_kind("/v1/chat/completions") == "chat"
     assert request_kind("/v1/completions") == "completion"
 
@@ -367,8 +378,8 @@ def test_layout_orders_the_segments():
     # tool_choice "none": the template sees no tools, so neither the list nor the mark.
     none = {**body, "tool_choice": "none"}
     assert chat_segments(none, **kw, layout=LLAMA) == [segs[0], system, user]
-    assert request_chain("chat", body, **kw, layout=QWEN) == \
-        chat_chain_with_ends(body, **kw, layout=QWEN)
+    assert request_chain("chat", body, **kw, layout=QWEN) == chain_segments(
+        chat_segments(body, **kw, layout=QWEN), salt=kw["salt"], block_bytes=DEFAULT_BLOCK_BYTES)
     # Completions have no template: the layout changes nothing.
     assert request_chain("completion", {"prompt": "x"}, **kw, layout=QWEN) == \
         request_chain("completion", {"prompt": "x"}, **kw)

@@ -33,15 +33,6 @@ def request_schemas(role: str) -> tuple[dict[str, dict], dict[str, dict]]:
                                     ref_template=_REF)
     return {m.__name__: refs[(m, "validation")] for m in _BODIES[role]}, defs["$defs"]
 
-
-# Self-contained schemas of the bodies (their own $defs), for validating a body by
-# JSON Schema alone.
-CHAT_REQUEST = ChatCompletionBody.model_json_schema()
-COMPLETION_REQUEST = CompletionBody.model_json_schema()
-RESPONSES_REQUEST = ResponsesBody.model_json_schema()
-MESSAGES_REQUEST = MessagesBody.model_json_schema()
-COUNT_TOKENS_REQUEST = CountTokensBody.model_json_schema()
-
 _ERROR = {
     "type": "object",
     "required": ["error"],

@@ -21,8 +21,6 @@ from pydantic import Field, Tag, WithJsonSchema, model_validator
 from .validation import Body, invalid, only, refusing, tagged_by
 from .wire import NonEmpty, Stop
 
-TEXT_PARTS = ("input_text", "output_text", "text")
-
 
 class InputTextPart(Body):
     type: Annotated[Literal["input_text", "output_text", "text"], refusing(

@@ -18,7 +18,6 @@ from pydantic import Field, StringConstraints, WithJsonSchema, model_validator
 from .errors import bad_request
 from .validation import Body, invalid, only, refusing, validate
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5

@@ -48,7 +48,6 @@ log = logging.getLogger("kvroute.backend")
 # stream a quarter of its rate, so there the default stays.
 GPU_GIL_SWITCH_S = 0.0005
 
-ENGINE_KEY = web.AppKey("engine", Engine)
 STATE_KEY = web.AppKey("state", object)
 
 

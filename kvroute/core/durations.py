@@ -28,12 +28,3 @@ def parse_duration(text: str | int | float) -> float:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30m, 1h30m or 90s)")
     return total
 
-
-def format_duration(seconds: float) -> str:
-    if seconds <= 0:
-        return "never"
-    if seconds % 3600 == 0:
-        return f"{seconds / 3600:.0f}h"
-    if seconds % 60 == 0:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds:g}s"

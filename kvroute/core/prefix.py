@@ -416,43 +416,6 @@ def _keys(pairs: list[tuple[int, int]]) -> list[int]:
     return [k for k, _ in pairs]
 
 
-def chat_chain_with_ends(
-    body: dict, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES,
-    layout: Layout = DEFAULT_LAYOUT,
-) -> list[tuple[int, int]]:
-    """Like chat_chain, with each key paired with the byte offset where its block ends.
-
-    Offsets count bytes of the canonical stream (header and framing included), a
-    rough stand-in for "matched bytes" when estimating matched tokens.
-    """
-    return chain_segments(chat_segments(body, model=model, salt=salt, layout=layout),
-                          salt=salt, block_bytes=block_bytes)
-
-
-def chat_chain(
-    body: dict, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES,
-    layout: Layout = DEFAULT_LAYOUT,
-) -> list[int]:
-    """Prefix keys of a chat completion request body (unsigned 64-bit ints)."""
-    return _keys(chat_chain_with_ends(body, model=model, salt=salt, block_bytes=block_bytes,
-                                      layout=layout))
-
-
-def completion_chain_with_ends(
-    prompt: str, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES
-) -> list[tuple[int, int]]:
-    return chain_segments(
-        completion_segments(prompt, model=model, salt=salt), salt=salt, block_bytes=block_bytes
-    )
-
-
-def completion_chain(
-    prompt: str, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES
-) -> list[int]:
-    """Prefix keys of a /v1/completions prompt."""
-    return _keys(completion_chain_with_ends(prompt, model=model, salt=salt, block_bytes=block_bytes))
-
-
 def request_chain(
     kind: str, body: Any, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES,
     layout: Layout = DEFAULT_LAYOUT,
@@ -460,6 +423,8 @@ def request_chain(
     """(key, end offset) for each block of a request body; `kind` is "chat" (a
     /v1/chat/completions body) or "completion" (a /v1/completions body); `layout`
     is the model's chat template layout (chat only; backends publish theirs).
+    Offsets count bytes of the canonical stream (header and framing included), a
+    rough stand-in for "matched bytes" when estimating matched tokens.
 
     The one chain function of the project: the proxy predicts with it, the backend
     advertises with it. Raises ValueError for a body the scheme cannot hash.
@@ -473,6 +438,15 @@ def request_chain(
     else:
         raise ValueError(f"unknown request kind {kind!r}")
     return chain_segments(segments, salt=salt, block_bytes=block_bytes)
+
+
+def chat_chain(
+    body: dict, *, model: str, salt: bytes, block_bytes: int = DEFAULT_BLOCK_BYTES,
+    layout: Layout = DEFAULT_LAYOUT,
+) -> list[int]:
+    """The keys alone of request_chain("chat", ...) (tests and benchmarks look them up)."""
+    return _keys(request_chain("chat", body, model=model, salt=salt, block_bytes=block_bytes,
+                               layout=layout))
 
 
 def request_kind(path: str) -> str:

@@ -58,10 +58,6 @@ def _options(query: str) -> dict[str, Any]:
     return opts
 
 
-def is_cluster(url: str) -> bool:
-    return url.split("://", 1)[0] in ("redis+cluster", "rediss+cluster")
-
-
 def check_url(url: str) -> str:
     """The URL's scheme; ValueError, saying what is accepted, for one no client takes."""
     scheme = url.split("://", 1)[0] if "://" in url else ""

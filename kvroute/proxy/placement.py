@@ -31,13 +31,6 @@ class Option:
     key: str = ""  # the backend id: the rotation's order
 
 
-@dataclass(frozen=True)
-class Placement:
-    index: int
-    kept_for_locality: bool  # rule 2 chose it over a cheaper candidate
-    tie_size: int  # how many candidates rule 3 chose among (1: no tie)
-
-
 class Placer:
     def __init__(self, slack: float = 1.0, tie_seconds: float = 0.05, tie_share: float = 0.1,
                  free_step: float = 0.05):
@@ -47,11 +40,12 @@ class Placer:
         self.free_step = free_step
         self._rotation = 0
 
-    def place(self, options: list[Option]) -> Placement:
+    def place(self, options: list[Option]) -> int:
+        """The index of the option that gets the request."""
         if not options:
             raise ValueError("no options to place on")
         if len(options) == 1:  # nothing to weigh (one backend serves the model)
-            return Placement(0, False, 1)
+            return 0
         best = min(o.cost.ttft for o in options)
         deepest = max(range(len(options)),
                       key=lambda i: (options[i].matched_tokens, -options[i].cost.ttft))
@@ -59,20 +53,18 @@ class Placer:
         if d.matched_tokens > 0 and d.cost.ttft <= best + self.slack:
             # Another candidate holding just as much is as good: pick among them by rule 3.
             peers = [i for i, o in enumerate(options) if o.matched_tokens == d.matched_tokens]
-            chosen, tie = self._among(options, peers, min(options[i].cost.ttft for i in peers))
-            return Placement(chosen, options[chosen].cost.ttft > best, tie)
-        chosen, tie = self._among(options, range(len(options)), best)
-        return Placement(chosen, False, tie)
+            return self._among(options, peers, min(options[i].cost.ttft for i in peers))
+        return self._among(options, range(len(options)), best)
 
-    def _among(self, options: list[Option], indexes, best: float) -> tuple[int, int]:
+    def _among(self, options: list[Option], indexes, best: float) -> int:
         window = max(self.tie_seconds, self.tie_share * best)
         equal = [i for i in indexes if options[i].cost.ttft <= best + window]
         if len(equal) == 1:
-            return equal[0], 1
+            return equal[0]
         rank = {i: (int(options[i].free_share / self.free_step), -options[i].load) for i in equal}
         top = max(rank.values())
         equal = sorted((i for i in equal if rank[i] == top), key=lambda i: options[i].key)
         if len(equal) == 1:
-            return equal[0], 1
+            return equal[0]
         self._rotation += 1
-        return equal[self._rotation % len(equal)], len(equal)
+        return equal[self._rotation % len(equal)]

@@ -46,7 +46,6 @@ class Load:
     decode_steps_per_s: float = 0.0
     reply_tokens: float = 0.0  # mean tokens of a finished reply
     free_share: float = 0.0  # share of the cache budget not held
-    restore_tokens: float = 0.0  # prompt tokens it can restore from a disk tier
 
     @property
     def reported_queue(self) -> int:
@@ -108,7 +107,6 @@ class Decision:
     candidate: Candidate
     reason: str  # cache-hit, pending-hit, load, no-registry, round-robin, least-loaded, random
     prefill_tokens: float = 0.0  # estimated tokens the backend must prefill
-    ttft_estimate: float = 0.0
     predicted_tokens: int = 0  # estimated cached tokens
     # Record the choice (routing marks in Redis, this proxy's recent choices) so that
     # requests sharing the prefix follow it before the backend advertises it.
@@ -240,8 +238,8 @@ class CacheAware(_Base):
         options = [Option(cost(x, self._weights), x.matched_tokens + x.restore_tokens,
                           c.load.free_share, c.load.inflight + c.load.reported_queue, c.backend_id)
                    for c, x in zip(pool, inputs)]
-        placed = self._placer.place(options)
-        chosen, option, x = pool[placed.index], options[placed.index], inputs[placed.index]
+        i = self._placer.place(options)
+        chosen, option, x = pool[i], options[i], inputs[i]
         if not option.matched_tokens:
             reason = "load"
         elif x.restore_tokens:
@@ -249,7 +247,7 @@ class CacheAware(_Base):
         else:
             # "pending-hit": the label users see in metrics and the dashboard.
             reason = "pending-hit" if chosen.expected_only else "cache-hit"
-        return self.decide(ctx, chosen, reason, calibration[0], ttft_estimate=option.cost.ttft,
+        return self.decide(ctx, chosen, reason, calibration[0],
                            predicted_tokens=int(option.matched_tokens),
                            mark=self._needs_mark(ctx, chosen))
 
