@@ -128,11 +128,6 @@ def run_stats(s: dict[str, Any]) -> int:
     return run(s["url"], s["watch"])
 
 
-# kvroute.arch_models.ARCHES, which a test keeps in step: importing it would
-# import mlx, which the proxy's image does not have.
-DEMO_ARCHES = ("qwen3", "gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "mamba2", "falcon_h1")
-
-
 def _demo_parser(sub) -> None:
     p = sub.add_parser("demo-model", help="build the tiny demo/test model into DIR",
                        description="Build, offline and in seconds, a tiny mlx-lm model with a "
@@ -140,7 +135,10 @@ def _demo_parser(sub) -> None:
     p.add_argument("dir", help="output directory")
     p.add_argument("--variant", default="text", choices=["text", "tool"],
                    help="'text' replies with a fixed sentence, 'tool' with a tool call")
-    p.add_argument("--arch", choices=DEMO_ARCHES, default=None,
+    # From the mlx-free names module: arch_models imports mlx, which the proxy's image lacks.
+    from .devtools.names import ARCHES
+
+    p.add_argument("--arch", choices=ARCHES, default=None,
                    help="instead, a random-weight model of this mlx-lm family (its output is "
                    "gibberish), to try another cache kind: qwen3 full attention, gemma3_text "
                    "and gpt_oss sliding windows, qwen3_next, lfm2 and falcon_h1 hybrids with "
@@ -164,8 +162,9 @@ def run_backend(s: dict[str, Any]) -> int:
     s = dict(s)
     if not s["model"]:
         s["model"] = str(demo_model.ensure(s["demo_variant"]))
-        s["model_id"] = s["model_id"] or (
-            "kvroute-demo" if s["demo_variant"] == "text" else "kvroute-demo-tool")
+        # The name `kvroute serve` gives the demo model, from its one home in config.
+        s["model_id"] = s["model_id"] or config.ModelSpec(
+            path=config.DEMO, demo_variant=s["demo_variant"]).alias
     run_async(serve(BackendConfig(**_fields_of(BackendConfig, s))))
     # The engine thread has stopped and synchronized its streams. Skip the
     # interpreter's teardown: destructors of MLX's CUDA backend run at exit in no

@@ -67,14 +67,14 @@ def tier_marker_key(backend_id: str, tier: str) -> str:
 
 ALL_BACKENDS = "kvr:backends"
 
-_RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")
+RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")  # the proxy's own ids (new_id("resp_"))
 _SCOPE_TAG_RE = re.compile(r"[0-9a-f]{32}")
 
 
 def response_key(scope_tag: str, response_id: str) -> str:
     # Both parts come from the proxy's own hashing and ids: checked so no client text
     # ever becomes (part of) a key name.
-    if not _SCOPE_TAG_RE.fullmatch(scope_tag) or not _RESPONSE_ID_RE.fullmatch(response_id):
+    if not _SCOPE_TAG_RE.fullmatch(scope_tag) or not RESPONSE_ID_RE.fullmatch(response_id):
         raise ValueError("malformed response key")
     return f"kvr:resp:{scope_tag}:{response_id}"
 

@@ -236,13 +236,15 @@ def make_salt(secret: str | bytes, scope: str | None = None) -> bytes:
         secret = secret.encode()
     if not isinstance(secret, bytes):
         raise ValueError(f"secret must be str or bytes, not {type(secret).__name__}")
-    if scope is None:
-        msg = b"\x00"
-    elif isinstance(scope, str):
-        msg = b"\x01" + scope.encode("utf-8", "surrogatepass")
-    else:
+    if scope is not None and not isinstance(scope, str):
         raise ValueError(f"scope must be str or None, not {type(scope).__name__}")
-    return hmac.new(secret, _VERSION + b"/salt/" + msg, hashlib.sha256).digest()
+    return hmac.new(secret, _VERSION + b"/salt/" + scope_bytes(scope), hashlib.sha256).digest()
+
+
+def scope_bytes(scope: str | None) -> bytes:
+    """A cache scope as bytes to derive from: None (no key, or a key without a scope)
+    and "" are different scopes."""
+    return b"\x00" if scope is None else b"\x01" + scope.encode("utf-8", "surrogatepass")
 
 
 # ---------------------------------------------------------------------------

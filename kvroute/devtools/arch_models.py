@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tokenizers import Tokenizer
 
 from . import demo_model
+from .names import ARCHES
 
 # Bump when the files ``build`` writes change, so ``ensure`` rebuilds its cache.
 VERSION = 1
@@ -191,7 +192,7 @@ CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False,
     },
 }
-ARCHES = tuple(CONFIGS)
+assert tuple(CONFIGS) == ARCHES, "names.ARCHES lists CONFIGS' families"
 
 # 7B-class shapes (``size="7b"``) of the families whose caches differ most, for
 # timing on an accelerator: prefill and decode cost what a real model's do, and

@@ -24,10 +24,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvroute.config import POLICIES
+
 from .cost import CostInput, CostWeights, calibrated_rate, cost, fleet_median
 from .placement import Option, Placer
-
-POLICIES = ("cache-aware", "round-robin", "least-loaded", "random")
 
 
 @dataclass(frozen=True)

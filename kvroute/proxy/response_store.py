@@ -22,25 +22,20 @@ import hashlib
 import hmac
 import logging
 import os
-import re
 
 import orjson
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvroute.api.errors import APIError
+from kvroute.core.keys import RESPONSE_ID_RE
+from kvroute.core.prefix import scope_bytes
 from kvroute.core.registry import Registry, RegistryUnavailable
 
 log = logging.getLogger("kvroute.proxy.responses")
 
 _VERSION = b"kvroute-responses-v1"
-_ID_RE = re.compile(r"resp_[0-9a-f]{32}")
 _NONCE_BYTES = 12
-
-
-def _scope_bytes(scope: str | None) -> bytes:
-    # None (no key, or a key without scope) and "" are different scopes, as for the salt.
-    return b"\x00" if scope is None else b"\x01" + scope.encode("utf-8", "surrogatepass")
 
 
 class ResponseStore:
@@ -50,7 +45,7 @@ class ResponseStore:
         self.ttl = ttl
 
     def _derive(self, what: bytes, scope: str | None) -> bytes:
-        return hmac.new(self.secret, _VERSION + b"/" + what + b"/" + _scope_bytes(scope),
+        return hmac.new(self.secret, _VERSION + b"/" + what + b"/" + scope_bytes(scope),
                         hashlib.sha256).digest()
 
     def _tag_and_key(self, scope: str | None) -> tuple[str, AESGCM]:
@@ -74,7 +69,7 @@ class ResponseStore:
         """The record stored under `response_id` for this scope, None when there is none
         (unknown, expired, or stored by another scope). Raises a 503 APIError (naming
         `param`) when Redis cannot answer: the id may well exist."""
-        if not _ID_RE.fullmatch(response_id):
+        if not RESPONSE_ID_RE.fullmatch(response_id):
             return None
         tag, aead = self._tag_and_key(scope)
         try:
@@ -95,7 +90,7 @@ class ResponseStore:
         """Forget the record of `response_id` in this scope; False when there was none
         (another scope's id included: its key is another). Raises a 503 APIError when
         Redis cannot answer."""
-        if not _ID_RE.fullmatch(response_id):
+        if not RESPONSE_ID_RE.fullmatch(response_id):
             return False
         tag, _ = self._tag_and_key(scope)
         try:

@@ -9,21 +9,17 @@ arithmetic, so a user sees which term to lower.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from kvroute.core.accel import physical_memory
 from kvroute.core.sizes import format_bytes
 
 PROCESS_OVERHEAD = 512 << 20  # Python, MLX and the allocator of one backend process
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def local_dir(path: str) -> Path | None:
