@@ -10,7 +10,7 @@ def opt(prompt=1000, matched=0, free=0.0, load=0, key="", **kw) -> Option:
 
 
 def test_new_prefixes_go_where_the_most_cache_is_free():
-    p = Placer()
+    p = Placer(slack=1.0)
     assert p.place([opt(free=0.5), opt(free=0.9)]) == 1
     # Differences within one step of the budget say nothing (records lag a heartbeat):
     # rotation in backend order, advancing only on such ties, alternates.
@@ -36,7 +36,7 @@ def test_a_cached_prefix_keeps_its_backend_within_slack():
 
 
 def test_a_backend_full_of_decodes_loses_new_prefixes():
-    p = Placer()
+    p = Placer(slack=1.0)
     busy = opt(free=1.0, max_batch=8, decoding=8, decode_steps_per_s=20, reply_tokens=200)
     idle = opt(free=0.1, max_batch=8)
     for _ in range(4):
@@ -45,7 +45,7 @@ def test_a_backend_full_of_decodes_loses_new_prefixes():
 
 def test_small_rate_differences_do_not_decide():
     # Costs within the tie window count as equal: free cache decides.
-    p = Placer()
+    p = Placer(slack=1.0)
     a = Option(cost(CostInput(prompt_tokens=1000, prefill_tps=1050)), 0, 0.1, 0)
     b = Option(cost(CostInput(prompt_tokens=1000, prefill_tps=1000)), 0, 0.9, 0)
     assert p.place([a, b]) == 1

@@ -24,6 +24,8 @@ MAX_COMPLETION_LOGPROBS = 5
 # The backend's internal token count of a chat body (under /v1, so it takes the internal
 # token like the rest): the proxy's Anthropic count_tokens asks it, having no tokenizer.
 COUNT_TOKENS_PATH = "/v1/kvroute/count_tokens"
+# Headers of every SSE answer, the backend's and the proxy's.
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 Stop = Union[str, Annotated[list[str], Field(max_length=MAX_STOP)]]

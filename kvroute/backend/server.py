@@ -27,7 +27,7 @@ from kvroute.api import openapi
 from kvroute.api.process import bind_sockets, start_site, wait_for_stop
 from kvroute.api.errors import APIError, bad_request, error_middleware, not_found
 from kvroute.core.registry import BackendRecord, Registry, new_instance_id
-from kvroute.api.wire import (COUNT_TOKENS_PATH, ChatRequest, CompletionRequest, parse_chat,
+from kvroute.api.wire import (COUNT_TOKENS_PATH, SSE_HEADERS, ChatRequest, CompletionRequest, parse_chat,
                               parse_completion, parse_json)
 
 from .disk import DiskTier, open_disk_tier
@@ -473,7 +473,7 @@ async def _stream(
     if isinstance(first, APIError):
         raise first
     resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_cache_headers(job)}
+        headers={**SSE_HEADERS, **_cache_headers(job)}
     )
     try:
         await resp.prepare(request)

@@ -13,17 +13,17 @@ import functools
 import logging
 
 import aiohttp
-import orjson
 from aiohttp import web
 
 from kvroute.api.errors import APIError, overloaded
+from kvroute.api.wire import SSE_HEADERS
 from kvroute.core.hits import is_cache_hit
 
 from . import loading
 from .fleet import watch_of
 from .policy import Decision
 from .state import State
-from .translate import Relay
+from .translate import Relay, chat_error_event
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -202,8 +202,8 @@ def record_stats(state: State, model: str, decision: Decision, upstream) -> None
 
 async def relay_stream(request: web.Request, upstream, headers: dict, bid: str) -> web.StreamResponse:
     # A request that waited for its model to load has its stream started already.
-    resp = loading.held(request) or web.StreamResponse(status=upstream.status, headers={
-        **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    resp = loading.held(request) or web.StreamResponse(status=upstream.status,
+                                                       headers={**headers, **SSE_HEADERS})
     chunks = upstream.content.iter_any().__aiter__()
     try:
         await resp.prepare(request)
@@ -217,7 +217,7 @@ async def relay_stream(request: web.Request, upstream, headers: dict, bid: str) 
                 log.warning("backend %s failed mid-stream: %s", bid, exc)
                 err = APIError(502, f"Backend {bid} failed mid-stream.", "server_error", None,
                                "backend_failed")
-                await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\ndata: [DONE]\n\n")
+                await resp.write(chat_error_event(err))
                 break
             await resp.write(chunk)
         await resp.write_eof()

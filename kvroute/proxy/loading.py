@@ -26,12 +26,14 @@ import orjson
 from aiohttp import web
 
 from kvroute.api.errors import APIError, not_found
+from kvroute.api.wire import SSE_HEADERS
 from kvroute.core.models_state import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY,
                                        UNLOADED, UNLOADING, ModelsState, ModelState, quietly)
 
+from .translate import HELD, chat_error_event, sse_event
+
 log = logging.getLogger("kvroute.proxy.loading")
 
-HELD = "kvroute_held_stream"  # request key: the SSE response started while it waited
 KEEPALIVE = 2.0  # seconds between `: loading` comments
 POLL = 0.2  # seconds between looks at the states and the registry while a load runs
 RESEND = 3.0  # seconds between load requests of one wait
@@ -189,8 +191,7 @@ async def hold(request: web.Request, models: Models, model: str, stream: bool,
         return None
     if (failed := models.recent_failure(model)) is not None:
         raise failed  # known before a byte is sent: a plain error response
-    resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                   "Cache-Control": "no-cache"})
+    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
     wait = asyncio.ensure_future(models.wait_loaded(model, serving))
     try:
         await resp.prepare(request)
@@ -216,20 +217,19 @@ def held(request: web.Request) -> web.StreamResponse | None:
 async def write_error(request: web.Request, err: APIError) -> web.StreamResponse:
     """End a started stream with `err` in the client API's own error event."""
     resp = request[HELD]
-    e = err.body()["error"]
     if request.path.startswith("/v1/messages"):
-        from .messages_api import error_type
+        from .messages_api import error_fields
 
-        event = b"event: error\ndata: " + orjson.dumps(
-            {"type": "error", "error": {"type": error_type(err.status), "message": err.message}})
+        event = sse_event("error", {"type": "error", **error_fields(err)})
     elif request.path.startswith("/v1/responses"):
-        event = b"event: error\ndata: " + orjson.dumps(
-            {"type": "error", "sequence_number": 0, "code": e["code"] or e["type"],
-             "message": e["message"], "param": e["param"]})
+        from .responses_api import error_fields
+
+        # Nothing was sent before it: the stream's first event.
+        event = sse_event("error", {"type": "error", "sequence_number": 0, **error_fields(err)})
     else:
-        event = b"data: " + orjson.dumps(err.body()) + b"\n\ndata: [DONE]"
+        event = chat_error_event(err)
     try:
-        await resp.write(event + b"\n\n")
+        await resp.write(event)
         await resp.write_eof()
     except ConnectionError:
         pass

@@ -305,8 +305,7 @@ class _MessagesRelay(Relay):
                        usage=_usage(reply.usage))
             await send("message_stop")
         except UpstreamFailed as exc:
-            await send("error", error={"type": error_type(exc.error.status),
-                                       "message": exc.error.message})
+            await send("error", **error_fields(exc.error))
         return await w.end()
 
 
@@ -452,6 +451,11 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 def error_type(status: int) -> str:
     return _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def error_fields(err: APIError) -> dict:
+    """The fields of an `error` event that ends a stream after its 200."""
+    return {"error": {"type": error_type(err.status), "message": err.message}}
 
 
 def _is_messages(path: str) -> bool:

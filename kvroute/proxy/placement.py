@@ -32,7 +32,7 @@ class Option:
 
 
 class Placer:
-    def __init__(self, slack: float = 1.0, tie_seconds: float = 0.05, tie_share: float = 0.1,
+    def __init__(self, slack: float, tie_seconds: float = 0.05, tie_share: float = 0.1,
                  free_step: float = 0.05):
         self.slack = slack
         self.tie_seconds = tie_seconds

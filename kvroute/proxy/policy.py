@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvroute.config import POLICIES
+from kvroute.config import POLICIES, PROXY
 
 from .cost import CostInput, CostWeights, calibrated_rate, cost, fleet_median
 from .placement import Option, Placer
@@ -113,13 +113,16 @@ class Decision:
     mark: bool = False
 
 
+_PROXY = {s.name: s.default for s in PROXY}  # the proxy's settings and defaults
+
+
 @dataclass
 class PolicyConfig:
-    name: str = "cache-aware"
+    name: str = _PROXY["policy"]
     bytes_per_token: float = 4.0  # until a backend of the model has measured its own
-    default_prefill_tps: float = 1000.0  # until a backend of the model has measured itself
-    locality_slack: float = 1.0  # seconds of extra estimated TTFT accepted to keep a prefix hit
-    per_request_wait: float = 0.02  # seconds a queued request of another proxy is assumed to cost
+    default_prefill_tps: float = CostWeights.default_prefill_tps
+    locality_slack: float = _PROXY["locality_slack"]
+    per_request_wait: float = CostWeights.per_request_wait
 
     def weights(self) -> CostWeights:
         return CostWeights(per_request_wait=self.per_request_wait,

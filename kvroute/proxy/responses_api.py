@@ -43,7 +43,7 @@ import orjson
 from aiohttp import web
 
 from kvroute.api import responses_wire as rw
-from kvroute.api.errors import bad_request, not_found
+from kvroute.api.errors import APIError, bad_request, not_found
 from kvroute.api.validation import validate
 
 from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
@@ -511,7 +511,7 @@ class _ResponsesRelay(Relay):
                        response=final)
         except UpstreamFailed as exc:
             err = exc.error
-            await send("error", code=err.code or err.type, message=err.message, param=err.param)
+            await send("error", **error_fields(err))
             await send("response.failed", response=self._object(
                 "failed", output, None, error={"code": err.code or "server_error",
                                                "message": err.message}))
@@ -536,6 +536,11 @@ async def create(request: web.Request) -> web.StreamResponse:
         history = record["messages"]
     chat = carry_fault(body, chat_body(req, history))
     return await gateway.route_chat(request, chat, _ResponsesRelay(request, req, history), t_start)
+
+
+def error_fields(err: APIError) -> dict:
+    """The fields of an `error` event that ends a stream after its 200."""
+    return {"code": err.code or err.type, "message": err.message, "param": err.param}
 
 
 def _unknown(response_id: str) -> Exception:

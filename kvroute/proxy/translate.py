@@ -25,13 +25,25 @@ import orjson
 from aiohttp import web
 
 from kvroute.api.errors import APIError
-from kvroute.api.wire import parse_json
+from kvroute.api.wire import SSE_HEADERS, parse_json
 
 log = logging.getLogger("kvroute.proxy.translate")
 
 # Bodies larger than this are translated off the event loop (as the server does for
 # prefix chains): a big agent history is thousands of items walked in Python.
 INLINE_BYTES = 256 << 10
+HELD = "kvroute_held_stream"  # request key: the SSE response started while its model loaded
+
+
+def sse_event(event: str, data: dict) -> bytes:
+    """One named SSE event (the agent APIs' streams)."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def chat_error_event(err: APIError) -> bytes:
+    """The end of a chat or completion stream that failed after its 200: the error
+    envelope as a chunk, then [DONE]."""
+    return b"data: " + orjson.dumps(err.body()) + b"\n\ndata: [DONE]\n\n"
 
 
 class Relay:
@@ -227,13 +239,12 @@ class SSEWriter:
     """One SSE response to the client. `send` returns False once the client is gone."""
 
     def __init__(self, headers: dict):
-        self.resp = web.StreamResponse(status=200, headers={
-            **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self.resp = web.StreamResponse(status=200, headers={**headers, **SSE_HEADERS})
         self.open = True
 
     async def start(self, request: web.Request) -> bool:
         # A request that waited for its model to load has its stream started already.
-        held = request.get("kvroute_held_stream")
+        held = request.get(HELD)
         if held is not None:
             self.resp = held
         try:
@@ -246,8 +257,7 @@ class SSEWriter:
         if not self.open:
             return False
         try:
-            await self.resp.write(b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data)
-                                  + b"\n\n")
+            await self.resp.write(sse_event(event, data))
         except ConnectionError:
             # The client went away: not a backend failure. Closing upstream (the
             # server's forward does it) stops the backend decoding.
