@@ -17,7 +17,8 @@ from kvroute import __version__
 from .messages_wire import CountTokensBody, MessagesBody
 from .responses_wire import ResponsesBody
 from .validation import Body
-from .wire import COUNT_TOKENS_PATH, ChatCompletionBody, CompletionBody
+from .wire import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH, MESSAGES_COUNT_PATH,
+                   MESSAGES_PATH, MODELS_PATH, RESPONSES_PATH, ChatCompletionBody, CompletionBody)
 
 _REF = "#/components/schemas/{model}"
 _BODIES: dict[str, tuple[type[Body], ...]] = {
@@ -226,27 +227,27 @@ def spec(role: str) -> dict:
     proxy = role == "proxy"
     body, defs = request_schemas(role)
     paths = {
-        "/v1/chat/completions": _generate("Chat completion", body["ChatCompletionBody"], proxy),
-        "/v1/completions": _generate("Text completion", body["CompletionBody"], proxy),
-        "/v1/models": _get("Models served"),
-        "/health": _get("Liveness and state"),
+        CHAT_PATH: _generate("Chat completion", body["ChatCompletionBody"], proxy),
+        COMPLETIONS_PATH: _generate("Text completion", body["CompletionBody"], proxy),
+        MODELS_PATH: _get("Models served"),
+        HEALTH_PATH: _get("Liveness and state"),
         "/metrics": _get("Prometheus metrics", "text/plain"),
         "/openapi.json": _get("This description"),
     }
     if proxy:
-        paths["/v1/responses"] = _agent(
+        paths[RESPONSES_PATH] = _agent(
             "OpenAI Responses API, routed and cached like chat", body["ResponsesBody"],
             _RESPONSE_OBJECT, _ERROR)
-        paths["/v1/responses/{response_id}"] = _by_id(
+        paths[RESPONSES_PATH + "/{response_id}"] = _by_id(
             "response_id", "A stored response's id (in the API key's scope)", {
                 "get": ("A stored response, as its create answered it", _RESPONSE_OBJECT),
                 "delete": ("Forget a stored response", _DELETED_RESPONSE)})
-        paths["/v1/models/{model}"] = _by_id("model", "A model id of /v1/models", {
+        paths[MODELS_PATH + "/{model}"] = _by_id("model", "A model id of /v1/models", {
             "get": ("One model of /v1/models", _MODEL_OBJECT)})
-        paths["/v1/messages"] = _agent(
+        paths[MESSAGES_PATH] = _agent(
             "Anthropic Messages API, routed and cached like chat", body["MessagesBody"],
             _MESSAGE_OBJECT, ANTHROPIC_ERROR)
-        paths["/v1/messages/count_tokens"] = _agent(
+        paths[MESSAGES_COUNT_PATH] = _agent(
             "Anthropic token count, by a backend's chat template", body["CountTokensBody"],
             {"type": "object", "required": ["input_tokens"],
              "properties": {"input_tokens": {"type": "integer"}}}, ANTHROPIC_ERROR, stream=False)

@@ -27,7 +27,8 @@ from kvroute.api import openapi
 from kvroute.api.process import bind_sockets, start_site, wait_for_stop
 from kvroute.api.errors import APIError, bad_request, error_middleware, not_found
 from kvroute.core.registry import BackendRecord, Registry, new_instance_id
-from kvroute.api.wire import (COUNT_TOKENS_PATH, SSE_HEADERS, ChatRequest, CompletionRequest, parse_chat,
+from kvroute.api.wire import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH,
+                              MODELS_PATH, SSE_HEADERS, ChatRequest, CompletionRequest, parse_chat,
                               parse_completion, parse_json)
 
 from .disk import DiskTier, open_disk_tier
@@ -633,11 +634,11 @@ def create_app(state: State) -> web.Application:
         middlewares.append(_token_middleware(state.config.internal_token))
     app = web.Application(middlewares=middlewares, client_max_size=state.config.max_body_bytes)
     app[STATE_KEY] = state
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post(CHAT_PATH, chat_completions)
+    app.router.add_post(COMPLETIONS_PATH, completions)
     app.router.add_post(COUNT_TOKENS_PATH, count_tokens)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
+    app.router.add_get(MODELS_PATH, models)
+    app.router.add_get(HEALTH_PATH, health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_json)
     app.router.add_get("/debug/cache", cache_entries)

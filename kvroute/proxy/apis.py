@@ -12,15 +12,18 @@ import asyncio
 
 from aiohttp import web
 
+from kvroute.api.wire import (CHAT_PATH, COMPLETIONS_PATH, MESSAGES_COUNT_PATH, MESSAGES_PATH,
+                              RESPONSES_PATH)
+
 from .metrics import ProxyMetrics
 from .stats import Stats
 
 APIS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-    "/v1/messages": "messages",
-    "/v1/messages/count_tokens": "messages",
+    CHAT_PATH: "chat",
+    COMPLETIONS_PATH: "completions",
+    RESPONSES_PATH: "responses",
+    MESSAGES_PATH: "messages",
+    MESSAGES_COUNT_PATH: "messages",
 }
 
 

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from kvroute.api.wire import HEALTH_PATH
 from kvroute.core.prefix import DEFAULT_LAYOUT, PREFIX_SCHEME, Layout
 from kvroute.core.registry import BackendRecord, Registry, RegistryUnavailable
 
@@ -214,7 +215,7 @@ async def _answers(state: FleetState, bid: str, url: str) -> bool:
 async def _probe(state: FleetState, url: str) -> bool:
     try:
         timeout = aiohttp.ClientTimeout(total=state.config.probe_timeout)
-        async with state.session.get(url + "/health", timeout=timeout) as r:
+        async with state.session.get(url + HEALTH_PATH, timeout=timeout) as r:
             return r.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return False

@@ -26,7 +26,7 @@ import orjson
 from aiohttp import web
 
 from kvroute.api.errors import APIError, not_found
-from kvroute.api.wire import SSE_HEADERS
+from kvroute.api.wire import MESSAGES_PATH, RESPONSES_PATH, SSE_HEADERS
 from kvroute.core.models_state import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY,
                                        UNLOADED, UNLOADING, ModelsState, ModelState, quietly)
 
@@ -217,11 +217,11 @@ def held(request: web.Request) -> web.StreamResponse | None:
 async def write_error(request: web.Request, err: APIError) -> web.StreamResponse:
     """End a started stream with `err` in the client API's own error event."""
     resp = request[HELD]
-    if request.path.startswith("/v1/messages"):
+    if request.path.startswith(MESSAGES_PATH):
         from .messages_api import error_fields
 
         event = sse_event("error", {"type": "error", **error_fields(err)})
-    elif request.path.startswith("/v1/responses"):
+    elif request.path.startswith(RESPONSES_PATH):
         from .responses_api import error_fields
 
         # Nothing was sent before it: the stream's first event.

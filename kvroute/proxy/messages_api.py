@@ -38,14 +38,13 @@ from aiohttp import web
 from kvroute.api import messages_wire as mw
 from kvroute.api.errors import APIError
 from kvroute.api.validation import validate
-from kvroute.api.wire import COUNT_TOKENS_PATH
+from kvroute.api.wire import COUNT_TOKENS_PATH, MESSAGES_COUNT_PATH, MESSAGES_PATH
 
 from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
                         chat_chunks, chunk_parts, json_response, new_id, off_loop_if_large,
                         read_json, tool_call_parts, upstream_error)
 
-PATH = "/v1/messages"
-COUNT_PATH = "/v1/messages/count_tokens"
+PATH, COUNT_PATH = MESSAGES_PATH, MESSAGES_COUNT_PATH
 # Several text blocks of one turn (Claude Code sends a few) read as paragraphs.
 BLOCK_SEPARATOR = "\n\n"
 # Claude Code's billing attribution, sent as the first system text block.

@@ -45,12 +45,13 @@ from aiohttp import web
 from kvroute.api import responses_wire as rw
 from kvroute.api.errors import APIError, bad_request, not_found
 from kvroute.api.validation import validate
+from kvroute.api.wire import RESPONSES_PATH
 
 from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
                         chat_chunks, chunk_parts, json_response, new_id, off_loop_if_large,
                         read_json, tool_call_parts, upstream_error)
 
-PATH = "/v1/responses"
+PATH = RESPONSES_PATH
 IGNORED_TOOLS_HEADER = "x-kvroute-ignored-tools"
 DEFAULT_NAMESPACE = "functions"  # Codex's namespace of top-level tools
 LOCAL_SHELL = "local_shell"
