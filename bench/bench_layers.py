@@ -63,7 +63,7 @@ from kvroute.backend.engine import Delta, Engine, Finish, Job  # noqa: E402
 from kvroute.backend.metrics import BackendMetrics  # noqa: E402
 from kvroute.backend.store import Store  # noqa: E402
 from kvroute.core.sizes import parse_bytes  # noqa: E402
-from kvroute.api.wire import SamplingParams  # noqa: E402
+from kvroute.backend.requests import SamplingParams  # noqa: E402
 
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:

@@ -193,7 +193,7 @@ async def main(args) -> None:
 
 
 async def burst_rows(reg: Registry, raw, records, rng: random.Random) -> list[tuple]:
-    from kvroute.core.keys import chain_hex, model_tag
+    from kvroute.core.redis_keys import chain_hex, model_tag
     from kvroute.core.registry import _SCRIPTS
 
     chain = random_chain(rng, 64)

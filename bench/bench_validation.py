@@ -1,6 +1,6 @@
 """What validating one request body costs, per API, in this process (no HTTP).
 
-Times `kvroute.wire.parse_chat` / `parse_completion` (the backend's validation of
+Times `kvroute.backend.requests.parse_chat` / `parse_completion` (the backend's validation of
 every chat and completion body) and the proxy's parsers of the agent APIs
 (`proxy.responses_api.parse`, `proxy.messages_api.parse`) on the bodies
 bench_proxy.py sends and on tool-calling agent turns, best of --repeat runs. It
@@ -22,7 +22,7 @@ import timeit
 from rich.console import Console
 from rich.table import Table
 
-from kvroute.api import wire
+from kvroute.backend import requests
 from kvroute.proxy import messages_api, responses_api
 
 TOOL = {"type": "function", "function": {
@@ -81,9 +81,9 @@ MESSAGES = {
 }
 
 CASES = [
-    ("chat (bench_proxy body)", wire.parse_chat, CHAT),
-    ("chat (20 messages, tools)", wire.parse_chat, CHAT_TOOLS),
-    ("completion", wire.parse_completion, COMPLETION),
+    ("chat (bench_proxy body)", requests.parse_chat, CHAT),
+    ("chat (20 messages, tools)", requests.parse_chat, CHAT_TOOLS),
+    ("completion", requests.parse_completion, COMPLETION),
     ("responses (15 items, tools)", responses_api.parse, RESPONSES),
     ("messages (15 messages, tools)", messages_api.parse, MESSAGES),
 ]

@@ -57,7 +57,7 @@ from harness import ServeProcess, get_json, request, wait_until
 
 from kvroute.devtools.demo_model import DEMO_REPLY
 from kvroute.serve.redis_server import RedisServer
-from kvroute.core.keys import model_tag  # (the one place key names live)
+from kvroute.core.redis_keys import model_tag  # (the one place key names live)
 
 MODEL = "kvroute-demo"
 SECRET = "reliability"

@@ -194,14 +194,14 @@ def test_redis_urls():
 def test_models_state_on_a_cluster(cluster):
     """Every models_state operation on a cluster, the last machine's two-key clean-up
     included (a CROSSSLOT error if the keys did not share a slot)."""
-    from kvroute.core import keys
-    from kvroute.core.models_state import LOADED, ModelsState, ModelState
+    from kvroute.core import redis_keys
+    from kvroute.core.model_loads import LOADED, ModelLoads, ModelState
 
-    assert len({key_slot(k.encode()) for k in (keys.MODEL_STATES, keys.MODELS_USED,
-                                              keys.MODEL_LOADS)}) == 1
+    assert len({key_slot(k.encode()) for k in (redis_keys.MODEL_STATES, redis_keys.MODELS_USED,
+                                              redis_keys.MODEL_LOADS)}) == 1
 
     async def main():
-        states = ModelsState(cluster.url)
+        states = ModelLoads(cluster.url)
         try:
             await states.publish([ModelState(model="m", machine="a", state=LOADED)])
             assert [s.state for s in (await states.states())["m"]] == [LOADED]

@@ -52,7 +52,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from kvroute.api import openapi
-from kvroute.api.wire import ChatCompletionBody
+from kvroute.api.chat import ChatCompletionBody
 from kvroute.serve.redis_server import RedisServer
 
 MODEL = "demo"
@@ -833,7 +833,7 @@ def test_regression_405_had_no_allow_header(servers):
 def test_regression_openapi_and_validation_disagreed(servers, fields, param):
     # Schema-valid bodies the servers refused (schemathesis found the first two), and
     # schema-invalid ones they accepted (found reading the description against
-    # wire.py): now the description says what wire.py enforces, and wire.py checks
+    # api/chat.py): now the description says what chat.py enforces, and chat.py checks
     # the types the description declares.
     import jsonschema_rs
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvroute.core.models_state import (LOADED, LOADING, UNLOADED, ModelsState, ModelState,
-                                       STALE_AFTER, summarize)
-from kvroute.core import keys
+from kvroute.core.model_loads import (LOADED, LOADING, UNLOADED, ModelLoads, ModelState,
+                                      STALE_AFTER, summarize)
+from kvroute.core import redis_keys
 from kvroute.serve.redis_server import RedisServer
 
 
 def test_publish_summarize_withdraw_and_load_requests():
     async def main(url: str) -> None:
-        a, b = ModelsState(url), ModelsState(url)
+        a, b = ModelLoads(url), ModelLoads(url)
         await a.publish([ModelState("m1", "mac-a", LOADED, memory_bytes=10, loads=2),
                          ModelState("m2", "mac-a", UNLOADED)])
         await b.publish([ModelState("m1", "mac-b", LOADING, loads=1)])
@@ -50,8 +50,8 @@ def test_stale_states_are_ignored():
     stale = ModelState("m", "y", LOADED, updated_at=time.time() - STALE_AFTER - 1)
 
     async def main(url: str) -> None:
-        s = ModelsState(url)
-        await s._redis.hset(keys.MODEL_STATES, mapping={"m|x": fresh.to_json(), "m|y": stale.to_json()})
+        s = ModelLoads(url)
+        await s._redis.hset(redis_keys.MODEL_STATES, mapping={"m|x": fresh.to_json(), "m|y": stale.to_json()})
         assert [x.machine for x in (await s.states())["m"]] == ["x"]
         await s.close()
 

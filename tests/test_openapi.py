@@ -3,7 +3,7 @@ request body's described constraints (required fields, enums and constants, rang
 lengths) are exactly what validation enforces.
 
 The bodies' schemas are generated from the same pydantic models that validate
-(kvroute/wire.py, responses_wire.py, messages_wire.py), so these tests guard the
+(kvroute/api/chat.py, responses.py, messages.py), so these tests guard the
 seams: constraints a model adds by hand to its schema (cross-field rules, the
 logit_bias key pattern), and pydantic's schema matching its own validation in strict
 mode. For each constrained field a body is built at each edge of the description
@@ -27,9 +27,10 @@ from harness import post_json
 from kvroute import config
 from kvroute.api import openapi
 from kvroute.api.errors import APIError
-from kvroute.api.messages_wire import CountTokensBody, MessagesBody
-from kvroute.api.responses_wire import ResponsesBody
-from kvroute.api.wire import ChatCompletionBody, CompletionBody, parse_chat, parse_completion
+from kvroute.api.messages import CountTokensBody, MessagesBody
+from kvroute.api.responses import ResponsesBody
+from kvroute.api.chat import ChatCompletionBody, CompletionBody
+from kvroute.backend.requests import parse_chat, parse_completion
 from kvroute.proxy import messages_api, responses_api
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,

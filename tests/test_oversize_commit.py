@@ -25,7 +25,7 @@ from test_store import make_window_cache, tokens
 from kvroute.backend.engine import describe_budgets, kv_rate
 from kvroute.backend.store import Store, cache_nbytes, prefix_cache
 from kvroute.devtools import arch_models
-from kvroute.core import keys
+from kvroute.core import redis_keys
 from kvroute.serve.redis_server import RedisServer
 
 KIB = 1024
@@ -227,7 +227,7 @@ def test_a_prompt_over_the_ram_budget_is_served_from_disk_exactly(text_model, tm
         assert_entries_consistent(backend)
         # RAM advertises less than the disk tier, which advertises the whole.
         client = redis_py.Redis.from_url(redis.url)
-        tag = keys.model_tag("demo")
+        tag = redis_keys.model_tag("demo")
 
         def advertised() -> tuple[set, set] | None:
             ram = client.smembers(f"{tag}idx:{backend.backend_id}")

@@ -301,7 +301,7 @@ def test_request_chain_is_the_chat_and_completion_chain():
 
 
 def test_one_element_prompt_list_is_its_string():
-    # The backend accepts ["text"] as "text" (kvroute/wire.py): the keys must agree.
+    # The backend accepts ["text"] as "text" (kvroute/backend/requests.py): the keys must agree.
     assert request_chain("completion", {"prompt": ["once upon"]}, model=MODEL, salt=SALT) == \
         request_chain("completion", {"prompt": "once upon"}, model=MODEL, salt=SALT)
     with pytest.raises(ValueError):

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from harness import terminate, wait_until
-from kvroute.core.keys import record_key
+from kvroute.core.redis_keys import record_key
 from kvroute.core.prefix import chat_chain, make_salt
 from kvroute.serve.redis_server import RedisServer, _die_with_parent, free_port, ping
 from kvroute.core.registry import BackendRecord, Registry, RegistryUnavailable, new_instance_id

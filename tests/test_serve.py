@@ -272,7 +272,7 @@ def test_a_health_poll_answered_by_something_not_http_means_not_ready():
     import socket
     import threading
 
-    from kvroute.api.process import health_body
+    from kvroute.api.lifecycle import health_body
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -305,7 +305,7 @@ def test_a_backend_holds_its_port_from_start_to_serving():
     import aiohttp
     from aiohttp import web
 
-    from kvroute.api.process import bind_sockets, start_site
+    from kvroute.api.lifecycle import bind_sockets, start_site
     from kvroute.serve.redis_server import _ephemeral_low
 
     port = free_port()

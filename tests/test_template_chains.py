@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from kvroute.backend.server import _chat_chains, _drops_reasoning
 from kvroute.core import prefix
-from kvroute.api.wire import parse_chat
+from kvroute.backend.requests import parse_chat
 
 # Past assistant turns lose everything up to </think>; the last one keeps it.
 DROPPING = r"""{%- set last_user = namespace(i=0) -%}

@@ -3,8 +3,8 @@
 One description for both processes: the proxy and the backend accept the same chat and
 completion bodies (the proxy passes them through unchanged); each serves the operations
 it has. Request bodies are not written here: their schemas are generated from the
-pydantic models that validate them (kvroute/wire.py, responses_wire.py,
-messages_wire.py), so the description cannot drift from what the servers enforce (the
+pydantic models that validate them (kvroute/api/chat.py, responses.py,
+messages.py), so the description cannot drift from what the servers enforce (the
 few rules a model adds to its schema by hand are checked by tests/test_openapi.py).
 Answers (which kvroute writes, not validates) are described here by hand.
 """
@@ -14,11 +14,12 @@ from __future__ import annotations
 from pydantic.json_schema import models_json_schema
 
 from kvroute import __version__
-from .messages_wire import CountTokensBody, MessagesBody
-from .responses_wire import ResponsesBody
+from .chat import ChatCompletionBody, CompletionBody
+from .messages import CountTokensBody, MessagesBody
+from .responses import ResponsesBody
+from .routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH, MESSAGES_COUNT_PATH,
+                     MESSAGES_PATH, MODELS_PATH, RESPONSES_PATH)
 from .validation import Body
-from .wire import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH, MESSAGES_COUNT_PATH,
-                   MESSAGES_PATH, MODELS_PATH, RESPONSES_PATH, ChatCompletionBody, CompletionBody)
 
 _REF = "#/components/schemas/{model}"
 _BODIES: dict[str, tuple[type[Body], ...]] = {

@@ -14,10 +14,10 @@ checks the two against each other.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, ValidationError,
-                      WithJsonSchema, WrapValidator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field,
+                      StringConstraints, ValidationError, WithJsonSchema, WrapValidator)
 from pydantic_core import PydanticCustomError
 
 from .errors import APIError, bad_request
@@ -31,6 +31,11 @@ class Body(BaseModel):
 
 
 M = TypeVar("M", bound=Body)
+
+# Field types the bodies of every API share.
+MAX_STOP = 4
+NonEmpty = Annotated[str, StringConstraints(min_length=1)]
+Stop = Union[str, Annotated[list[str], Field(max_length=MAX_STOP)]]
 
 
 def invalid(param: str, message: str, code: str = "invalid_value") -> PydanticCustomError:

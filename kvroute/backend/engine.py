@@ -45,10 +45,10 @@ from kvroute.api.errors import APIError, overloaded, server_error
 from kvroute.core.accel import keep_wired_limit
 from kvroute.core.hits import is_cache_hit
 from kvroute.core.sizes import format_bytes
-from kvroute.api.wire import SamplingParams
 
 from .attention import avoid_cudnn_plans, fast, new_cache
 from .metrics import BackendMetrics
+from .requests import SamplingParams
 from .output import Chunk, OutputParser
 from mlx_lm.models.cache import make_prompt_cache
 

@@ -24,16 +24,17 @@ from aiohttp import web
 
 from kvroute.core import accel, prefix
 from kvroute.api import openapi
-from kvroute.api.process import bind_sockets, start_site, wait_for_stop
+from kvroute.api.lifecycle import bind_sockets, start_site, wait_for_stop
 from kvroute.api.errors import APIError, bad_request, error_middleware, not_found
 from kvroute.core.registry import BackendRecord, Registry, new_instance_id
-from kvroute.api.wire import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH,
-                              MODELS_PATH, SSE_HEADERS, ChatRequest, CompletionRequest, parse_chat,
-                              parse_completion, parse_json)
+from kvroute.api.http import SSE_HEADERS, parse_json
+from kvroute.api.routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH,
+                                MODELS_PATH)
 
 from .disk import DiskTier, open_disk_tier
 from .engine import Delta, Engine, Finish, Job
 from .metrics import BackendMetrics
+from .requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from .publisher import Publisher
 from .chunks import ChatBuilder, CompletionBuilder
 from .store import Store

@@ -364,8 +364,8 @@ def chat_segments(body: Any, *, model: str, salt: bytes,
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ValueError(f"'tools' must be a list, not {type(tools).__name__}")
-    # tool_choice "none" renders the prompt without tools (kvroute/wire.py): hash what
-    # the template sees, or the backend's cache never matches the prediction.
+    # tool_choice "none" renders the prompt without tools (kvroute/backend/requests.py):
+    # hash what the template sees, or the backend's cache never matches the prediction.
     hashed = bool(tools) and body.get("tool_choice") != "none"
     tools_segment = _TAG_TOOLS + _field(_canonical_json(tools, "tools")) if hashed else b""
     segments = [_message_segment(m, i) for i, m in enumerate(messages)]
@@ -380,7 +380,7 @@ def chat_segments(body: Any, *, model: str, salt: bytes,
 def completion_segments(prompt: Any, *, model: str, salt: bytes) -> list[bytes]:
     """The canonical segments of a /v1/completions prompt (a string, or a list of one)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # the backend accepts it as that string (kvroute/wire.py)
+        prompt = prompt[0]  # the backend takes it as that string (kvroute/backend/requests.py)
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string, not {type(prompt).__name__}")
     return [_header_segment(model, salt), _TAG_PROMPT + _field(_text(prompt))]

@@ -1,7 +1,7 @@
 """The Redis registry: which backend holds which prefix keys, and which backends are alive.
 
-This is the client: its key names are spelled in kvroute/keys.py (the layout is described
-there), its Lua scripts live in kvroute/core/lua/*.lua.
+This is the client: its key names are spelled in kvroute/core/redis_keys.py (the layout
+is described there), its Lua scripts live in kvroute/core/lua/*.lua.
 
 Liveness: an advertisement counts only while the record of the same backend id
 *and instance id* exists. A SIGKILLed backend stops counting when its record's TTL
@@ -33,8 +33,8 @@ from redis.exceptions import RedisError
 
 from . import redis_client
 from .coalesce import ScriptBatcher, Unanswered
-from .keys import (ALL_BACKENDS, chain_hex, check_id, member, model_tag, record_key, response_key,
-                   tier_keys, tier_marker_key)
+from .redis_keys import (ALL_BACKENDS, chain_hex, check_id, member, model_tag, record_key,
+                         response_key, tier_keys, tier_marker_key)
 
 log = logging.getLogger("kvroute.registry")
 

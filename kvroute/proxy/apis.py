@@ -12,8 +12,8 @@ import asyncio
 
 from aiohttp import web
 
-from kvroute.api.wire import (CHAT_PATH, COMPLETIONS_PATH, MESSAGES_COUNT_PATH, MESSAGES_PATH,
-                              RESPONSES_PATH)
+from kvroute.api.routes import (CHAT_PATH, COMPLETIONS_PATH, MESSAGES_COUNT_PATH, MESSAGES_PATH,
+                                RESPONSES_PATH)
 
 from .metrics import ProxyMetrics
 from .stats import Stats

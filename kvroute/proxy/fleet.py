@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from kvroute.api.wire import HEALTH_PATH
+from kvroute.api.routes import HEALTH_PATH
 from kvroute.core.prefix import DEFAULT_LAYOUT, PREFIX_SCHEME, Layout
 from kvroute.core.registry import BackendRecord, Registry, RegistryUnavailable
 

@@ -16,7 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from kvroute.api.errors import APIError, overloaded
-from kvroute.api.wire import SSE_HEADERS
+from kvroute.api.http import SSE_HEADERS
 from kvroute.core.hits import is_cache_hit
 
 from . import loading

@@ -1,7 +1,7 @@
 """Requests for a model that is not loaded: ask for it, hold them, answer when it is.
 
 `kvroute serve` publishes the state of every configured model in Redis
-(kvroute/models_state.py). A request for a configured model with no live backend
+(kvroute/core/model_loads.py). A request for a configured model with no live backend
 appends a load request to the Redis stream, which the `kvroute serve` of each
 machine configured for that model reads. The request then waits, up to
 `load_timeout`, until a backend serving the model is live; concurrent requests for
@@ -26,9 +26,10 @@ import orjson
 from aiohttp import web
 
 from kvroute.api.errors import APIError, not_found
-from kvroute.api.wire import MESSAGES_PATH, RESPONSES_PATH, SSE_HEADERS
-from kvroute.core.models_state import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY,
-                                       UNLOADED, UNLOADING, ModelsState, ModelState, quietly)
+from kvroute.api.http import SSE_HEADERS
+from kvroute.api.routes import MESSAGES_PATH, RESPONSES_PATH
+from kvroute.core.model_loads import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY,
+                                      UNLOADED, UNLOADING, ModelLoads, ModelState, quietly)
 
 from .translate import HELD, chat_error_event, sse_event
 
@@ -45,7 +46,7 @@ TOUCH_EVERY = 1.0  # seconds between two last-use marks of one model by this pro
 class Models:
     """This proxy's view of the configured models, and the loads it waits on."""
 
-    states: ModelsState
+    states: ModelLoads
     load_timeout: float
     summaries: dict[str, ModelState] = field(default_factory=dict)
     waits: dict[str, asyncio.Future] = field(default_factory=dict)

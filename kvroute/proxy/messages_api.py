@@ -35,10 +35,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvroute.api import messages_wire as mw
+from kvroute.api import messages as mw
 from kvroute.api.errors import APIError
 from kvroute.api.validation import validate
-from kvroute.api.wire import COUNT_TOKENS_PATH, MESSAGES_COUNT_PATH, MESSAGES_PATH
+from kvroute.api.routes import COUNT_TOKENS_PATH, MESSAGES_COUNT_PATH, MESSAGES_PATH
 
 from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
                         chat_chunks, chunk_parts, json_response, new_id, off_loop_if_large,

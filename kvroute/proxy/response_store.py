@@ -28,7 +28,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvroute.api.errors import APIError
-from kvroute.core.keys import RESPONSE_ID_RE
+from kvroute.core.redis_keys import RESPONSE_ID_RE
 from kvroute.core.prefix import scope_bytes
 from kvroute.core.registry import Registry, RegistryUnavailable
 

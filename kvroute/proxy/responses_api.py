@@ -42,10 +42,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvroute.api import responses_wire as rw
+from kvroute.api import responses as rw
 from kvroute.api.errors import APIError, bad_request, not_found
 from kvroute.api.validation import validate
-from kvroute.api.wire import RESPONSES_PATH
+from kvroute.api.routes import RESPONSES_PATH
 
 from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
                         chat_chunks, chunk_parts, json_response, new_id, off_loop_if_large,

@@ -26,11 +26,11 @@ from aiohttp import web
 
 from kvroute.api import openapi
 from kvroute.core import prefix
-from kvroute.api.process import start_site, wait_for_stop
+from kvroute.api.lifecycle import start_site, wait_for_stop
 from kvroute.api.errors import APIError, bad_request, error_middleware, not_found
-from kvroute.core.models_state import ModelsState
+from kvroute.core.model_loads import ModelLoads
 from kvroute.core.registry import BackendRecord, Registry, RegistryUnavailable
-from kvroute.api.wire import parse_json
+from kvroute.api.http import parse_json
 
 from . import apis, loading, messages_api, responses_api
 from .auth import auth_middleware
@@ -367,7 +367,7 @@ async def openapi_json(request: web.Request) -> web.Response:
 def create_app(config: ProxyConfig) -> web.Application:
     registry = Registry(config.redis_url, lookup_timeout=config.lookup_timeout)
     policy = make_policy(PolicyConfig(name=config.policy, locality_slack=config.locality_slack))
-    on_demand = loading.Models(ModelsState(config.redis_url), config.load_timeout)
+    on_demand = loading.Models(ModelLoads(config.redis_url), config.load_timeout)
     state = State(config, registry, policy, ProxyMetrics(), Backends(), on_demand,
                   fingerprint=prefix.fingerprint(config.secret, config.block_bytes))
     # Outermost first: the per-API count sees final statuses, after Messages errors took

@@ -6,7 +6,7 @@ route_chat`: same prefix chain, lookup and forwarding as /v1/chat/completions), 
 gives it a `Relay` that turns the backend's chat answer, whole or streamed, back into
 its own API. This module holds the pieces both translations need: the gateway the
 proxy provides, reading the backend's SSE chunks, writing SSE events, and the reply accumulated from chat chunks. (What each API accepts is its model in
-kvroute/responses_wire.py and kvroute/messages_wire.py.)
+kvroute/api/responses.py and kvroute/api/messages.py.)
 
 It imports nothing from `proxy.server`: the server builds the `Gateway` and puts it in
 the app, so the translations depend on the routing only through that object.
@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 
 from kvroute.api.errors import APIError
-from kvroute.api.wire import SSE_HEADERS, parse_json
+from kvroute.api.http import SSE_HEADERS, parse_json
 
 log = logging.getLogger("kvroute.proxy.translate")
 

@@ -34,7 +34,7 @@ from .capacity import weights_bytes
 from kvroute.config import DEMO, ConfigError, ModelSpec, ServeConfig
 from .loader import Loader, Slot
 from .processes import Child
-from kvroute.api.process import health_body, health_pid
+from kvroute.api.lifecycle import health_body, health_pid
 from .redis_server import RedisServer
 STOP_GRACE = 7.0  # seconds children get to exit before SIGKILL (the whole stop stays < 10 s)
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan"]
@@ -83,7 +83,10 @@ def disk_dir(spec: ModelSpec, name: str) -> str:
 # -- child processes ----------------------------------------------------------------
 
 
-def free_port(start: int, taken: set[int]) -> int:
+def first_free_port(start: int, taken: set[int]) -> int:
+    """The first port from `start` up that is not in `taken` and binds now: a serve's
+    backends get consecutive ports from `--backend-port-base` (unlike
+    redis_server.free_port, a random one below the ephemeral range)."""
     port = start
     while True:
         if port not in taken:
@@ -150,7 +153,7 @@ class Launcher:
         for spec, cost in zip(c.models, costs):
             children = []
             for r in range(spec.replicas):
-                port = free_port(c.backend_port_base, taken)
+                port = first_free_port(c.backend_port_base, taken)
                 taken.add(port)
                 name = f"{c.machine + '-' if c.machine else ''}{spec.alias}-{r + 1}"
                 args = [
@@ -178,10 +181,10 @@ class Launcher:
         """Before a backend starts on demand, long after the plan: another process may
         have taken its port since. Then it moves to the next free one."""
         host, _, port = child.url.rpartition(":")
-        if free_port(int(port), set()) == int(port):
+        if first_free_port(int(port), set()) == int(port):
             return
         taken = {int(c.url.rpartition(":")[2]) for c in self.children} | {self.config.port}
-        new = str(free_port(int(port) + 1, taken))
+        new = str(first_free_port(int(port) + 1, taken))
         i = child.args.index("--port")
         child.args[i + 1] = new
         j = child.args.index("--advertise-url")

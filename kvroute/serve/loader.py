@@ -3,7 +3,7 @@
 The launcher owns the processes; this module decides when a model's backend
 replicas start and stop. Pinned and preloaded models start with the deployment.
 Any other configured model starts when a proxy asks for it through the Redis load
-stream (kvroute/models_state.py). Before a load would pass `max_loaded_models` or
+stream (kvroute/core/model_loads.py). Before a load would pass `max_loaded_models` or
 `memory_budget`, the least recently used unpinned model is unloaded, once its
 in-flight requests have finished; models unused for their `idle_unload` are
 unloaded too. Every state change is published for the proxies to show and wait on.
@@ -25,10 +25,10 @@ import orjson
 from . import capacity
 from .capacity import Cost, Refusal, Resident
 from kvroute.config import ConfigError, ModelSpec
-from kvroute.core.models_state import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY,
-                                       PUBLISH_PERIOD, UNLOADED, UNLOADING, ModelsState,
-                                       ModelState, quietly)
-from kvroute.api.process import health_body
+from kvroute.core.model_loads import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY,
+                                      PUBLISH_PERIOD, UNLOADED, UNLOADING, ModelLoads,
+                                      ModelState, quietly)
+from kvroute.api.lifecycle import health_body
 from kvroute.core.sizes import format_bytes
 
 from .processes import Child, Processes
@@ -81,7 +81,7 @@ class Loader:
         self.config = launcher.config
         self.slots = {s.alias: s for s in slots}
         self.machine = self.config.machine or f"{socket.gethostname()}:{self.config.port}"
-        self.states: ModelsState | None = None
+        self.loads: ModelLoads | None = None
         self.changed = asyncio.Event()
         self.admit = asyncio.Lock()  # one admission decision at a time
         self.tasks: list[asyncio.Task] = []
@@ -126,11 +126,11 @@ class Loader:
                 "smaller models.")
 
     async def start(self, url: str) -> None:
-        self.states = ModelsState(url)
+        self.loads = ModelLoads(url)
         now = time.time()
         for slot in self.slots.values():
             slot.last_used = now
-        after = await quietly(self.states.last_request_id(), "0-0")
+        after = await quietly(self.loads.last_request_id(), "0-0")
         self.tasks = [asyncio.create_task(self._consume(after)),
                       asyncio.create_task(self._publish_loop()),
                       asyncio.create_task(self._idle_loop())]
@@ -141,9 +141,9 @@ class Loader:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.states is not None:
-            await quietly(self.states.withdraw(self.machine, list(self.slots)))
-            await self.states.close()
+        if self.loads is not None:
+            await quietly(self.loads.withdraw(self.machine, list(self.slots)))
+            await self.loads.close()
 
     # -- loading --------------------------------------------------------------------
 
@@ -248,7 +248,7 @@ class Loader:
     async def _idle_loop(self) -> None:
         while True:
             await asyncio.sleep(IDLE_CHECK)
-            used = await quietly(self.states.used(), {})
+            used = await quietly(self.loads.used(), {})
             now = time.time()
             for slot in self.slots.values():
                 slot.last_used = max(slot.last_used, used.get(slot.alias, 0.0))
@@ -267,7 +267,7 @@ class Loader:
     async def _consume(self, after: str) -> None:
         while True:
             try:
-                after, models = await self.states.load_requests(after, block_s=2.0)
+                after, models = await self.loads.load_requests(after, block_s=2.0)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: try again, a proxy resends its requests
@@ -288,7 +288,7 @@ class Loader:
 
     async def publish(self) -> None:
         self.changed.clear()
-        await quietly(self.states.publish(self.snapshot()))
+        await quietly(self.loads.publish(self.snapshot()))
 
     async def _publish_loop(self) -> None:
         while True:

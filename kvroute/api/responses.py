@@ -18,8 +18,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, Tag, WithJsonSchema, model_validator
 
-from .validation import Body, invalid, only, refusing, tagged_by
-from .wire import NonEmpty, Stop
+from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
 
 
 class InputTextPart(Body):

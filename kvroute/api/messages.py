@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, Tag, model_validator
 
-from .validation import Body, invalid, refusing, tagged_by
-from .wire import MAX_STOP, NonEmpty
+from .validation import MAX_STOP, Body, NonEmpty, invalid, refusing, tagged_by
+
 
 # The one `code` of a refused content block (an image, a server tool's result, ...):
 # proxy/messages_api.py words the refusal after the block type that was sent.

@@ -2,7 +2,7 @@
 
 Each `kvroute serve` (one per machine) publishes the state of each model it is
 configured for, and consumes load requests that proxies append to a stream. Key
-layout (names in kvroute/keys.py, with the registry's):
+layout (names in kvroute/core/redis_keys.py, with the registry's):
 
     kvr:{models}:states     HASH  "<model>|<machine>" -> ModelState (JSON); a field whose
                                   updated_at is older than STALE_AFTER is ignored (its
@@ -31,9 +31,9 @@ from redis.exceptions import RedisError
 
 from . import redis_client
 
-from .keys import MODEL_LOADS as LOAD_STREAM
-from .keys import MODEL_STATES as STATE_KEY
-from .keys import MODELS_USED as USED_KEY
+from .redis_keys import MODEL_LOADS as LOAD_STREAM
+from .redis_keys import MODEL_STATES as STATE_KEY
+from .redis_keys import MODELS_USED as USED_KEY
 
 LOAD_STREAM_LEN = 1000
 LOAD_STREAM_TTL = 60
@@ -94,7 +94,7 @@ def summarize(states: list[ModelState]) -> ModelState:
         retry_after=failed.retry_after, pinned=any(s.pinned for s in states))
 
 
-class ModelsState:
+class ModelLoads:
     """Async access to the models' states and load requests. Raises RedisError/OSError
     on Redis trouble: callers decide (a proxy keeps its last view, a launcher retries)."""
 

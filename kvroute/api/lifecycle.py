@@ -1,4 +1,5 @@
-"""Process lifecycle helpers shared by the backend and the proxy."""
+"""A server's lifecycle, shared by the backend and the proxy: its port bound before it
+loads, its site started, health polls, and the signals that stop it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import urllib.request
 import orjson
 from aiohttp import web
 
-log = logging.getLogger("kvroute.process")
+log = logging.getLogger("kvroute.lifecycle")
 
 
 async def watch_parent(stop: asyncio.Event, period: float = 1.0) -> None:

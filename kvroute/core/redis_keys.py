@@ -21,7 +21,7 @@ Key layout (`<m>` is the model id with `{`, `}`, `%`, blanks and non-ASCII perce
                                    encrypted by the proxy), PX its TTL; <tag> is a
                                    keyed hash of the API key's scope, <id> resp_<hex>
     kvr:{models}:states     HASH  "<model>|<machine>" -> that machine's state of a
-                                   configured model (JSON, kvroute/models_state.py)
+                                   configured model (JSON, kvroute/core/model_loads.py)
     kvr:{models}:used       HASH  <model> -> last request (unix s), from proxies
     kvr:{models}:load       STREAM {model, origin} load requests, read by every
                                    `kvroute serve`; MAXLEN ~1000, EXPIRE 60 s
@@ -91,7 +91,7 @@ def member(backend_id: str, instance_id: str) -> str:
     return f"{backend_id}|{instance_id}"
 
 
-# Models loaded on demand (kvroute/models_state.py). Not under a model's hash tag:
+# Models loaded on demand (kvroute/core/model_loads.py). Not under a model's hash tag:
 # one hash holds every model, so a proxy reads all states in one round trip. The
 # three share the tag {models}, so the one command that names two of them (the last
 # machine's clean-up) stays in one slot of a Redis Cluster.

@@ -1,0 +1,187 @@
+"""OpenAI chat and completion request bodies, as models.
+
+`ChatCompletionBody` and `CompletionBody` are the one definition of what a client may
+send to /v1/chat/completions and /v1/completions (kvroute/api/openapi.py describes them
+from these models; the backend validates with them, kvroute/backend/requests.py).
+Parameters kvroute does not implement are refused with a 400 rather than silently
+ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field, StringConstraints, WithJsonSchema, model_validator
+
+from .validation import Body, NonEmpty, Stop, invalid, only, refusing
+
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+
+
+class TextPart(Body):
+    type: Annotated[Literal["text"], refusing(
+        "Content part type {value} is not supported; only 'text' is.", "unsupported_content")]
+    text: str
+
+
+Content = Union[str, list[TextPart]]
+
+
+class ToolCallFunction(Body):
+    name: NonEmpty
+    # Templates render arguments with `tojson`: a JSON string is decoded (parse_chat).
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCall(Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class _Message(Body):
+    name: str | None = None
+    # Checked on every role (they are part of the prefix keys); rendered for assistants.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class SystemMessage(_Message):
+    role: Literal["system"]
+    content: Content
+
+
+class DeveloperMessage(_Message):
+    role: Literal["developer"]
+    content: Content
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: Content | None = None
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: NonEmpty
+
+
+Message = Annotated[
+    Union[SystemMessage, DeveloperMessage, UserMessage, AssistantMessage, ToolMessage],
+    Field(discriminator="role"),
+]
+
+
+class FunctionDef(Body):
+    name: NonEmpty
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class Tool(Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class StreamOptions(Body):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(Body):
+    type: Literal["text"]
+
+
+# Decimal token ids only (int() would also take "+5", " 5", "1_0", other scripts' digits);
+# the backend also bounds them by its vocabulary.
+TOKEN_ID = r"^[0-9]{1,18}$"
+LogitBias = Annotated[
+    dict[Annotated[str, StringConstraints(pattern=TOKEN_ID)],
+         Annotated[float, Field(ge=-100, le=100)]],
+    # pydantic would describe the key pattern as patternProperties, which lets other
+    # keys through: JSON Schema needs propertyNames to refuse them as validation does.
+    WithJsonSchema({"type": "object", "propertyNames": {"pattern": TOKEN_ID},
+                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}),
+    refusing("logit_bias maps token ids (decimal strings) to numbers in [-100, 100].",
+             "invalid_value"),
+]
+
+
+def _requires(name: str, present: dict, then: dict) -> dict:
+    """JSON Schema: when `name` is present and matches `present`, `then` applies."""
+    return {"if": {"required": [name], "properties": {name: present}}, "then": then}
+
+
+_STREAM_OPTIONS_NEED_STREAM = _requires(
+    "stream_options", {"type": "object"},
+    {"required": ["stream"], "properties": {"stream": {"const": True}}})
+
+
+class GenerationBody(Body):
+    """What chat and completion bodies share."""
+
+    model: NonEmpty
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    # OpenAI's seeds are signed 64-bit; the sampler's PRNG key takes an unsigned one.
+    seed: Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)] | None = None
+    stop: Stop | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: LogitBias | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and unused, but typed as in OpenAI's API
+    n: Annotated[only(1), refusing("Only n=1 is supported.")] | None = None
+    best_of: Annotated[only(1), refusing("Only best_of=1 is supported.")] | None = None
+    echo: Annotated[only(False), refusing("'echo' is not supported.")] | None = None
+    suffix: Annotated[Literal[""], refusing("'suffix' is not supported.")] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "GenerationBody":
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options",
+                          "'stream_options' is only allowed when 'stream' is true.")
+        return self
+
+
+class ChatCompletionBody(GenerationBody):
+    model_config = {"json_schema_extra": {"allOf": [
+        _STREAM_OPTIONS_NEED_STREAM,
+        _requires("top_logprobs", {"type": "integer"},
+                  {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}),
+    ]}}
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Annotated[Literal["auto", "none"], refusing(
+        "Only tool_choice 'auto' and 'none' are supported.")] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: Annotated[ResponseFormat, refusing(
+        "Only response_format {{'type': 'text'}} is supported.")] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionBody":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
+        return self
+
+
+class CompletionBody(GenerationBody):
+    model_config = {"json_schema_extra": {"allOf": [_STREAM_OPTIONS_NEED_STREAM]}}
+
+    prompt: Annotated[Union[
+        NonEmpty,
+        Annotated[list[NonEmpty], Field(min_length=1, max_length=1)],
+    ], refusing("'prompt' must be one non-empty string (or a list of exactly one).",
+                "invalid_value")]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
