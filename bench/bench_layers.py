@@ -59,7 +59,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvroute.backend.attention import new_cache  # noqa: E402
-from kvroute.backend.engine import Delta, Engine, Finish, Job  # noqa: E402
+from kvroute.backend.engine import Engine  # noqa: E402
+from kvroute.backend.jobs import Delta, Finish, Job  # noqa: E402
 from kvroute.backend.metrics import BackendMetrics  # noqa: E402
 from kvroute.backend.store import Store  # noqa: E402
 from kvroute.core.sizes import parse_bytes  # noqa: E402

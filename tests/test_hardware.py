@@ -321,12 +321,12 @@ def test_plan_free_attention_generates_what_the_fused_path_does(demo, monkeypatc
 
 def test_kept_buffer_cache_generates_the_same_and_keeps_buffers(demo, monkeypatch):
     """On a GPU the engine stops mlx-lm's generator from emptying MLX's buffer cache
-    after every prefill chunk (backend/engine.py keep_buffer_cache): the tokens are
+    after every prefill chunk (backend/mlx_patches.py keep_buffer_cache): the tokens are
     the same, the generator's freed buffers stay cached, everything else of mlx.core
     is what the generator sees."""
     import importlib
 
-    from kvroute.backend.engine import keep_buffer_cache
+    from kvroute.backend.mlx_patches import keep_buffer_cache
 
     generate = importlib.import_module("mlx_lm.generate")
 

@@ -22,7 +22,7 @@ from test_disk_tier import chat, metric, next_turn, written
 from test_families import assert_entries_consistent, assert_same_answer, cached, conversation
 from test_store import make_window_cache, tokens
 
-from kvroute.backend.engine import describe_budgets, kv_rate
+from kvroute.backend.kv_budget import describe_budgets, kv_rate
 from kvroute.backend.store import Store, cache_nbytes, prefix_cache
 from kvroute.devtools import arch_models
 from kvroute.core import redis_keys
@@ -193,7 +193,7 @@ def test_the_demo_models_kv_rate(text_model):
 
 
 def test_budgets_are_told_in_tokens_and_short_ones_warned(caplog):
-    caplog.set_level(logging.INFO, logger="kvroute.backend.engine")
+    caplog.set_level(logging.INFO, logger="kvroute.backend.kv_budget")
     counts = describe_budgets(1 << 20, 32 << 30, (KIB, 0), 8192)
     assert counts == {"ram_tokens": 1024, "disk_tokens": 32 << 20}
     assert "holds up to 1,024 tokens in RAM" in caplog.text

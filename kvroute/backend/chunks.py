@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .engine import Delta, Finish
+from .jobs import Delta, Finish
 
 
 def _usage(f: Finish) -> dict:

@@ -26,168 +26,35 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import importlib
-import itertools
 import logging
 import queue
 import threading
 import time
-import types
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.sample_utils import apply_top_p, make_logits_processors
+from mlx_lm.models.cache import make_prompt_cache
 
 from kvroute.api.errors import APIError, overloaded, server_error
 from kvroute.core.accel import keep_wired_limit
 from kvroute.core.hits import is_cache_hit
 from kvroute.core.sizes import format_bytes
 
+from . import faults
 from .attention import avoid_cudnn_plans, fast, new_cache
+from .jobs import Delta, Finish, Job
+from .kv_budget import REFUSALS, Warnings, describe_budgets, kv_rate, probe_tokens
 from .metrics import BackendMetrics
-from .requests import SamplingParams
+from .mlx_patches import keep_buffer_cache
 from .output import Chunk, OutputParser
-from mlx_lm.models.cache import make_prompt_cache
-
-from .store import Commit, Store, always_trimmable, cache_nbytes, common_prefix, held_tokens
+from .sampling import make_processors, make_sampler
+from .store import Commit, Store, always_trimmable, common_prefix, held_tokens
 
 log = logging.getLogger("kvroute.backend.engine")
 
 GAUGE_PERIOD = 0.05  # seconds between gauge updates while only decoding
-KV_PROBE = 256  # tokens per chunk that measures KV bytes per token: mlx-lm's cache step
-
-
-@dataclass
-class Delta:
-    text: str = ""
-    tool_calls: list[dict] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
-
-
-@dataclass
-class Finish:
-    reason: str  # OpenAI finish_reason: stop, length, tool_calls
-    exit: str  # exit path for metrics: eos, length, stop, tool_calls
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    stop: str | None = None  # the stop string that ended generation, when one did
-
-
-@dataclass
-class Job:
-    """One request as the engine sees it. Only `cancelled` is written by others."""
-
-    prompt: list[int]
-    params: SamplingParams
-    max_tokens: int
-    tools: list[dict] | None
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    chain: list[int] = field(default_factory=list)  # prefix keys of the request, for the registry
-    # Token positions worth a store entry -> the prefix keys of what they hold.
-    # The server always gives the prompt's last position but one.
-    checkpoints: dict[int, list[int]] = field(default_factory=dict)
-    # The chain of the next turn once the reply is known (prompt + assistant message).
-    extend_chain: Callable[[str, list[dict]], list[int]] | None = None
-    # (token end, keys) of the deepest message boundary within a prefix of n tokens:
-    # what a partial prefill (disconnect, recovery) is advertised by.
-    partial_chain: Callable[[int], tuple[int, list[int]]] | None = None
-    scope: str | None = None
-    fault: str | None = None
-    cancelled: bool = False
-    restored: Any = None  # a disk tier state for this prompt (backend/disk.py Restored)
-    # Engine-side state.
-    uid: int | None = None
-    phase: str = "queued"  # queued, prefill, decode, done
-    cached_tokens: int = 0  # what the client is told came from cache
-    start: int = 0  # where the generator's copy of the prompt begins (a cache hit)
-    boundaries: list[int] = field(default_factory=list)  # checkpoints still ahead
-    readmitted: bool = False
-    processed: int = 0
-    generated: int = 0
-    submitted: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    parser: OutputParser | None = None
-    detokenizer: Any = None
-    pending_logprobs: list[dict] = field(default_factory=list)
-    outbox: list | None = None
-    reply_text: list[str] = field(default_factory=list)
-    reply_tool_calls: list[dict] = field(default_factory=list)
-
-    def emit(self, event: Any) -> None:
-        if self.outbox is not None:  # the engine delivers a step's events together
-            self.outbox.append((self, event))
-        else:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-def make_sampler(params: SamplingParams) -> Callable | None:
-    """None means greedy (the generator's fallback). A seeded request gets its own
-    PRNG key so its samples do not depend on what else shares the batch."""
-    if params.temperature == 0:
-        return None
-    temp, top_p = params.temperature, params.top_p
-    key = mx.random.key(params.seed) if params.seed is not None else None
-
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        if 0 < top_p < 1.0:
-            logprobs = apply_top_p(logprobs, top_p)
-        if key is None:
-            return mx.random.categorical(logprobs * (1.0 / temp))
-        key, sub = mx.random.split(key)
-        return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
-
-    return sample
-
-
-def make_processors(job: Job, tokenizer: Any) -> list[Callable]:
-    p = job.params
-    processors = make_logits_processors(
-        logit_bias=p.logit_bias or None,
-        presence_penalty=p.presence_penalty or None,
-        frequency_penalty=p.frequency_penalty or None,
-    )
-    if job.fault and job.fault.startswith("decode_error"):
-        processors.append(_fault_processor(job.fault))
-    if job.fault and job.fault.startswith("force:"):
-        processors.append(_forcing_processor(job.fault.partition(":")[2], tokenizer))
-    return processors
-
-
-def _forcing_processor(text: str, tokenizer: Any) -> Callable:
-    # Test-only: make a random-weight model reply `text` then EOS, so that the
-    # exit paths that depend on what a model says (a tool call, a stop string,
-    # EOS) run with every model family's real caches.
-    forced = list(tokenizer.encode(text, add_special_tokens=False)) + [min(tokenizer.eos_token_ids)]
-    calls = itertools.count()
-
-    def processor(tokens, logits):
-        target = forced[min(next(calls), len(forced) - 1)]
-        return mx.where(mx.arange(logits.shape[-1]) == target, logits, -mx.inf)
-
-    return processor
-
-
-def _fault_processor(spec: str) -> Callable:
-    # Test-only (enabled by --enable-faults): fail inside the batched decode step,
-    # the path a real Metal/CUDA error or OOM would take.
-    after = int(spec.partition(":")[2] or 3)
-    calls = itertools.count()
-
-    def processor(tokens, logits):
-        if next(calls) >= after:
-            raise RuntimeError("injected decode fault")
-        return logits
-
-    return processor
 
 
 class Engine:
@@ -332,13 +199,13 @@ class Engine:
                              prefill_step_size=self.prefill_step)
         keep_wired_limit()
         try:
-            long_ = _warm_tokens(self.prefill_step + self.prefill_step // 2 + 7)
+            long_ = probe_tokens(self.prefill_step + self.prefill_step // 2 + 7)
             done = _drain(gen, gen.insert([long_], max_tokens=[3], caches=[new_cache(self.model)]))
             cache, tokens = done[0]
             if always_trimmable(cache):  # a hit: the stored prefix plus a suffix
                 _drain(gen, gen.insert([long_[-5:] + long_[:9]], max_tokens=[3],
                                        caches=[fast(cache)], all_tokens=[tokens]))
-            short = [_warm_tokens(n, salt=n) for n in (9, 33, 33, 70)]
+            short = [probe_tokens(n, salt=n) for n in (9, 33, 33, 70)]
             _drain(gen, gen.insert(short, max_tokens=[4, 6, 6, 8],
                                    caches=[new_cache(self.model) for _ in short]))
             if self.on_cuda:
@@ -349,7 +216,7 @@ class Engine:
                 # of lengths spread over a prefill chunk take most of that away.
                 spread = max(self.prefill_step // 21, 1)
                 for n in range(spread, self.prefill_step, spread):
-                    _drain(gen, gen.insert([_warm_tokens(n, salt=n)], max_tokens=[1],
+                    _drain(gen, gen.insert([probe_tokens(n, salt=n)], max_tokens=[1],
                                            caches=[new_cache(self.model)]))
             # The first prefill rate the proxies see is a warm one: a backend whose
             # first request measured a cold rate looked slower than its peers, lost
@@ -501,7 +368,8 @@ class Engine:
             caches=[cache],
             all_tokens=[list(job.prompt[: hit.tokens])],
             samplers=[sampler] if sampler else None,
-            logits_processors=[make_processors(job, self.tokenizer)],
+            logits_processors=[make_processors(job.params)
+                               + faults.logits_processors(job.fault, self.tokenizer)],
         )
         tok = self.tokenizer
         job.detokenizer = tok.detokenizer
@@ -618,18 +486,7 @@ class Engine:
         # Every change of who is in the batch shows at once; pure decoding, at a rate.
         self._update_gauges(force=bool(prompt_responses) or len(self._jobs) != self._gauged_jobs)
         if self._faults:
-            self._injected_delay()
-
-    def _injected_delay(self) -> None:
-        # Test-only: "slow_prefill:SECONDS" stretches each prefill chunk so a test
-        # can reliably disconnect while a prompt is still being prefilled.
-        delays = [
-            float(j.fault.partition(":")[2] or 0.05)
-            for j in self._jobs.values()
-            if j.phase == "prefill" and j.fault and j.fault.startswith("slow_prefill")
-        ]
-        if delays:
-            time.sleep(max(delays))
+            faults.delay_prefill(self._jobs.values())
 
     def _checkpoint(self, job: Job, position: int) -> None:
         """The step that just ran ended a segment: the state holds the prompt up
@@ -648,7 +505,7 @@ class Engine:
             log.error("not committing: the cache holds %d tokens, the list has %d", held, len(tokens))
             return
         done = self.store.commit(self.model_id, tokens, cache, path,
-                                 chain=self._keys_for(job, path, len(tokens)), scope=job.scope,
+                                 chain=self._chain_for(job, path, len(tokens)), scope=job.scope,
                                  prefix_chains=job.checkpoints)
         self._count_commit(done, path)
 
@@ -661,7 +518,7 @@ class Engine:
             self._warnings.warn(
                 f"refused:{done.refused}", "not keeping a prompt cache of %d tokens (%s): over "
                 "the RAM budget (%s) with no prefix that fits, and %s", done.tokens,
-                format_bytes(done.nbytes), budget, _REFUSALS.get(done.refused, done.refused))
+                format_bytes(done.nbytes), budget, REFUSALS.get(done.refused, done.refused))
             return
         m.l(m.commits, path=path).inc()
         if done.over_budget:
@@ -671,9 +528,9 @@ class Engine:
                 "budget (%s): RAM keeps %s; %s", done.tokens, format_bytes(done.nbytes), budget,
                 f"its first {done.kept} tokens" if done.kept else "none of it (its cache cannot be cut)",
                 "the disk tier keeps the whole" if done.on_disk
-                else f"the rest is lost: {_REFUSALS.get(done.disk_refused, done.disk_refused)}")
+                else f"the rest is lost: {REFUSALS.get(done.disk_refused, done.disk_refused)}")
 
-    def _keys_for(self, job: Job, path: str, n_tokens: int) -> list[int]:
+    def _chain_for(self, job: Job, path: str, n_tokens: int) -> list[int]:
         if path == "finish" and job.extend_chain is not None:
             try:
                 return job.extend_chain("".join(job.reply_text), job.reply_tool_calls)
@@ -849,116 +706,6 @@ class Engine:
         m.l(m.prefill_tps).set(self.prefill_tps)
 
 
-_REFUSALS = {
-    "no_disk_tier": "there is no disk tier (--disk-cache-dir)",
-    "over_disk_budget": "it is over the disk tier's budget too",
-    "disk_queue_full": "the disk tier's write queue is full",
-    "disk_failing": "the disk tier's writes are failing",
-}
-WARN_EVERY = 60.0  # seconds between two warnings of one kind
-
-
-class Warnings:
-    """A warning of each kind at most every `every` seconds, never none: the first
-    is logged at once, later ones say how many were left out meanwhile."""
-
-    def __init__(self, logger: logging.Logger, every: float = WARN_EVERY):
-        self.logger, self.every = logger, every
-        self._last: dict[str, float] = {}
-        self._held: collections.Counter = collections.Counter()
-
-    def warn(self, kind: str, message: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -self.every) < self.every:
-            self._held[kind] += 1
-            return
-        self._last[kind] = now
-        held = self._held.pop(kind, 0)
-        suffix = f" ({held} more like it since the last one)" if held else ""
-        self.logger.warning(message + suffix, *args)
-
-
-def kv_rate(model: Any) -> tuple[float, int]:
-    """(bytes of KV one more token adds to a prompt-cache entry, bytes an entry costs
-    whatever its length): two chunks of KV_PROBE tokens through a fresh cache. Sliding
-    windows and recurrent states stop growing, so a long entry pays at most this rate."""
-    cache = make_prompt_cache(model)
-    sizes = []
-    for salt in (0, 1):
-        model(mx.array([_warm_tokens(KV_PROBE, salt=salt)]), cache=cache)
-        mx.eval([c.state for c in cache])
-        sizes.append(cache_nbytes(cache))
-    per_token = (sizes[1] - sizes[0]) / KV_PROBE
-    return per_token, max(0, int(sizes[0] - per_token * KV_PROBE))
-
-
-def describe_budgets(ram_budget: int, disk_budget: int, rate: tuple[float, int],
-                     context_length: int, trimmable: bool = True) -> dict[str, int | None]:
-    """Log how many tokens one prompt-cache entry may hold in RAM and on disk (the
-    budget over the KV bytes a token costs: `rate`, as `kv_rate` measures it), and warn where that is less
-    than the model's context: a longer prompt keeps only a prefix in RAM (only its
-    checkpoints that fit, where the model's cache cannot be cut: `trimmable` False),
-    and goes whole to the disk tier where there is one. Returns both counts (None: no
-    disk tier, or entries that do not grow with their length)."""
-    per_token, fixed = rate
-
-    def fits(budget: int) -> int | None:
-        if per_token <= 0:
-            return None  # e.g. recurrent states only: an entry's size does not grow
-        return max(0, int((budget - fixed) // per_token))
-
-    def count(n: int | None) -> str:
-        return "any number of" if n is None else f"{n:,}"
-
-    ram = fits(ram_budget)
-    disk = fits(disk_budget) if disk_budget > 0 else None
-    log.info("one prompt-cache entry holds up to %s tokens in RAM (cache budget %s) and %s on "
-             "disk, at %s of KV per token; the model's context is %s tokens", count(ram),
-             format_bytes(ram_budget), "none" if disk_budget <= 0 else count(disk),
-             format_bytes(per_token), f"{context_length:,}")
-    if ram is not None and ram < context_length:
-        kept = (f"RAM keeps only their first {ram:,} tokens" if trimmable
-                else "RAM keeps only their checkpoints that fit (this model's cache cannot be cut)")
-        rest = (", the disk tier the whole" if disk_budget > 0 and (disk is None or disk > ram)
-                else "; raise --cache-bytes or add a disk tier (--disk-cache-dir) to keep them")
-        log.warning("prompts over %s tokens are over the RAM cache budget (%s): %s%s",
-                    f"{ram:,}", format_bytes(ram_budget), kept, rest)
-    if disk is not None and disk < context_length:
-        log.warning("prompts over %s tokens are over the disk tier's budget (%s) as well",
-                    f"{disk:,}", format_bytes(disk_budget))
-    return {"ram_tokens": ram, "disk_tokens": disk}
-
-
-class _KeepingBuffers(types.ModuleType):
-    """`mlx.core` as mlx-lm's generator sees it, except that `clear_cache` keeps MLX's
-    buffer cache (see `keep_buffer_cache`)."""
-
-    def __init__(self, module: types.ModuleType):
-        super().__init__(module.__name__)
-        self._module = module
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._module, name)
-        setattr(self, name, value)  # looked up once
-        return value
-
-    def clear_cache(self) -> None:
-        pass
-
-
-def keep_buffer_cache() -> None:
-    """mlx-lm empties MLX's buffer cache after every prefill chunk, which keeps a
-    laptop's memory low but makes each chunk and each cache hit allocate its memory
-    afresh: on an H200 a 70-token turn on a 31k-token cached prompt spent ~20 ms of
-    its ~100 ms re-allocating. A backend on a GPU with a cache limit (set per
-    replica, kvroute/accel.py) keeps the cache, which that limit bounds; MLX also
-    empties it itself before an allocation would pass the memory limit."""
-    # importlib: the package's attribute `mlx_lm.generate` is its generate() function.
-    generate = importlib.import_module("mlx_lm.generate")
-    if not isinstance(generate.mx, _KeepingBuffers):
-        generate.mx = _KeepingBuffers(mx)
-
-
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
     if fut.done():
         return
@@ -966,11 +713,6 @@ def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None
         fut.set_exception(exc)
     else:
         fut.set_result(result)
-
-
-def _warm_tokens(n: int, salt: int = 0) -> list[int]:
-    # Ids below 1000 exist in every vocabulary; their text does not matter.
-    return [(31 * i + salt) % 997 + 3 for i in range(n)]
 
 
 def _drain(gen: BatchGenerator, uids: list[int]) -> list[tuple[list, list[int]]]:

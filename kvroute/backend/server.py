@@ -32,7 +32,8 @@ from kvroute.api.routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, 
                                 MODELS_PATH)
 
 from .disk import DiskTier, open_disk_tier
-from .engine import Delta, Engine, Finish, Job
+from .engine import Engine
+from .jobs import Delta, Finish, Job
 from .metrics import BackendMetrics
 from .requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from .publisher import Publisher

@@ -1,0 +1,40 @@
+"""From a request's sampling parameters to what mlx-lm's generator takes: a sampler
+and logits processors."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_top_p, make_logits_processors
+
+from .requests import SamplingParams
+
+
+def make_sampler(params: SamplingParams) -> Callable | None:
+    """None means greedy (the generator's fallback). A seeded request gets its own
+    PRNG key so its samples do not depend on what else shares the batch."""
+    if params.temperature == 0:
+        return None
+    temp, top_p = params.temperature, params.top_p
+    key = mx.random.key(params.seed) if params.seed is not None else None
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        if 0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        if key is None:
+            return mx.random.categorical(logprobs * (1.0 / temp))
+        key, sub = mx.random.split(key)
+        return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
+
+    return sample
+
+
+
+def make_processors(params: SamplingParams) -> list[Callable]:
+    return make_logits_processors(
+        logit_bias=params.logit_bias or None,
+        presence_penalty=params.presence_penalty or None,
+        frequency_penalty=params.frequency_penalty or None,
+    )
