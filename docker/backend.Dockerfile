@@ -55,7 +55,7 @@ RUN python3 -m venv /opt/venv \
 # A CPU build can be exercised here: import MLX and build the demo model once.
 # (A CUDA build cannot: libcuda comes from the host driver at run time.)
 RUN if [ "${MLX_EXTRA}" = cpu ]; then \
-      /opt/venv/bin/python -c "import mlx.core, mlx_lm, kvroute.backend.server" \
+      /opt/venv/bin/python -c "import mlx.core, mlx_lm, kvroute.backend.boot" \
       && /opt/venv/bin/kvroute demo-model /tmp/demo-check > /dev/null && rm -rf /tmp/demo-check; \
     fi
 

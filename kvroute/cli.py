@@ -155,7 +155,7 @@ def _demo_parser(sub) -> None:
 
 
 def run_backend(s: dict[str, Any]) -> int:
-    from .backend.server import BackendConfig, serve
+    from .backend.boot import serve
 
     from .devtools import demo_model
 
@@ -165,7 +165,7 @@ def run_backend(s: dict[str, Any]) -> int:
         # The name `kvroute serve` gives the demo model, from its one home in config.
         s["model_id"] = s["model_id"] or config.ModelSpec(
             path=config.DEMO, demo_variant=s["demo_variant"]).alias
-    run_async(serve(BackendConfig(**_fields_of(BackendConfig, s))))
+    run_async(serve(config.BackendConfig(**_fields_of(config.BackendConfig, s))))
     # The engine thread has stopped and synchronized its streams. Skip the
     # interpreter's teardown: destructors of MLX's CUDA backend run at exit in no
     # defined order and abort ("terminate called without an active exception").

@@ -349,6 +349,43 @@ def check_environment(env: Mapping[str, str]) -> None:
             raise _unknown("environment variable", name, known)
 
 
+# -- kvroute backend ----------------------------------------------------------------------
+
+
+_BACKEND = {s.name: s.default for s in BACKEND}
+
+
+@dataclass(kw_only=True)
+class BackendConfig:
+    """`kvroute backend`'s settings, from the BACKEND table; the backend fills in those
+    left empty or 0 that it derives (model_id, backend_id, prefill_step) as it loads."""
+
+    model: str = _BACKEND["model"]
+    host: str = _BACKEND["host"]
+    port: int = _BACKEND["port"]
+    backend_id: str = _BACKEND["backend_id"]  # empty: <hostname>-<port>
+    model_id: str = _BACKEND["model_id"]  # the name clients use; empty: the model path's last part
+    cache_bytes: int = _BACKEND["cache_bytes"]
+    disk_cache_dir: str = _BACKEND["disk_cache_dir"]  # the disk tier's folder; empty: RAM only
+    disk_cache_bytes: int = _BACKEND["disk_cache_bytes"]
+    prefill_step: int = _BACKEND["prefill_step"]  # 0: by platform (GPU 2048, CPU 512)
+    long_prefill: str = _BACKEND["long_prefill"]  # auto, serial, batched
+    memory_limit: int = _BACKEND["memory_limit"]  # 0: MLX's default
+    cache_limit: int = _BACKEND["cache_limit"]  # 0: a tenth of memory_limit
+    no_warmup: bool = _BACKEND["no_warmup"]
+    max_batch: int = _BACKEND["max_batch"]
+    max_queue: int = _BACKEND["max_queue"]
+    max_body_bytes: int = _BACKEND["max_body_bytes"]
+    max_prompt_tokens: int = _BACKEND["max_prompt_tokens"]  # 0: the model's context length
+    default_max_tokens: int = _BACKEND["default_max_tokens"]
+    redis_url: str = _BACKEND["redis_url"]  # empty: no registry, the backend serves on its own
+    secret: str = _BACKEND["secret"]  # salts the prefix keys; the same on every proxy and backend
+    advertise_url: str = _BACKEND["advertise_url"]  # empty: http://host:port
+    internal_token: str = _BACKEND["internal_token"]  # set: /v1 and /debug require it
+    block_bytes: int = _BACKEND["block_bytes"]
+    enable_faults: bool = _BACKEND["enable_faults"]
+
+
 # -- kvroute serve ------------------------------------------------------------------------
 
 

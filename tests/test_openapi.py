@@ -78,7 +78,7 @@ def test_every_proxy_route_is_described():
 
 def test_every_backend_route_is_described():
     from kvroute.backend.metrics import BackendMetrics
-    from kvroute.backend.server import create_app
+    from kvroute.backend.app import create_app
 
     # A backend's state holds a loaded model; building the router reads only these
     # three of its fields, so a stand-in carries them (nothing is served).

@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tokenizers import AddedToken, Tokenizer
 
-from kvroute.backend.server import _chat_chains, _drops_reasoning
+from kvroute.backend.prompt import Template, reasoning_marker
 from kvroute.core import prefix
 from kvroute.backend.requests import parse_chat
 
@@ -51,9 +50,10 @@ def thinking_tokenizer(src: Path, dst: Path, template: str | None):
     return load_tokenizer(dst)
 
 
-def state(drops: str = "", layout: prefix.Layout = prefix.DEFAULT_LAYOUT):
-    return SimpleNamespace(config=SimpleNamespace(secret="s", block_bytes=64),
-                           drops_reasoning=drops, bytes_per_token=0.0, layout=layout)
+def template(drops: str = "", layout: prefix.Layout = prefix.DEFAULT_LAYOUT) -> Template:
+    # No tokenizer: chains() takes the prompt's tokens as given.
+    return Template(None, secret="s", block_bytes=64, checkpointing=False, layout=layout,
+                    drops_reasoning=drops)
 
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 2 + 2?"}]}
@@ -62,18 +62,18 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 2 + 2?"}
 def extended(drops: str, reply: str, body: dict = BODY,
              layout: prefix.Layout = prefix.DEFAULT_LAYOUT) -> tuple[list[int], list[int]]:
     req = parse_chat(body)
-    chain, _, extend, _ = _chat_chains(state(drops, layout), body, req, None, {}, [1, 2, 3])
-    return chain, extend(reply, [])
+    prompt = template(drops, layout).chains(req, body, None, [1, 2, 3], {})
+    return prompt.chain, prompt.extend(reply, [])
 
 
 def test_template_that_drops_past_reasoning_is_detected(text_model, tmp_path):
-    assert _drops_reasoning(load_tokenizer(text_model)) == ""  # no reasoning markers at all
+    assert reasoning_marker(load_tokenizer(text_model)) == ""  # no reasoning markers at all
     keeps = tmp_path / "keeps"
     keeps.mkdir()
-    assert _drops_reasoning(thinking_tokenizer(text_model, keeps, None)) == ""
+    assert reasoning_marker(thinking_tokenizer(text_model, keeps, None)) == ""
     drops = tmp_path / "drops"
     drops.mkdir()
-    assert _drops_reasoning(thinking_tokenizer(text_model, drops, DROPPING)) == "<think>"
+    assert reasoning_marker(thinking_tokenizer(text_model, drops, DROPPING)) == "<think>"
 
 
 def test_reasoning_reply_is_not_advertised_as_next_prefix():
@@ -91,7 +91,7 @@ def test_reasoning_reply_is_not_advertised_as_next_prefix():
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from kvroute.backend.server import _chat_layout  # noqa: E402
+from kvroute.backend.prompt import chat_layout  # noqa: E402
 from kvroute.devtools.demo_model import CHAT_TEMPLATE  # noqa: E402
 from kvroute.core.prefix import Layout  # noqa: E402
 
@@ -128,12 +128,12 @@ def test_template_layouts_are_detected(hf_tokenizer):
 
 
 def test_backend_finds_its_models_layout(text_model, tool_model, tmp_path):
-    assert _chat_layout(load_tokenizer(text_model)) == Layout("after_system")
-    assert _chat_layout(load_tokenizer(tool_model)) == Layout("after_system")
+    assert chat_layout(load_tokenizer(text_model)) == Layout("after_system")
+    assert chat_layout(load_tokenizer(tool_model)) == Layout("after_system")
     mistral = tmp_path / "mistral"
     mistral.mkdir()
     tok = thinking_tokenizer(text_model, mistral, TEMPLATES["mistral-v0.3"])
-    assert _chat_layout(tok) == LAYOUTS["mistral-v0.3"]
+    assert chat_layout(tok) == LAYOUTS["mistral-v0.3"]
 
 
 def tools(*names: str) -> list[dict]:

@@ -17,8 +17,8 @@ from kvroute import __version__
 from .chat import ChatCompletionBody, CompletionBody
 from .messages import CountTokensBody, MessagesBody
 from .responses import ResponsesBody
-from .routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH, MESSAGES_COUNT_PATH,
-                     MESSAGES_PATH, MODELS_PATH, RESPONSES_PATH)
+from .routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH,
+                     MESSAGES_COUNT_PATH, MESSAGES_PATH, MODELS_PATH, RESPONSES_PATH)
 from .validation import Body
 
 _REF = "#/components/schemas/{model}"

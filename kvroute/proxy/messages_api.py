@@ -362,7 +362,7 @@ _VALID = {"a string": "a valid string", "an integer": "a valid integer",
           "a list": "a valid list", "an object": "a valid dictionary"}
 _INDEX = re.compile(r"\[(\d+)\]")
 _WRONG_TYPE = re.compile(r"expected (an? \w+), got")
-# The backend's context refusals (backend/server.py `_budget`), for their numbers.
+# The backend's context refusals (backend/app.py `_budget`), for their numbers.
 _PROMPT_LIMIT = re.compile(r"maximum prompt length is (\d+) tokens; your prompt has (\d+) "
                            r"tokens")
 _CONTEXT_LIMIT = re.compile(r"maximum context length is (\d+) tokens; you requested \d+ "

@@ -1,0 +1,341 @@
+"""The backend's HTTP surface (aiohttp): OpenAI endpoints, health, metrics.
+
+Handlers parse and validate, render and hash the prompt off the event loop, hand a
+`Job` to the engine and relay its events. They never touch model state or caches; on a
+client disconnect aiohttp cancels the handler and the `finally` sets the job's cancel
+flag, which the engine honours within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import orjson
+from aiohttp import web
+
+from kvroute.api import openapi
+from kvroute.api.errors import APIError, bad_request, error_middleware, not_found
+from kvroute.api.http import SSE_DONE, SSE_HEADERS, json_response, read_json, sse_data
+from kvroute.api.routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH,
+                                MODELS_PATH)
+from kvroute.config import BackendConfig
+
+from .chunks import ChatBuilder, CompletionBuilder
+from .debug import describe_entries
+from .disk import DiskTier
+from .engine import Engine
+from .jobs import Delta, Finish, Job
+from .metrics import BackendMetrics
+from .prompt import Template
+from .publisher import Publisher
+from .requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from .store import Store
+
+STATE_KEY = web.AppKey("state", object)
+
+
+@dataclass
+class State:
+    """What the handlers read: built once the model is loaded (boot.py)."""
+
+    config: BackendConfig
+    engine: Engine
+    template: Template
+    metrics: BackendMetrics
+    store: Store
+    context_length: int
+    started: float
+    instance_id: str = ""
+    publisher: Publisher | None = None
+    vocab_size: int = 0  # rows of the logits: logit_bias token ids must index inside them
+    disk: DiskTier | None = None
+    disk_publisher: Publisher | None = None  # keeps the disk tier's key sets in Redis
+    device: dict = field(default_factory=dict)  # accelerator, memory limits, warm-up seconds
+
+
+def _state(request: web.Request) -> State:
+    return request.app[STATE_KEY]
+
+
+def _check_model(state: State, model: str) -> None:
+    if model != state.config.model_id:
+        raise not_found(
+            f"The model '{model}' does not exist on this backend; it serves "
+            f"'{state.config.model_id}'.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _scope(request: web.Request) -> str | None:
+    # Set by the proxy from the client's API key; it only narrows what can hit.
+    return request.headers.get("x-kvroute-scope") or None
+
+
+# -- generation -----------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat, ChatBuilder)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion, CompletionBuilder)
+
+
+async def _generate(
+    request: web.Request,
+    parse: Callable[[dict], ChatRequest | CompletionRequest],
+    builder_type: type[ChatBuilder] | type[CompletionBuilder],
+) -> web.StreamResponse:
+    state = _state(request)
+    _, body = await read_json(request)
+    req = parse(body)
+    _check_model(state, req.model)
+    scope = _scope(request)
+    prompt = await asyncio.to_thread(state.template.prompt, req, body, scope)
+    builder = builder_type(state.config.model_id, logprobs=req.params.logprobs)
+    prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
+    max_tokens = _budget(state, prompt.tokens, req.params.max_tokens, prompt_param)
+    bias = req.params.logit_bias
+    if bias and max(bias) >= state.vocab_size:
+        # An id past the logits would index out of bounds inside MLX (a crash, not an error).
+        raise bad_request(f"logit_bias token id {max(bias)} is outside the vocabulary "
+                          f"(0 to {state.vocab_size - 1}).", param="logit_bias",
+                          code="invalid_value")
+    job = Job(
+        prompt=prompt.tokens,
+        params=req.params,
+        max_tokens=max_tokens,
+        tools=prompt.tools,
+        loop=asyncio.get_running_loop(),
+        events=asyncio.Queue(),
+        chain=prompt.chain,
+        checkpoints=prompt.checkpoints,
+        extend_chain=prompt.extend,
+        partial_chain=prompt.partial,
+        scope=scope,
+        fault=req.fault if state.config.enable_faults else None,
+    )
+    if state.disk is not None:
+        job.restored = await state.disk.prefetch(
+            state.config.model_id, job.prompt, scope,
+            lambda: state.store.depth(state.config.model_id, job.prompt, scope),
+            state.engine.prefill_tps)
+    state.engine.submit(job)
+    try:
+        if req.stream:
+            return await _stream(request, job, builder, req.include_usage)
+        return await _whole(job, builder)
+    finally:
+        # Runs on normal completion, on errors, and when aiohttp cancels the
+        # handler because the client went away: the engine then frees the slot.
+        job.cancel()
+
+
+def _budget(state: State, prompt: list[int], requested: int | None, prompt_param: str) -> int:
+    limit = state.config.max_prompt_tokens or state.context_length
+    limit = min(limit, state.context_length)
+    if len(prompt) > limit:
+        raise bad_request(
+            f"This model's maximum prompt length is {limit} tokens; your prompt has "
+            f"{len(prompt)} tokens.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    room = state.context_length - len(prompt)
+    if requested is not None and requested > room:
+        raise bad_request(
+            f"This model's maximum context length is {state.context_length} tokens; you "
+            f"requested {len(prompt) + requested} ({len(prompt)} in the prompt, {requested} "
+            "for the completion).",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    if room < 1:
+        raise bad_request("The prompt leaves no room for a completion.", param=prompt_param,
+                          code="context_length_exceeded")
+    return requested if requested is not None else min(room, state.config.default_max_tokens)
+
+
+async def _whole(job: Job, builder: ChatBuilder | CompletionBuilder) -> web.Response:
+    while True:
+        event = await job.events.get()
+        if isinstance(event, Delta):
+            builder.add(event)
+        elif isinstance(event, Finish):
+            return json_response(builder.whole(event), _cache_headers(job))
+        else:
+            raise event
+
+
+def _cache_headers(job: Job) -> dict:
+    # Known once the engine admitted the job (before its first event): lets the
+    # proxy measure routing precision without parsing streamed bodies.
+    headers = {
+        "x-kvroute-prompt-tokens": str(len(job.prompt)),
+        "x-kvroute-cached-tokens": str(job.cached_tokens),
+    }
+    if job.first_token_at is not None:
+        headers["x-kvroute-ttft-ms"] = f"{(job.first_token_at - job.submitted) * 1000:.1f}"
+    return headers
+
+
+async def _stream(
+    request: web.Request, job: Job, builder: ChatBuilder | CompletionBuilder, include_usage: bool
+) -> web.StreamResponse:
+    # Wait for the first event before committing to a 200, so that an engine
+    # failure before any output is still reported with a proper status code.
+    first = await job.events.get()
+    if isinstance(first, APIError):
+        raise first
+    resp = web.StreamResponse(
+        headers={**SSE_HEADERS, **_cache_headers(job)}
+    )
+    try:
+        await resp.prepare(request)
+        preamble = builder.first_chunk(include_usage)
+        if preamble is not None:
+            await resp.write(sse_data(preamble))
+        event = first
+        while True:
+            if isinstance(event, Delta):
+                await resp.write(sse_data(builder.delta_chunk(event, include_usage)))
+            elif isinstance(event, Finish):
+                await resp.write(sse_data(builder.finish_chunk(event, include_usage)))
+                if include_usage:
+                    await resp.write(sse_data(builder.usage_chunk(event)))
+                break
+            else:
+                await resp.write(sse_data(event.body()))
+                break
+            event = await job.events.get()
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+    except ConnectionError:
+        # The client went away between two events (before aiohttp cancelled this
+        # handler): a disconnect, not a server error. _generate's finally frees the slot.
+        request["client_gone"] = True
+    return resp
+
+
+# -- questions ------------------------------------------------------------------------
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt tokens a chat body renders to with this model's chat template, as
+    `usage.prompt_tokens` of the same body would count them; nothing is generated. For
+    the proxy's /v1/messages/count_tokens: only a backend has the tokenizer."""
+    state = _state(request)
+    _, body = await read_json(request)
+    req = parse_chat(body)
+    _check_model(state, req.model)
+    count = await asyncio.to_thread(state.template.count, req)
+    return json_response({"object": "token_count", "model": req.model, "prompt_tokens": count})
+
+
+async def models(request: web.Request) -> web.Response:
+    state = _state(request)
+    return json_response({
+        "object": "list",
+        "data": [
+            {
+                "id": state.config.model_id,
+                "object": "model",
+                "created": int(state.started),
+                "owned_by": "kvroute",
+                "context_length": state.context_length,
+            }
+        ],
+    })
+
+
+async def health(request: web.Request) -> web.Response:
+    state = _state(request)
+    return json_response({
+        "status": "ok",
+        "backend_id": state.config.backend_id,
+        "instance_id": state.instance_id,
+        "pid": os.getpid(),
+        "model": state.config.model_id,
+        "uptime_s": round(time.time() - state.started, 1),
+        "cache": state.store.stats(),
+        "disk": state.disk.stats() if state.disk is not None else None,
+        "device": state.device,
+        "engine": state.engine.snapshot(),
+    })
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = _state(request)
+    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+async def cache_entries(request: web.Request) -> web.Response:
+    state = _state(request)
+    entries = await state.engine.call(lambda: describe_entries(state.store))
+    return json_response({"entries": entries})
+
+
+_OPENAPI = orjson.dumps(openapi.spec("backend"))
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    return web.Response(body=_OPENAPI, content_type="application/json")
+
+
+# -- the app --------------------------------------------------------------------------
+
+
+def _token_middleware(token: str):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith(("/v1/", "/debug/")):
+            given = request.headers.get("x-kvroute-token", "")
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                raise APIError(401, "This backend only answers its kvroute proxies.",
+                               "authentication_error", None, "invalid_internal_token")
+        return await handler(request)
+
+    return check
+
+
+def _count_middleware(metrics_: BackendMetrics):
+    @web.middleware
+    async def count(request: web.Request, handler):
+        # Outermost: sees the final status, after errors became envelopes.
+        status = 500
+        try:
+            response = await handler(request)
+            status = 499 if request.get("client_gone") else response.status
+            return response
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        finally:
+            if request.path.startswith("/v1/"):
+                metrics_.l(metrics_.requests, endpoint=request.path, status=str(status)).inc()
+
+    return count
+
+
+def create_app(state: State) -> web.Application:
+    middlewares = [_count_middleware(state.metrics), error_middleware]
+    if state.config.internal_token:
+        middlewares.append(_token_middleware(state.config.internal_token))
+    app = web.Application(middlewares=middlewares, client_max_size=state.config.max_body_bytes)
+    app[STATE_KEY] = state
+    app.router.add_post(CHAT_PATH, chat_completions)
+    app.router.add_post(COMPLETIONS_PATH, completions)
+    app.router.add_post(COUNT_TOKENS_PATH, count_tokens)
+    app.router.add_get(MODELS_PATH, models)
+    app.router.add_get(HEALTH_PATH, health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_json)
+    app.router.add_get("/debug/cache", cache_entries)
+    return app
