@@ -15,7 +15,7 @@ from kvroute.api.wire import HEALTH_PATH
 from kvroute.core.prefix import DEFAULT_LAYOUT, PREFIX_SCHEME, Layout
 from kvroute.core.registry import BackendRecord, Registry, RegistryUnavailable
 
-from .metrics import ProxyMetrics
+from .observe.metrics import ProxyMetrics
 
 log = logging.getLogger("kvroute.proxy")
 

@@ -21,9 +21,9 @@ from kvroute.core.hits import is_cache_hit
 
 from . import loading
 from .fleet import watch_of
-from .policy import Decision
+from .policy.interface import Decision
 from .state import State
-from .translate import Relay, chat_error_event
+from .agents.gateway import Relay, chat_error_event
 
 log = logging.getLogger("kvroute.proxy")
 

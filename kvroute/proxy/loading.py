@@ -25,12 +25,12 @@ from typing import Callable
 import orjson
 from aiohttp import web
 
-from kvroute.api.errors import APIError, not_found
+from kvroute.api.errors import APIError
 from kvroute.api.wire import MESSAGES_PATH, RESPONSES_PATH, SSE_HEADERS
 from kvroute.core.models_state import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY,
                                        UNLOADED, UNLOADING, ModelsState, ModelState, quietly)
 
-from .translate import HELD, chat_error_event, sse_event
+from .agents.gateway import HELD, chat_error_event, sse_event
 
 log = logging.getLogger("kvroute.proxy.loading")
 
@@ -218,11 +218,11 @@ async def write_error(request: web.Request, err: APIError) -> web.StreamResponse
     """End a started stream with `err` in the client API's own error event."""
     resp = request[HELD]
     if request.path.startswith(MESSAGES_PATH):
-        from .messages_api import error_fields
+        from .agents.messages import error_fields
 
         event = sse_event("error", {"type": "error", **error_fields(err)})
     elif request.path.startswith(RESPONSES_PATH):
-        from .responses_api import error_fields
+        from .agents.responses import error_fields
 
         # Nothing was sent before it: the stream's first event.
         event = sse_event("error", {"type": "error", "sequence_number": 0, **error_fields(err)})

@@ -12,10 +12,10 @@ from kvroute.core.registry import Registry
 
 from .fleet import Backends
 from .loading import Models
-from .metrics import ProxyMetrics
-from .policy import RoutingPolicy
-from .recent import LiveRoutes, RecentChoices
-from .stats import Stats
+from .observe.metrics import ProxyMetrics
+from .policy.interface import RoutingPolicy
+from .policy.recent import LiveRoutes, RecentChoices
+from .observe.stats import Stats
 
 STATE_KEY = web.AppKey("state", object)
 

@@ -40,9 +40,10 @@ from kvroute.api.errors import APIError
 from kvroute.api.validation import validate
 from kvroute.api.wire import COUNT_TOKENS_PATH, MESSAGES_COUNT_PATH, MESSAGES_PATH
 
-from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
-                        chat_chunks, chunk_parts, json_response, new_id, off_loop_if_large,
-                        read_json, tool_call_parts, upstream_error)
+from .gateway import (GATEWAY, Relay, SSEWriter, carry_fault, json_response, off_loop_if_large,
+                      read_json)
+from .reply import (ChatReply, UpstreamFailed, Usage, chat_chunks, chunk_parts, new_id,
+                    tool_call_parts, upstream_error)
 
 PATH, COUNT_PATH = MESSAGES_PATH, MESSAGES_COUNT_PATH
 # Several text blocks of one turn (Claude Code sends a few) read as paragraphs.
@@ -295,7 +296,7 @@ class _MessagesRelay(Relay):
                 if finish:
                     reply.finish_reason, reply.stop = finish, stop
                 if not w.open:
-                    # The client left: stop reading, so the server's forward closes upstream
+                    # The client left: stop reading, so the proxy's forward closes upstream
                     # and the backend stops decoding (its prompt stays cached).
                     return w.resp
             await close_text()

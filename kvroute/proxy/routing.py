@@ -1,12 +1,12 @@
-"""The front proxy's routes and app: one OpenAI endpoint that routes each turn to where
-its prefix is cached.
+"""Routing: each chat or completion request (and each agent API's, through the
+gateway) to the backend where its prefix is cached.
 
 Per request: read the body once, compute its prefix chain (no tokenizer), ask the
 registry in one round trip how deep each live backend matches, let the policy
-(proxy/policy.py) choose, leave a routing mark in Redis when the policy asks for one
+(proxy/policy/) choose, leave a routing mark in Redis when the policy asks for one
 (so a burst sharing a new prefix lands together), then forward (proxy/forward.py),
 failing over once to the next best backend. The fleet view lives in proxy/fleet.py,
-the state and settings in proxy/state.py, API keys in proxy/auth.py.
+the state and settings in proxy/state.py.
 """
 
 from __future__ import annotations
@@ -15,42 +15,28 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 import time
-from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from kvroute.api import openapi
+from kvroute.api.errors import APIError, bad_request, not_found
+from kvroute.api.wire import CHAT_PATH, parse_json
 from kvroute.core import prefix
-from kvroute.api.process import start_site, wait_for_stop
-from kvroute.api.errors import APIError, bad_request, error_middleware, not_found
-from kvroute.core.models_state import ModelsState
-from kvroute.core.registry import BackendRecord, Registry, RegistryUnavailable
-from kvroute.api.wire import parse_json
+from kvroute.core.registry import BackendRecord, RegistryUnavailable
 
-from . import apis, loading, messages_api, responses_api
-from .auth import auth_middleware
-from .fleet import Backends, check_fingerprint, describe, refresh_backends
+from . import loading
+from .agents.gateway import Relay
+from .fleet import Backends, check_fingerprint
 from .forward import Retry, forward, upstream_headers
-from .metrics import ProxyMetrics
-from .policy import Candidate, Decision, Load, PolicyConfig, RouteContext, make_policy
-from .response_store import ResponseStore
-from .state import STATE_KEY, ProxyConfig, State, spawn, state_of
-from .stats import SERIES_PERIOD
-from .translate import GATEWAY, Gateway, Relay
+from .policy.interface import Candidate, Decision, Load, RouteContext
+from .state import ProxyConfig, State, spawn, state_of
 
 log = logging.getLogger("kvroute.proxy")
 
-CHAT_PATH = "/v1/chat/completions"
 # Chains of bodies larger than this are computed off the event loop.
 _INLINE_CHAIN_BYTES = 256 << 10
-
-
-# -- routing ----------------------------------------------------------------------
 
 
 def _chain(config: ProxyConfig, path: str, body: dict, model: str, scope: str | None,
@@ -290,140 +276,3 @@ def _live_route(state: State, ctx: RouteContext) -> Decision | None:
     matched = ctx.matched_bytes(c)
     return Decision(c, "live-route", max(0, ctx.request_bytes - matched) / bpt,
                     predicted_tokens=int(matched / bpt), mark=True)
-
-
-# -- other endpoints --------------------------------------------------------------
-
-
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
-
-
-async def models(request: web.Request) -> web.Response:
-    state = state_of(request)
-    return _json({"object": "list", "data": state.models.listing(state.backends.models())})
-
-
-async def model_info(request: web.Request) -> web.Response:
-    """GET /v1/models/{model}: one model object of the /v1/models listing."""
-    state = state_of(request)
-    model = request.match_info["model"]
-    entry = state.models.entry(model, state.backends.models())
-    if entry is None:
-        raise not_found(f"The model '{model[:200]}' does not exist.", param="model",
-                        code="model_not_found")
-    return _json(entry)
-
-
-async def health(request: web.Request) -> web.Response:
-    state = state_of(request)
-    b = state.backends
-    return _json({
-        "status": "ok",
-        "pid": os.getpid(),
-        "policy": state.policy.name,
-        "backends": describe(state),
-        "registry_age_s": round(time.time() - b.refreshed, 2) if b.refreshed else None,
-    })
-
-
-async def stats(request: web.Request) -> web.Response:
-    state = state_of(request)
-    return _json({**state.stats.snapshot(describe(state)), "model_states": state.models.stats()})
-
-
-_DASHBOARD = Path(__file__).with_name("dashboard.html")
-
-
-async def dashboard(request: web.Request) -> web.Response:
-    # Read per request: one small file, and edits show without a restart.
-    return web.Response(body=_DASHBOARD.read_bytes(), content_type="text/html", charset="utf-8")
-
-
-async def sample_stats(state: State) -> None:
-    m = state.metrics
-    while True:
-        backends = describe(state)
-        state.stats.sample(backends)
-        for b in backends:
-            m.backend_cache_bytes.labels(b["id"]).set(b["cache_bytes"])
-            m.backend_queue_depth.labels(b["id"]).set(b["queue_depth"])
-        await asyncio.sleep(SERIES_PERIOD)
-
-
-async def metrics(request: web.Request) -> web.Response:
-    state = state_of(request)
-    state.metrics.set_models(state.models.stats())  # as fresh as the proxy's view
-    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
-
-
-_OPENAPI = orjson.dumps(openapi.spec("proxy"))
-
-
-async def openapi_json(request: web.Request) -> web.Response:
-    return web.Response(body=_OPENAPI, content_type="application/json")
-
-
-def create_app(config: ProxyConfig) -> web.Application:
-    registry = Registry(config.redis_url, lookup_timeout=config.lookup_timeout)
-    policy = make_policy(PolicyConfig(name=config.policy, locality_slack=config.locality_slack))
-    on_demand = loading.Models(ModelsState(config.redis_url), config.load_timeout)
-    state = State(config, registry, policy, ProxyMetrics(), Backends(), on_demand,
-                  fingerprint=prefix.fingerprint(config.secret, config.block_bytes))
-    # Outermost first: the per-API count sees final statuses, after Messages errors took
-    # Anthropic's envelope.
-    app = web.Application(middlewares=[apis.count_middleware(state.metrics, state.stats),
-                                       messages_api.error_envelope_middleware,
-                                       error_middleware, auth_middleware],
-                          client_max_size=config.max_body_bytes)
-    app[STATE_KEY] = state
-    app[GATEWAY] = Gateway(route_chat, ask_backend,
-                           ResponseStore(registry, config.secret, config.response_ttl))
-    app.router.add_post(CHAT_PATH, route_request)
-    app.router.add_post("/v1/completions", route_request)
-    responses_api.add_routes(app)
-    messages_api.add_routes(app)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model:.+}", model_info)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/openapi.json", openapi_json)
-    app.router.add_get("/stats", stats)
-    app.router.add_get("/dashboard", dashboard)
-    app.on_startup.append(_startup)
-    app.on_cleanup.append(_cleanup)
-    return app
-
-
-async def _startup(app: web.Application) -> None:
-    state = app[STATE_KEY]
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=state.config.connect_timeout,
-                                    sock_read=state.config.request_timeout)
-    # No connection cap: backends apply their own queue limits (and answer 429).
-    state.session = aiohttp.ClientSession(timeout=timeout,
-                                          connector=aiohttp.TCPConnector(limit=0),
-                                          auto_decompress=False)
-    state.tasks.append(asyncio.create_task(refresh_backends(state)))
-    state.tasks.append(asyncio.create_task(sample_stats(state)))
-    state.tasks.append(asyncio.create_task(state.models.refresh_loop()))
-
-
-async def _cleanup(app: web.Application) -> None:
-    state = app[STATE_KEY]
-    tasks = state.tasks + list(state.backends.watches.values())
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    if state.session is not None:
-        await state.session.close()
-    await state.registry.close()
-    await state.models.states.close()
-
-
-async def serve(config: ProxyConfig) -> None:
-    runner = await start_site(create_app(config), config.host, config.port)
-    log.info("proxy on http://%s:%d (policy %s, registry %s)", config.host, config.port,
-             config.policy, config.redis_url)
-    await wait_for_stop()
-    await runner.cleanup()
-

@@ -1,16 +1,5 @@
-"""What the agent APIs (Responses, Messages) share on their way through the chat path.
-
-Each of those APIs is a translation: its handler turns the client's request into the
-canonical chat-completions body, hands it to the proxy's chat routing (`Gateway.
-route_chat`: same prefix chain, lookup and forwarding as /v1/chat/completions), and
-gives it a `Relay` that turns the backend's chat answer, whole or streamed, back into
-its own API. This module holds the pieces both translations need: the gateway the
-proxy provides, reading the backend's SSE chunks, writing SSE events, and the reply accumulated from chat chunks. (What each API accepts is its model in
-kvroute/responses_wire.py and kvroute/messages_wire.py.)
-
-It imports nothing from `proxy.server`: the server builds the `Gateway` and puts it in
-the app, so the translations depend on the routing only through that object.
-"""
+"""The backend's chat answer, read back: a whole completion or its SSE chunks, into one
+`ChatReply` (text, tool calls, why it ended, usage) that an agent API turns into its own."""
 
 from __future__ import annotations
 
@@ -18,79 +7,18 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 from kvroute.api.errors import APIError
-from kvroute.api.wire import SSE_HEADERS, parse_json
 
-log = logging.getLogger("kvroute.proxy.translate")
-
-# Bodies larger than this are translated off the event loop (as the server does for
-# prefix chains): a big agent history is thousands of items walked in Python.
-INLINE_BYTES = 256 << 10
-HELD = "kvroute_held_stream"  # request key: the SSE response started while its model loaded
-
-
-def sse_event(event: str, data: dict) -> bytes:
-    """One named SSE event (the agent APIs' streams)."""
-    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-
-
-def chat_error_event(err: APIError) -> bytes:
-    """The end of a chat or completion stream that failed after its 200: the error
-    envelope as a chunk, then [DONE]."""
-    return b"data: " + orjson.dumps(err.body()) + b"\n\ndata: [DONE]\n\n"
-
-
-class Relay:
-    """Turns the backend's chat answer into one API's answer. `whole` gets a JSON body
-    (any status: errors too), `stream` an upstream SSE response with status 200."""
-
-    async def whole(self, status: int, data: bytes, headers: dict) -> web.StreamResponse:
-        raise NotImplementedError
-
-    async def stream(self, request: web.Request, upstream: Any, headers: dict,
-                     bid: str) -> web.StreamResponse:
-        raise NotImplementedError
-
-
-@dataclass
-class Gateway:
-    """What the proxy offers the translating APIs (built by `proxy.server.create_app`)."""
-
-    # (request, canonical chat body, relay, t_start) -> the client's response
-    route_chat: Callable[[web.Request, dict, Relay, float], Awaitable[web.StreamResponse]]
-    # (request, model, backend path, body) -> (status, body): a question, not a generation
-    ask_backend: Callable[[web.Request, str, str, dict], Awaitable[tuple[int, bytes]]]
-    responses: Any  # proxy.response_store.ResponseStore
-
-
-GATEWAY = web.AppKey("gateway", Gateway)
+log = logging.getLogger("kvroute.proxy.agents")
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
-
-
-async def read_json(request: web.Request) -> tuple[bytes, dict]:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise APIError(413, f"Request body too large: {exc.reason}.", code="request_too_large")
-    return raw, parse_json(raw)
-
-
-async def off_loop_if_large(size: int, fn: Callable, *args) -> Any:
-    if size > INLINE_BYTES:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
-
-
-# -- the backend's answer --------------------------------------------------------------
 
 
 def upstream_error(status: int, data: bytes) -> APIError:
@@ -232,56 +160,3 @@ def tool_call_parts(call: dict) -> tuple[str, str, str]:
     return str(call.get("id") or new_id("call_")), str(fn.get("name") or ""), args
 
 
-# -- writing SSE -----------------------------------------------------------------------
-
-
-class SSEWriter:
-    """One SSE response to the client. `send` returns False once the client is gone."""
-
-    def __init__(self, headers: dict):
-        self.resp = web.StreamResponse(status=200, headers={**headers, **SSE_HEADERS})
-        self.open = True
-
-    async def start(self, request: web.Request) -> bool:
-        # A request that waited for its model to load has its stream started already.
-        held = request.get(HELD)
-        if held is not None:
-            self.resp = held
-        try:
-            await self.resp.prepare(request)
-        except ConnectionError:
-            self.open = False
-        return self.open
-
-    async def send(self, event: str, data: dict) -> bool:
-        if not self.open:
-            return False
-        try:
-            await self.resp.write(sse_event(event, data))
-        except ConnectionError:
-            # The client went away: not a backend failure. Closing upstream (the
-            # server's forward does it) stops the backend decoding.
-            log.debug("client of a translated stream went away")
-            self.open = False
-        return self.open
-
-    async def end(self) -> web.StreamResponse:
-        if self.open:
-            try:
-                await self.resp.write_eof()
-            except ConnectionError:
-                self.open = False
-        return self.resp
-
-
-def carry_fault(body: dict, chat: dict) -> dict:
-    """The testing-only `kvroute_fault` field travels on, as it does in a chat body the
-    proxy passes through: only a backend started with --enable-faults honours it."""
-    if isinstance(body.get("kvroute_fault"), str):
-        chat["kvroute_fault"] = body["kvroute_fault"]
-    return chat
-
-
-def json_response(obj: Any, headers: dict, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, headers=headers,
-                        content_type="application/json")

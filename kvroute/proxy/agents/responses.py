@@ -29,7 +29,7 @@ answered with, so the next turn's prefix keys continue the last one's.
 
 With `store` (OpenAI's default) the response (its conversation, and the response
 object for `GET /v1/responses/{id}`) is kept in Redis for the proxy's
-`--response-ttl` (see response_store.py), scoped by the API key.
+`--response-ttl` (see store.py), scoped by the API key.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ from kvroute.api.errors import APIError, bad_request, not_found
 from kvroute.api.validation import validate
 from kvroute.api.wire import RESPONSES_PATH
 
-from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
-                        chat_chunks, chunk_parts, json_response, new_id, off_loop_if_large,
-                        read_json, tool_call_parts, upstream_error)
+from .gateway import (GATEWAY, Relay, SSEWriter, carry_fault, json_response, off_loop_if_large,
+                      read_json)
+from .reply import (ChatReply, UpstreamFailed, Usage, chat_chunks, chunk_parts, new_id,
+                    tool_call_parts, upstream_error)
 
 PATH = RESPONSES_PATH
 IGNORED_TOOLS_HEADER = "x-kvroute-ignored-tools"
@@ -500,7 +501,7 @@ class _ResponsesRelay(Relay):
                 if finish:
                     reply.finish_reason, reply.stop = finish, stop
                 if not w.open:
-                    # The client left: stop reading, so the server's forward closes upstream
+                    # The client left: stop reading, so the proxy's forward closes upstream
                     # and the backend stops decoding (its prompt stays cached).
                     return w.resp
             if not output and message is None:  # an empty reply is still one message
