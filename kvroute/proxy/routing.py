@@ -22,32 +22,45 @@ import orjson
 from aiohttp import web
 
 from kvroute.api.errors import APIError, bad_request, not_found
-from kvroute.api.wire import CHAT_PATH, parse_json
+from kvroute.api.wire import CHAT_PATH
 from kvroute.core import prefix
 from kvroute.core.registry import BackendRecord, RegistryUnavailable
 
 from . import loading
-from .agents.gateway import Relay
+from .agents.gateway import Relay, off_loop_if_large, read_json
 from .fleet import Backends, check_fingerprint
-from .forward import Retry, forward, upstream_headers
+from .forward import Retry, RoutedRequest, forward, upstream_headers
 from .policy.interface import Candidate, Decision, Load, RouteContext
 from .state import ProxyConfig, State, spawn, state_of
 
 log = logging.getLogger("kvroute.proxy")
 
-# Chains of bodies larger than this are computed off the event loop.
-_INLINE_CHAIN_BYTES = 256 << 10
+
+def _routed(request: web.Request, raw: bytes, body: dict, path: str, t_start: float,
+            relay: Relay | None = None) -> RoutedRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string.", param="model",
+                          code="missing_required_parameter")
+    return RoutedRequest(request, raw, body, model, path, request.get("scope"), t_start, relay)
 
 
-def _chain(config: ProxyConfig, path: str, body: dict, model: str, scope: str | None,
-           layout: prefix.Layout):
-    # From the body alone, no tokenizer (docs/DESIGN.md invariant 6), with the same
-    # function the backend advertises with, in the layout of the model's chat template
-    # as its backends publish it (proxy/fleet.py).
-    salt = prefix.make_salt(config.secret, scope)
+async def _chain(config: ProxyConfig, req: RoutedRequest, layout: prefix.Layout) -> None:
+    """The request's prefix chain, into `req.keys` and `req.ends`: from the body alone,
+    no tokenizer (docs/DESIGN.md invariant 6), with the same function the backend
+    advertises with, in the layout of the model's chat template as its backends
+    publish it (proxy/fleet.py). A large body's chain is computed off the event loop."""
+    pairs = await off_loop_if_large(len(req.raw), _chain_pairs, config, req, layout)
+    req.keys = [k for k, _ in pairs]
+    req.ends = [end for _, end in pairs]
+
+
+def _chain_pairs(config: ProxyConfig, req: RoutedRequest,
+                 layout: prefix.Layout) -> list[tuple[int, int]]:
+    salt = prefix.make_salt(config.secret, req.scope)
     try:
-        return prefix.request_chain(prefix.request_kind(path), body, model=model, salt=salt,
-                                    block_bytes=config.block_bytes, layout=layout)
+        return prefix.request_chain(prefix.request_kind(req.path), req.body, model=req.model,
+                                    salt=salt, block_bytes=config.block_bytes, layout=layout)
     except ValueError as exc:
         # The backend would refuse it too; answer without a round trip.
         raise bad_request(f"Invalid request: {exc}.")
@@ -138,12 +151,10 @@ async def ask_backend(request: web.Request, model: str, path: str, body: dict) -
 
 
 async def route_request(request: web.Request) -> web.StreamResponse:
+    """/v1/chat/completions and /v1/completions: the client's body passes through."""
     t_start = time.perf_counter()
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise APIError(413, f"Request body too large: {exc.reason}.", code="request_too_large")
-    return await _route(request, raw, parse_json(raw), request.path, t_start)
+    raw, body = await read_json(request)
+    return await _route(_routed(request, raw, body, request.path, t_start))
 
 
 async def route_chat(request: web.Request, body: dict, relay: Relay,
@@ -152,43 +163,30 @@ async def route_chat(request: web.Request, body: dict, relay: Relay,
     Messages) exactly as /v1/chat/completions routes its own: the same prefix chain,
     lookup, choice, failover and forwarding, so a conversation hits the same cache
     whichever API carries it. `relay` turns the backend's chat answer into that API's."""
-    return await _route(request, orjson.dumps(body), body, CHAT_PATH, t_start, relay)
+    return await _route(_routed(request, orjson.dumps(body), body, CHAT_PATH, t_start, relay))
 
 
-async def _route(request: web.Request, raw: bytes, body: dict, path: str, t_start: float,
-                 relay: Relay | None = None) -> web.StreamResponse:
-    state = state_of(request)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a string.", param="model",
-                          code="missing_required_parameter")
-    scope = request.get("scope")
+async def _route(req: RoutedRequest) -> web.StreamResponse:
+    state = state_of(req.request)
+    model = req.model
     layout = state.backends.layout(model)
-    if len(raw) > _INLINE_CHAIN_BYTES:
-        pairs = await asyncio.to_thread(_chain, state.config, path, body, model, scope, layout)
-    else:
-        pairs = _chain(state.config, path, body, model, scope, layout)
+    await _chain(state.config, req, layout)
     state.models.touch(model)
     if state.models.needs_load(model, bool(state.backends.serving(model))):
         # A valid request for a configured model that is not loaded: wait for its load.
-        done = await loading.hold(request, state.models, model, loading.wants_stream(body),
-                                  functools.partial(_serving_now, state, model))
+        done = await loading.hold(req.request, state.models, model, req.stream,
+                                  functools.partial(_serving_now, state, model), req.error_event)
         if done is not None:
             return done
         if state.backends.layout(model) != layout:  # its backends' template decides
-            pairs = await asyncio.to_thread(_chain, state.config, path, body, model, scope,
-                                            state.backends.layout(model))
-    keys = [k for k, _ in pairs]
-    ends = [end for _, end in pairs]
-    route = functools.partial(_route_to, request, state, raw, model, scope, keys, ends, path,
-                              t_start, relay)
-    if loading.held(request) is None:
-        return await route()
+            await _chain(state.config, req, state.backends.layout(model))
+    if loading.held(req.request) is None:
+        return await _dispatch(state, req)
     try:  # the client's stream has started: errors and answers go into it
-        resp = await route()
+        resp = await _dispatch(state, req)
     except APIError as err:
-        return await loading.write_error(request, err)
-    return await loading.finish(request, resp)
+        return await loading.write_error(req.request, err, req.error_event)
+    return await loading.finish(req.request, resp, req.error_event)
 
 
 async def _serving_now(state: State, model: str) -> bool:
@@ -201,20 +199,13 @@ async def _serving_now(state: State, model: str) -> bool:
     return bool(state.backends.serving(model))
 
 
-async def _route_to(request: web.Request, state: State, raw: bytes, model: str,
-                    scope: str | None, keys: list[int], ends: list[int], path: str,
-                    t_start: float, relay: Relay | None) -> web.StreamResponse:
-    candidates, known = await _candidates(state, model, keys)
+async def _dispatch(state: State, req: RoutedRequest) -> web.StreamResponse:
+    """Choose among the candidates and forward; a backend that fails before its first
+    byte is tried once more elsewhere."""
+    model = req.model
+    candidates, known = await _candidates(state, model, req.keys)
     if not candidates:
         raise _no_backend(state, model)
-    return await _dispatch(request, state, raw, model, scope, keys, ends, candidates, known,
-                           t_start, path=path, relay=relay)
-
-
-async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | None,
-                    keys: list[int], ends: list[int], candidates: list[Candidate], known: bool,
-                    t_start: float, path: str, relay: Relay | None) -> web.StreamResponse:
-    request_bytes = ends[-1] if ends else len(raw)
     tried: set[str] = set()
     failovers = 0
     last_error: APIError | None = None
@@ -230,19 +221,19 @@ async def _dispatch(request, state: State, raw: bytes, model: str, scope: str | 
             candidates = candidates + pool
         if not pool:
             raise last_error or _no_backend(state, model)
-        ctx = RouteContext(pool, keys, ends, request_bytes, known)
+        ctx = RouteContext(pool, req.keys, req.ends, req.request_bytes, known)
         decision = (None if known else _live_route(state, ctx)) or state.policy.choose(ctx)
         c = decision.candidate
         tried.add(c.backend_id)
-        state.live.remember(keys, c.backend_id)
+        state.live.remember(req.keys, c.backend_id)
         if decision.mark:
-            state.recent.remember(model, keys, c.backend_id, state.config.mark_ttl_ms / 1000)
+            state.recent.remember(model, req.keys, c.backend_id, state.config.mark_ttl_ms / 1000)
             if known:
-                spawn(state, state.registry.mark_route(model, keys, c.backend_id,
-                                                          state.config.mark_ttl_ms))
-        state.metrics.overhead.observe(time.perf_counter() - t_start)
+                spawn(state, state.registry.mark_route(model, req.keys, c.backend_id,
+                                                       state.config.mark_ttl_ms))
+        state.metrics.overhead.observe(time.perf_counter() - req.t_start)
         try:
-            return await forward(request, state, raw, model, scope, decision, path, relay)
+            return await forward(state, req, decision)
         except Retry as retry:
             last_error = retry.error
             if retry.failover:

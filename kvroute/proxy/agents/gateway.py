@@ -26,12 +26,13 @@ from aiohttp import web
 from kvroute.api.errors import APIError
 from kvroute.api.wire import SSE_HEADERS, parse_json
 
+from .. import loading
+
 log = logging.getLogger("kvroute.proxy.agents")
 
-# Bodies larger than this are translated off the event loop (as the routing does for
-# prefix chains): a big agent history is thousands of items walked in Python.
+# Bodies larger than this are translated, and their prefix chains computed, off the
+# event loop: a big agent history is thousands of items walked in Python.
 INLINE_BYTES = 256 << 10
-HELD = "kvroute_held_stream"  # request key: the SSE response started while its model loaded
 
 
 def sse_event(event: str, data: dict) -> bytes:
@@ -39,15 +40,14 @@ def sse_event(event: str, data: dict) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-def chat_error_event(err: APIError) -> bytes:
-    """The end of a chat or completion stream that failed after its 200: the error
-    envelope as a chunk, then [DONE]."""
-    return b"data: " + orjson.dumps(err.body()) + b"\n\ndata: [DONE]\n\n"
-
-
 class Relay:
     """Turns the backend's chat answer into one API's answer. `whole` gets a JSON body
-    (any status: errors too), `stream` an upstream SSE response with status 200."""
+    (any status: errors too), `stream` an upstream SSE response with status 200;
+    `held_error` is the error event that ends a stream started while its model loaded,
+    before anything else was sent."""
+
+    def held_error(self, err: APIError) -> bytes:
+        raise NotImplementedError
 
     async def whole(self, status: int, data: bytes, headers: dict) -> web.StreamResponse:
         raise NotImplementedError
@@ -72,6 +72,8 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 
 async def read_json(request: web.Request) -> tuple[bytes, dict]:
+    """The client's body, raw and parsed (the routing's and the agent APIs' alike); a
+    body over the proxy's --max-body-bytes is a 413 in the error envelope."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
@@ -80,6 +82,7 @@ async def read_json(request: web.Request) -> tuple[bytes, dict]:
 
 
 async def off_loop_if_large(size: int, fn: Callable, *args) -> Any:
+    """`fn(*args)`, in a thread when it works on a body of more than INLINE_BYTES."""
     if size > INLINE_BYTES:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
@@ -97,9 +100,7 @@ class SSEWriter:
 
     async def start(self, request: web.Request) -> bool:
         # A request that waited for its model to load has its stream started already.
-        held = request.get(HELD)
-        if held is not None:
-            self.resp = held
+        self.resp = loading.held(request) or self.resp
         try:
             await self.resp.prepare(request)
         except ConnectionError:

@@ -41,7 +41,7 @@ from kvroute.api.validation import validate
 from kvroute.api.wire import COUNT_TOKENS_PATH, MESSAGES_COUNT_PATH, MESSAGES_PATH
 
 from .gateway import (GATEWAY, Relay, SSEWriter, carry_fault, json_response, off_loop_if_large,
-                      read_json)
+                      read_json, sse_event)
 from .reply import (ChatReply, UpstreamFailed, Usage, chat_chunks, chunk_parts, new_id,
                     tool_call_parts, upstream_error)
 
@@ -238,6 +238,9 @@ class _MessagesRelay(Relay):
                 "content": content,
                 "stop_reason": _stop_reason(reply) if reply else None,
                 "stop_sequence": reply.stop if reply else None, "usage": _usage(usage)}
+
+    def held_error(self, err: APIError) -> bytes:
+        return sse_event("error", {"type": "error", **error_fields(err)})
 
     async def whole(self, status: int, data: bytes, headers: dict) -> web.StreamResponse:
         if status >= 400:

@@ -48,7 +48,7 @@ from kvroute.api.validation import validate
 from kvroute.api.wire import RESPONSES_PATH
 
 from .gateway import (GATEWAY, Relay, SSEWriter, carry_fault, json_response, off_loop_if_large,
-                      read_json)
+                      read_json, sse_event)
 from .reply import (ChatReply, UpstreamFailed, Usage, chat_chunks, chunk_parts, new_id,
                     tool_call_parts, upstream_error)
 
@@ -417,6 +417,10 @@ class _ResponsesRelay(Relay):
             await self.gateway.responses.put(self.scope, self.id,
                                              {"v": 1, "messages": messages, "response": obj})
         return obj
+
+    def held_error(self, err: APIError) -> bytes:
+        # Nothing was sent before it: the stream's first event.
+        return sse_event("error", {"type": "error", "sequence_number": 0, **error_fields(err)})
 
     async def whole(self, status: int, data: bytes, headers: dict) -> web.StreamResponse:
         if status >= 400:
