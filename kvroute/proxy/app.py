@@ -32,7 +32,7 @@ from .agents import messages, responses
 from .agents.gateway import GATEWAY, Gateway
 from .agents.store import ResponseStore
 from .auth import auth_middleware
-from .fleet import Backends, describe, refresh_backends
+from .fleet import Fleet, refresh_backends
 from .observe import apis
 from .observe.metrics import ProxyMetrics
 from .observe.stats import SERIES_PERIOD
@@ -50,14 +50,14 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     state = state_of(request)
-    return _json({"object": "list", "data": state.models.listing(state.backends.models())})
+    return _json({"object": "list", "data": state.models.listing(state.fleet.models())})
 
 
 async def model_info(request: web.Request) -> web.Response:
     """GET /v1/models/{model}: one model object of the /v1/models listing."""
     state = state_of(request)
     model = request.match_info["model"]
-    entry = state.models.entry(model, state.backends.models())
+    entry = state.models.entry(model, state.fleet.models())
     if entry is None:
         raise not_found(f"The model '{model[:200]}' does not exist.", param="model",
                         code="model_not_found")
@@ -66,19 +66,20 @@ async def model_info(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     state = state_of(request)
-    b = state.backends
+    fleet = state.fleet
     return _json({
         "status": "ok",
         "pid": os.getpid(),
         "policy": state.policy.name,
-        "backends": describe(state),
-        "registry_age_s": round(time.time() - b.refreshed, 2) if b.refreshed else None,
+        "backends": fleet.describe(),
+        "registry_age_s": round(time.time() - fleet.refreshed, 2) if fleet.refreshed else None,
     })
 
 
 async def stats(request: web.Request) -> web.Response:
     state = state_of(request)
-    return _json({**state.stats.snapshot(describe(state)), "model_states": state.models.stats()})
+    return _json({**state.stats.snapshot(state.fleet.describe()),
+                  "model_states": state.models.stats()})
 
 
 _DASHBOARD = Path(__file__).parent / "observe" / "dashboard.html"
@@ -92,7 +93,7 @@ async def dashboard(request: web.Request) -> web.Response:
 async def sample_stats(state: State) -> None:
     m = state.metrics
     while True:
-        backends = describe(state)
+        backends = state.fleet.describe()
         state.stats.sample(backends)
         for b in backends:
             m.backend_cache_bytes.labels(b["id"]).set(b["cache_bytes"])
@@ -117,7 +118,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     registry = Registry(config.redis_url, lookup_timeout=config.lookup_timeout)
     policy = make_policy(PolicyConfig(name=config.policy, locality_slack=config.locality_slack))
     on_demand = loading.Models(ModelsState(config.redis_url), config.load_timeout)
-    state = State(config, registry, policy, ProxyMetrics(), Backends(), on_demand,
+    state = State(config, registry, policy, ProxyMetrics(), Fleet(), on_demand,
                   fingerprint=prefix.fingerprint(config.secret, config.block_bytes))
     # Outermost first: the per-API count sees final statuses, after Messages errors took
     # Anthropic's envelope.
@@ -159,7 +160,7 @@ async def _startup(app: web.Application) -> None:
 
 async def _cleanup(app: web.Application) -> None:
     state = app[STATE_KEY]
-    tasks = state.tasks + list(state.backends.watches.values())
+    tasks = state.tasks + [b.watch for b in state.fleet.backends.values() if b.watch]
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

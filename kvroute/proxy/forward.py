@@ -23,7 +23,7 @@ from kvroute.api.wire import SSE_HEADERS
 from kvroute.core.hits import is_cache_hit
 
 from . import loading
-from .fleet import watch_of
+from .fleet import Backend, watch_of
 from .policy.interface import Decision
 from .state import State
 from .agents.gateway import Relay
@@ -91,21 +91,22 @@ def route_headers(decision: Decision) -> dict:
     }
 
 
-
-async def forward(state: State, req: RoutedRequest, decision: Decision) -> web.StreamResponse:
+async def forward(state: State, req: RoutedRequest, decision: Decision,
+                  b: Backend) -> web.StreamResponse:
+    """Send `req` to the chosen backend `b` and relay its answer; raises Retry when the
+    router may try another backend (nothing reached the client yet)."""
     c = decision.candidate
-    b = state.backends
     bid = c.backend_id
     prefill = decision.prefill_tokens
-    b.inflight[bid] = b.inflight.get(bid, 0) + 1
-    b.unanswered_tokens[bid] = b.unanswered_tokens.get(bid, 0.0) + prefill
-    state.metrics.child(state.metrics.inflight, bid).set(b.inflight[bid])
+    b.inflight += 1
+    b.unanswered_tokens += prefill
+    state.metrics.child(state.metrics.inflight, bid).set(b.inflight)
     answered = False
     upstream = None
     # A stopped or hung backend keeps its connections open and says nothing: without
     # this watch a request would wait for --request-timeout. One watch per backend,
     # shared by all its requests: a task per request cost a third of peak throughput.
-    watchdog = watch_of(state, bid, c.url)
+    watchdog = watch_of(state, b)
     abandon = None
     try:
         try:
@@ -132,7 +133,7 @@ async def forward(state: State, req: RoutedRequest, decision: Decision) -> web.S
         # ends with an error event, a whole answer is retried elsewhere.
         abandon = functools.partial(_abandon, upstream=upstream, bid=bid)
         watchdog.add_done_callback(abandon)
-        b.unanswered_tokens[bid] = max(0.0, b.unanswered_tokens.get(bid, 0.0) - prefill)
+        b.unanswered_tokens = max(0.0, b.unanswered_tokens - prefill)
         answered = True
         if upstream.status in RETRYABLE_STATUS:
             raise Retry(APIError(upstream.status, f"Backend {bid} answered {upstream.status}.",
@@ -142,7 +143,7 @@ async def forward(state: State, req: RoutedRequest, decision: Decision) -> web.S
             raise Retry(overloaded("Every backend serving this model is at capacity.",
                                     retry_after), failover=False)
         record_decision(state, req.model, decision, upstream)
-        record_stats(state, req.model, decision, upstream)
+        record_stats(state, req.model, decision, b, upstream)
         headers = route_headers(decision)
         for name in ("x-kvroute-cached-tokens", "x-kvroute-prompt-tokens", "Retry-After"):
             if name in upstream.headers:
@@ -167,9 +168,9 @@ async def forward(state: State, req: RoutedRequest, decision: Decision) -> web.S
         if abandon is not None:
             watchdog.remove_done_callback(abandon)
         if not answered:
-            b.unanswered_tokens[bid] = max(0.0, b.unanswered_tokens.get(bid, 0.0) - prefill)
-        b.inflight[bid] = max(0, b.inflight.get(bid, 0) - 1)
-        state.metrics.child(state.metrics.inflight, bid).set(b.inflight[bid])
+            b.unanswered_tokens = max(0.0, b.unanswered_tokens - prefill)
+        b.inflight = max(0, b.inflight - 1)
+        state.metrics.child(state.metrics.inflight, bid).set(b.inflight)
         if upstream is not None:
             release(upstream)
 
@@ -215,15 +216,14 @@ def _header_int(upstream, name: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-def record_stats(state: State, model: str, decision: Decision, upstream) -> None:
+def record_stats(state: State, model: str, decision: Decision, b: Backend, upstream) -> None:
     c = decision.candidate
     cached = _header_int(upstream, "x-kvroute-cached-tokens")
     try:
         ttft_ms = float(upstream.headers["x-kvroute-ttft-ms"])
     except (KeyError, ValueError):
         ttft_ms = None
-    record = state.backends.records.get(c.backend_id)
-    tps = (record.prefill_tps if record else 0.0) or c.load.prefill_tps
+    tps = b.record.prefill_tps or c.load.prefill_tps
     state.stats.record(
         model=model, backend=c.backend_id, reason=decision.reason, prefix_blocks=c.depth,
         predicted_tokens=decision.predicted_tokens, status=upstream.status,

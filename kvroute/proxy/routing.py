@@ -24,13 +24,13 @@ from aiohttp import web
 from kvroute.api.errors import APIError, bad_request, not_found
 from kvroute.api.wire import CHAT_PATH
 from kvroute.core import prefix
-from kvroute.core.registry import BackendRecord, RegistryUnavailable
+from kvroute.core.registry import RegistryUnavailable
 
 from . import loading
 from .agents.gateway import Relay, off_loop_if_large, read_json
-from .fleet import Backends, check_fingerprint
+from .fleet import Backend, check_fingerprint
 from .forward import Retry, RoutedRequest, forward, upstream_headers
-from .policy.interface import Candidate, Decision, Load, RouteContext
+from .policy.interface import Candidate, Decision, RouteContext
 from .state import ProxyConfig, State, spawn, state_of
 
 log = logging.getLogger("kvroute.proxy")
@@ -66,12 +66,17 @@ def _chain_pairs(config: ProxyConfig, req: RoutedRequest,
         raise bad_request(f"Invalid request: {exc}.")
 
 
-async def _candidates(state: State, model: str, keys: list[int]) -> tuple[list[Candidate], bool]:
+async def _candidates(state: State,
+                      req: RoutedRequest) -> tuple[list[tuple[Backend, Candidate]], bool]:
+    """Each live backend serving the model, as the fleet knows it and as a candidate of
+    this request (how deep it holds the prefix, by the registry and this proxy's recent
+    choices); and whether the registry answered."""
+    model, keys = req.model, req.keys
     t0 = time.perf_counter()
     late = state.registry.late
     found = await state.registry.lookup(model, keys)
     state.metrics.lookup.observe(time.perf_counter() - t0)
-    b = state.backends
+    fleet = state.fleet
     records = []
     if found is None:
         state.metrics.registry_unknown.inc()
@@ -84,40 +89,21 @@ async def _candidates(state: State, model: str, keys: list[int]) -> tuple[list[C
     if not records:
         # Redis down, or up but empty (just restarted): route by load among the
         # backends seen recently rather than refuse the request.
-        records = [(r, 0, 0, 0) for r in b.serving(model)]
+        records = [(b.record, 0, 0, 0) for b in fleet.serving(model)]
     recent = state.recent.depths(model, keys)
-    cands = []
+    out = []
     for r, depth, marked, disk in records:
-        if check_fingerprint(state, r) is None:
-            cands.append(_candidate(b, r, depth, max(marked, recent.get(r.backend_id, 0)), disk))
+        b = fleet.view(r)
+        if check_fingerprint(state, b, r) is None:
+            expected = max(marked, recent.get(r.backend_id, 0))
+            out.append((b, b.candidate(r, depth, expected, disk)))
         else:  # its keys are not ours: whatever it "matches" is a coincidence
-            cands.append(_candidate(b, r))
-    return cands, known
-
-
-def _candidate(b: Backends, r: BackendRecord, advertised_depth: int = 0,
-               expected_depth: int = 0, disk_depth: int = 0) -> Candidate:
-    bid = r.backend_id
-    return Candidate(
-        backend_id=bid,
-        url=r.url,
-        advertised_depth=advertised_depth,
-        expected_depth=expected_depth,
-        load=Load(unanswered_tokens=b.unanswered_tokens.get(bid, 0.0),
-                  inflight=b.inflight.get(bid, 0), waiting=r.waiting, running=r.running,
-                  prefill_tps=r.prefill_tps, bytes_per_token=r.bytes_per_token,
-                  decoding=r.decoding, max_batch=r.max_batch,
-                  decode_steps_per_s=r.decode_steps_per_s, reply_tokens=r.reply_tokens,
-                  free_share=(max(0, r.cache_budget - r.cache_bytes) / r.cache_budget
-                              if r.cache_budget > 0 else 0.0)),
-        suspect=b.is_suspect(bid),
-        disk_depth=disk_depth,
-        restore_tps=r.restore_tps,
-    )
+            out.append((b, b.candidate(r)))
+    return out, known
 
 
 def _no_backend(state: State, model: str) -> APIError:
-    if model in state.backends.models():
+    if model in state.fleet.models():
         return APIError(503, f"No backend serving '{model}' is reachable right now.",
                         "server_error", None, "no_backend")
     return not_found(f"The model '{model}' does not exist or no live backend serves it.",
@@ -129,22 +115,20 @@ async def ask_backend(request: web.Request, model: str, path: str, body: dict) -
     serving `model`, least loaded first, the next one if it cannot be reached. No cache
     routing: nothing is prefilled, so no routing mark, decision or stats either."""
     state = state_of(request)
-    b = state.backends
-    if state.models.needs_load(model, bool(b.serving(model))):
+    if state.models.needs_load(model, bool(state.fleet.serving(model))):
         await state.models.wait_loaded(model, functools.partial(_serving_now, state, model))
-    records = sorted(b.serving(model), key=lambda r: (b.is_suspect(r.backend_id),
-                                                      b.inflight.get(r.backend_id, 0)))
-    if not records:
+    backends = sorted(state.fleet.serving(model), key=lambda b: (b.is_suspect(), b.inflight))
+    if not backends:
         raise _no_backend(state, model)
     headers = upstream_headers(state, request.get("scope"))
     error = None
-    for r in records[:2]:
+    for b in backends[:2]:
         try:
-            async with state.session.post(r.url + path, data=orjson.dumps(body),
+            async with state.session.post(b.url + path, data=orjson.dumps(body),
                                           headers=headers) as up:
                 return up.status, await up.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            error = APIError(502, f"Backend {r.backend_id} is unreachable: "
+            error = APIError(502, f"Backend {b.id} is unreachable: "
                              f"{exc or type(exc).__name__}.", "server_error", None,
                              "backend_unreachable")
     raise error
@@ -169,17 +153,17 @@ async def route_chat(request: web.Request, body: dict, relay: Relay,
 async def _route(req: RoutedRequest) -> web.StreamResponse:
     state = state_of(req.request)
     model = req.model
-    layout = state.backends.layout(model)
+    layout = state.fleet.layout(model)
     await _chain(state.config, req, layout)
     state.models.touch(model)
-    if state.models.needs_load(model, bool(state.backends.serving(model))):
+    if state.models.needs_load(model, bool(state.fleet.serving(model))):
         # A valid request for a configured model that is not loaded: wait for its load.
         done = await loading.hold(req.request, state.models, model, req.stream,
                                   functools.partial(_serving_now, state, model), req.error_event)
         if done is not None:
             return done
-        if state.backends.layout(model) != layout:  # its backends' template decides
-            await _chain(state.config, req, state.backends.layout(model))
+        if state.fleet.layout(model) != layout:  # its backends' template decides
+            await _chain(state.config, req, state.fleet.layout(model))
     if loading.held(req.request) is None:
         return await _dispatch(state, req)
     try:  # the client's stream has started: errors and answers go into it
@@ -192,20 +176,22 @@ async def _route(req: RoutedRequest) -> web.StreamResponse:
 async def _serving_now(state: State, model: str) -> bool:
     """Whether a live backend serves `model`, asking the registry now (a load just ended)."""
     try:
-        state.backends.update(await state.registry.live_backends(),
-                              keep_for=state.config.forget_after)
+        state.fleet.update(await state.registry.live_backends(),
+                           keep_for=state.config.forget_after)
     except RegistryUnavailable:
         pass
-    return bool(state.backends.serving(model))
+    return bool(state.fleet.serving(model))
 
 
 async def _dispatch(state: State, req: RoutedRequest) -> web.StreamResponse:
     """Choose among the candidates and forward; a backend that fails before its first
     byte is tried once more elsewhere."""
     model = req.model
-    candidates, known = await _candidates(state, model, req.keys)
-    if not candidates:
+    found, known = await _candidates(state, req)
+    if not found:
         raise _no_backend(state, model)
+    backends = {b.id: b for b, _ in found}
+    candidates = [c for _, c in found]
     tried: set[str] = set()
     failovers = 0
     last_error: APIError | None = None
@@ -216,8 +202,9 @@ async def _dispatch(state: State, req: RoutedRequest) -> web.StreamResponse:
             # The registry may list only part of the fleet (Redis restarted, some
             # heartbeats not back yet): a backend seen recently beats an error.
             widened = True
-            pool = [_candidate(state.backends, r) for r in state.backends.serving(model)
-                    if r.backend_id not in tried]
+            seen = [b for b in state.fleet.serving(model) if b.id not in tried]
+            backends.update((b.id, b) for b in seen)
+            pool = [b.candidate() for b in seen]
             candidates = candidates + pool
         if not pool:
             raise last_error or _no_backend(state, model)
@@ -233,13 +220,13 @@ async def _dispatch(state: State, req: RoutedRequest) -> web.StreamResponse:
                                                        state.config.mark_ttl_ms))
         state.metrics.overhead.observe(time.perf_counter() - req.t_start)
         try:
-            return await forward(state, req, decision)
+            return await forward(state, req, decision, backends[c.backend_id])
         except Retry as retry:
             last_error = retry.error
             if retry.failover:
                 # A backend that failed before its first byte: try the next best once.
                 failovers += 1
-                state.backends.suspect_until[c.backend_id] = (
+                backends[c.backend_id].suspect_until = (
                     time.monotonic() + state.config.suspect_seconds)
                 state.metrics.failovers.labels(c.backend_id).inc()
                 log.warning("backend %s failed before answering (%s); retrying elsewhere",

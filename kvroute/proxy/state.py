@@ -10,7 +10,7 @@ from aiohttp import web
 
 from kvroute.core.registry import Registry
 
-from .fleet import Backends
+from .fleet import Fleet
 from .loading import Models
 from .observe.metrics import ProxyMetrics
 from .policy.interface import RoutingPolicy
@@ -53,7 +53,7 @@ class State:
     registry: Registry
     policy: RoutingPolicy
     metrics: ProxyMetrics
-    backends: Backends
+    fleet: Fleet  # what this proxy knows of each backend
     models: Models  # configured models of `kvroute serve` deployments, loaded on demand
     recent: RecentChoices = field(default_factory=RecentChoices)
     live: LiveRoutes = field(default_factory=LiveRoutes)  # conversations' last backends
