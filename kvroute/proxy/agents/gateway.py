@@ -4,10 +4,11 @@ Each of those APIs is a translation: its handler turns the client's request into
 canonical chat-completions body, hands it to the proxy's chat routing (`Gateway.
 route_chat`: same prefix chain, lookup and forwarding as /v1/chat/completions), and
 gives it a `Relay` that turns the backend's chat answer, whole or streamed, back into
-its own API. This module holds what both translations need on that way: the gateway
-the proxy provides, reading the client's body, writing SSE events. (The backend's
-answer is read back in reply.py; what each API accepts is its model in
-kvroute/api/responses_wire.py and kvroute/api/messages_wire.py.)
+its own API. This module holds what both translations share on that way: the gateway
+the proxy provides, the client's body read, and the way back: one relay loop that
+accumulates the backend's chunks into one reply (reply.py) and has each API write it
+as its own events. (What each API accepts is its model in kvroute/api/responses_wire.py
+and kvroute/api/messages_wire.py.)
 
 It imports nothing from the proxy's routing: the app builds the `Gateway` and puts it
 in the app, so the translations depend on the routing only through that object.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 import orjson
 from aiohttp import web
@@ -27,34 +28,13 @@ from kvroute.api.errors import APIError
 from kvroute.api.wire import SSE_HEADERS, parse_json
 
 from .. import loading
+from .reply import ChatReply, UpstreamFailed, Usage, chat_chunks, upstream_error
 
 log = logging.getLogger("kvroute.proxy.agents")
 
 # Bodies larger than this are translated, and their prefix chains computed, off the
 # event loop: a big agent history is thousands of items walked in Python.
 INLINE_BYTES = 256 << 10
-
-
-def sse_event(event: str, data: dict) -> bytes:
-    """One named SSE event (the agent APIs' streams)."""
-    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-
-
-class Relay:
-    """Turns the backend's chat answer into one API's answer. `whole` gets a JSON body
-    (any status: errors too), `stream` an upstream SSE response with status 200;
-    `held_error` is the error event that ends a stream started while its model loaded,
-    before anything else was sent."""
-
-    def held_error(self, err: APIError) -> bytes:
-        raise NotImplementedError
-
-    async def whole(self, status: int, data: bytes, headers: dict) -> web.StreamResponse:
-        raise NotImplementedError
-
-    async def stream(self, request: web.Request, upstream: Any, headers: dict,
-                     bid: str) -> web.StreamResponse:
-        raise NotImplementedError
 
 
 @dataclass
@@ -69,6 +49,9 @@ class Gateway:
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
+
+
+# -- the way in ------------------------------------------------------------------------
 
 
 async def read_json(request: web.Request) -> tuple[bytes, dict]:
@@ -88,7 +71,83 @@ async def off_loop_if_large(size: int, fn: Callable, *args) -> Any:
     return fn(*args)
 
 
-# -- writing SSE -----------------------------------------------------------------------
+def carry_fault(body: dict, chat: dict) -> dict:
+    """The testing-only `kvroute_fault` field travels on, as it does in a chat body the
+    proxy passes through: only a backend started with --enable-faults honours it."""
+    if isinstance(body.get("kvroute_fault"), str):
+        chat["kvroute_fault"] = body["kvroute_fault"]
+    return chat
+
+
+# -- the way back ----------------------------------------------------------------------
+
+
+class Relay:
+    """Turns the backend's chat answer into one API's answer: whole (`answer`, from a
+    JSON body; a refusal, any status >= 400, re-raised as `refusal` words it) or
+    streamed (`events`, written as the one loop of `stream` reads the chunks).
+    `held_error` is the error event that ends a stream started while its model loaded,
+    before anything else was sent; `headers` what the API adds to the answer's."""
+
+    def headers(self, headers: dict) -> dict:
+        return headers
+
+    def held_error(self, err: APIError) -> bytes:
+        raise NotImplementedError
+
+    def refusal(self, err: APIError) -> APIError:
+        return err
+
+    async def answer(self, reply: ChatReply) -> dict:
+        raise NotImplementedError
+
+    def events(self, sse: SSEWriter, reply: ChatReply) -> ReplyEvents:
+        raise NotImplementedError
+
+    async def whole(self, status: int, data: bytes, headers: dict) -> web.StreamResponse:
+        if status >= 400:
+            raise self.refusal(upstream_error(status, data))
+        answer = await self.answer(ChatReply.from_completion(data))
+        return json_response(answer, self.headers(headers))
+
+    async def stream(self, request: web.Request, upstream: Any, headers: dict,
+                     bid: str) -> web.StreamResponse:
+        sse = SSEWriter(self.headers(headers))
+        if not await sse.start(request):
+            return sse.resp
+        reply = ChatReply(usage=Usage.from_headers(headers))
+        events = self.events(sse, reply)
+        await events.begin()
+        try:
+            async for chunk in chat_chunks(upstream, bid):
+                text, calls = reply.add(chunk)
+                if text:
+                    await events.text(text)
+                for call in calls:
+                    await events.tool_call(call)
+                if not sse.open:
+                    # The client left: stop reading, so the proxy's forward closes upstream
+                    # and the backend stops decoding (its prompt stays cached).
+                    return sse.resp
+            await events.end()
+        except UpstreamFailed as exc:
+            await events.fail(exc.error)
+        return await sse.end()
+
+
+class ReplyEvents(Protocol):
+    """One API's events for a streamed reply, written as `Relay.stream` accumulates it
+    (the reply so far is the `ChatReply` the events were made with)."""
+
+    async def begin(self) -> None: ...  # before the first chunk
+
+    async def text(self, text: str) -> None: ...
+
+    async def tool_call(self, call: dict) -> None: ...  # one whole OpenAI tool call
+
+    async def end(self) -> None: ...  # the backend's stream ended well: the reply is whole
+
+    async def fail(self, error: APIError) -> None: ...  # it broke after the first byte
 
 
 class SSEWriter:
@@ -128,12 +187,9 @@ class SSEWriter:
         return self.resp
 
 
-def carry_fault(body: dict, chat: dict) -> dict:
-    """The testing-only `kvroute_fault` field travels on, as it does in a chat body the
-    proxy passes through: only a backend started with --enable-faults honours it."""
-    if isinstance(body.get("kvroute_fault"), str):
-        chat["kvroute_fault"] = body["kvroute_fault"]
-    return chat
+def sse_event(event: str, data: dict) -> bytes:
+    """One named SSE event (the agent APIs' streams)."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 def json_response(obj: Any, headers: dict, status: int = 200) -> web.Response:

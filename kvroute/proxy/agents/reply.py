@@ -1,5 +1,6 @@
 """The backend's chat answer, read back: a whole completion or its SSE chunks, into one
-`ChatReply` (text, tool calls, why it ended, usage) that an agent API turns into its own."""
+`ChatReply` (text, tool calls, why it ended, usage) that an agent API turns into its own
+(whole, or event by event as gateway.py's `Relay.stream` accumulates it)."""
 
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ class Usage:
 
 @dataclass
 class ChatReply:
-    """The assistant turn of a chat answer: text, tool calls, why it ended, usage."""
+    """The assistant turn of a chat answer: text, tool calls, why it ended, usage. Read
+    whole (`from_completion`) or accumulated chunk by chunk (`add`)."""
 
     text: str = ""
     tool_calls: list[dict] = field(default_factory=list)  # OpenAI format, arguments a JSON string
@@ -120,11 +122,28 @@ class ChatReply:
             choice = body["choices"][0]
             message = choice["message"]
             return cls(text=message.get("content") or "",
-                       tool_calls=message.get("tool_calls") or [], finish_reason=choice.get("finish_reason"), stop=_stop(choice),
+                       tool_calls=message.get("tool_calls") or [],
+                       finish_reason=choice.get("finish_reason"), stop=_stop(choice),
                        usage=Usage.from_chat(body.get("usage")))
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
             raise APIError(502, "The backend's answer could not be read.", "server_error", None,
                            "backend_failed") from None
+
+    def add(self, chunk: dict) -> tuple[str, list[dict]]:
+        """Take one chat chunk into the reply; the text and tool calls it brought."""
+        if chunk.get("usage"):
+            self.usage = Usage.from_chat(chunk["usage"])
+        choices = chunk.get("choices") or []
+        if not choices or not isinstance(choices[0], dict):
+            return "", []
+        choice = choices[0]
+        delta = choice.get("delta") or {}
+        text, calls = delta.get("content") or "", delta.get("tool_calls") or []
+        self.text += text
+        self.tool_calls += calls
+        if choice.get("finish_reason"):
+            self.finish_reason, self.stop = choice["finish_reason"], _stop(choice)
+        return text, calls
 
     def message(self) -> dict:
         """The turn as a chat message, exactly as the backend extends its prefix chain with
@@ -138,17 +157,6 @@ class ChatReply:
 def _stop(choice: dict) -> str | None:
     stop = choice.get("stop_reason")
     return stop if isinstance(stop, str) else None
-
-
-def chunk_parts(chunk: dict) -> tuple[str, list[dict], str | None, str | None]:
-    """(text, tool calls, finish_reason, stop string) of one chat chunk."""
-    choices = chunk.get("choices") or []
-    if not choices or not isinstance(choices[0], dict):
-        return "", [], None, None
-    choice = choices[0]
-    delta = choice.get("delta") or {}
-    return (delta.get("content") or "", delta.get("tool_calls") or [], choice.get("finish_reason"),
-            _stop(choice))
 
 
 def tool_call_parts(call: dict) -> tuple[str, str, str]:
