@@ -9,10 +9,9 @@ the state and settings in state.py, API keys in auth.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
-import logging
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,7 +21,7 @@ from aiohttp import web
 from kvroute.api import openapi
 from kvroute.api.errors import error_middleware, not_found
 from kvroute.api.process import start_site, wait_for_stop
-from kvroute.api.wire import CHAT_PATH, COMPLETIONS_PATH
+from kvroute.api.wire import CHAT_PATH, COMPLETIONS_PATH, HEALTH_PATH, MODELS_PATH
 from kvroute.core import prefix
 from kvroute.core.models_state import ModelsState
 from kvroute.core.registry import Registry
@@ -35,7 +34,7 @@ from .auth import auth_middleware
 from .fleet import Fleet, refresh_backends
 from .observe import apis
 from .observe.metrics import ProxyMetrics
-from .observe.stats import SERIES_PERIOD
+from .observe.stats import DASHBOARD, SERIES_PERIOD
 from .policy.interface import PolicyConfig
 from .policy.policies import make_policy
 from .routing import ask_backend, route_chat, route_request
@@ -82,12 +81,9 @@ async def stats(request: web.Request) -> web.Response:
                   "model_states": state.models.stats()})
 
 
-_DASHBOARD = Path(__file__).parent / "observe" / "dashboard.html"
-
-
 async def dashboard(request: web.Request) -> web.Response:
     # Read per request: one small file, and edits show without a restart.
-    return web.Response(body=_DASHBOARD.read_bytes(), content_type="text/html", charset="utf-8")
+    return web.Response(body=DASHBOARD.read_bytes(), content_type="text/html", charset="utf-8")
 
 
 async def sample_stats(state: State) -> None:
@@ -133,9 +129,9 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_post(COMPLETIONS_PATH, route_request)
     responses.add_routes(app)
     messages.add_routes(app)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model:.+}", model_info)
-    app.router.add_get("/health", health)
+    app.router.add_get(MODELS_PATH, models)
+    app.router.add_get(MODELS_PATH + "/{model:.+}", model_info)
+    app.router.add_get(HEALTH_PATH, health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_json)
     app.router.add_get("/stats", stats)

@@ -49,7 +49,7 @@ class Backend:
     absent_since: float | None = None
     inflight: int = 0  # requests this proxy has open there
     unanswered_tokens: float = 0.0  # prefill tokens this proxy sent there, not yet answered
-    suspect_until: float = 0.0  # time.monotonic(): it failed before answering, used last till then
+    suspect_until: float = 0.0  # time.monotonic(): it failed before answering; used last till then
     # (instance id, mismatched fingerprint field or None), as last checked
     mismatch: tuple[str | None, str | None] = (None, None)
     watch: asyncio.Future | None = None  # shared by its requests: is it gone? (watch_of)
@@ -173,9 +173,8 @@ class Fleet:
         return time.monotonic() - self.refreshed_at <= max_age and listed_at < self.refreshed_at
 
     def listed(self) -> list[Backend]:
-        """The backends last known live, by id."""
-        return sorted((b for b in self.backends.values() if b.listed_at is not None),
-                      key=lambda b: b.id)
+        """The backends last known live."""
+        return [b for b in self.backends.values() if b.listed_at is not None]
 
     def serving(self, model: str) -> list[Backend]:
         return [b for b in self.listed() if model in b.record.models]
@@ -184,7 +183,8 @@ class Fleet:
         return sorted({m for b in self.listed() for m in b.record.models})
 
     def describe(self) -> list[dict]:
-        return [b.describe() for b in self.listed()]
+        """The rows of /health and /stats, by backend id."""
+        return [b.describe() for b in sorted(self.listed(), key=lambda b: b.id)]
 
 
 async def refresh_backends(state: FleetState) -> None:

@@ -23,10 +23,10 @@ from kvroute.api.wire import SSE_HEADERS
 from kvroute.core.hits import is_cache_hit
 
 from . import loading
+from .agents.gateway import Relay
 from .fleet import Backend, watch_of
 from .policy.interface import Decision
 from .state import State
-from .agents.gateway import Relay
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -55,6 +55,7 @@ class RoutedRequest:
 
     @property
     def request_bytes(self) -> int:
+        """Its size as the policy weighs it: the chain's canonical bytes."""
         return self.ends[-1] if self.ends else len(self.raw)
 
     def error_event(self, err: APIError) -> bytes:

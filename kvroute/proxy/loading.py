@@ -1,7 +1,7 @@
 """Requests for a model that is not loaded: ask for it, hold them, answer when it is.
 
 `kvroute serve` publishes the state of every configured model in Redis
-(kvroute/models_state.py). A request for a configured model with no live backend
+(kvroute/core/models_state.py). A request for a configured model with no live backend
 appends a load request to the Redis stream, which the `kvroute serve` of each
 machine configured for that model reads. The request then waits, up to
 `load_timeout`, until a backend serving the model is live; concurrent requests for
@@ -179,10 +179,6 @@ def _consume_exception(fut: asyncio.Future) -> None:
 # -- holding a request ---------------------------------------------------------------
 
 
-def wants_stream(body: dict) -> bool:
-    return body.get("stream") is True
-
-
 async def hold(request: web.Request, models: Models, model: str, stream: bool, serving,
                error_event: ErrorEvent) -> web.StreamResponse | None:
     """Wait for `model` to load. A streaming request gets its SSE response started and
@@ -214,6 +210,7 @@ async def hold(request: web.Request, models: Models, model: str, stream: bool, s
 
 
 def held(request: web.Request) -> web.StreamResponse | None:
+    """The SSE response started while the request's model loaded; None if it did not wait."""
     return request.get(HELD)
 
 

@@ -36,13 +36,54 @@ from .state import ProxyConfig, State, spawn, state_of
 log = logging.getLogger("kvroute.proxy")
 
 
+async def route_request(request: web.Request) -> web.StreamResponse:
+    """/v1/chat/completions and /v1/completions: the client's body passes through."""
+    t_start = time.perf_counter()
+    raw, body = await read_json(request)
+    return await _route(_routed(request, raw, body, request.path, t_start))
+
+
+async def route_chat(request: web.Request, body: dict, relay: Relay,
+                     t_start: float) -> web.StreamResponse:
+    """Route a chat-completions body that another API's handler built (Responses,
+    Messages) exactly as /v1/chat/completions routes its own: the same prefix chain,
+    lookup, choice, failover and forwarding, so a conversation hits the same cache
+    whichever API carries it. `relay` turns the backend's chat answer into that API's."""
+    return await _route(_routed(request, orjson.dumps(body), body, CHAT_PATH, t_start, relay))
+
+
 def _routed(request: web.Request, raw: bytes, body: dict, path: str, t_start: float,
             relay: Relay | None = None) -> RoutedRequest:
+    """The request as every step after this one reads it; a 400 without a model."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string.", param="model",
                           code="missing_required_parameter")
     return RoutedRequest(request, raw, body, model, path, request.get("scope"), t_start, relay)
+
+
+async def _route(req: RoutedRequest) -> web.StreamResponse:
+    """Its prefix chain, its model loaded when it is not, then a backend for it."""
+    state = state_of(req.request)
+    model = req.model
+    layout = state.fleet.layout(model)
+    await _chain(state.config, req, layout)
+    state.models.touch(model)
+    if state.models.needs_load(model, bool(state.fleet.serving(model))):
+        # A valid request for a configured model that is not loaded: wait for its load.
+        done = await loading.hold(req.request, state.models, model, req.stream,
+                                  functools.partial(_serving_now, state, model), req.error_event)
+        if done is not None:
+            return done
+        if state.fleet.layout(model) != layout:  # its backends' template decides
+            await _chain(state.config, req, state.fleet.layout(model))
+    if loading.held(req.request) is None:
+        return await _dispatch(state, req)
+    try:  # the client's stream has started: errors and answers go into it
+        resp = await _dispatch(state, req)
+    except APIError as err:
+        return await loading.write_error(req.request, err, req.error_event)
+    return await loading.finish(req.request, resp, req.error_event)
 
 
 async def _chain(config: ProxyConfig, req: RoutedRequest, layout: prefix.Layout) -> None:
@@ -64,113 +105,6 @@ def _chain_pairs(config: ProxyConfig, req: RoutedRequest,
     except ValueError as exc:
         # The backend would refuse it too; answer without a round trip.
         raise bad_request(f"Invalid request: {exc}.")
-
-
-async def _candidates(state: State,
-                      req: RoutedRequest) -> tuple[list[tuple[Backend, Candidate]], bool]:
-    """Each live backend serving the model, as the fleet knows it and as a candidate of
-    this request (how deep it holds the prefix, by the registry and this proxy's recent
-    choices); and whether the registry answered."""
-    model, keys = req.model, req.keys
-    t0 = time.perf_counter()
-    late = state.registry.late
-    found = await state.registry.lookup(model, keys)
-    state.metrics.lookup.observe(time.perf_counter() - t0)
-    fleet = state.fleet
-    records = []
-    if found is None:
-        state.metrics.registry_unknown.inc()
-        if state.registry.late > late:
-            state.metrics.registry_late.inc()
-    else:
-        records = [(m.record, m.depth, m.marked_depth, m.disk_depth) for m in found.values()
-                   if model in m.record.models]
-    known = bool(records)
-    if not records:
-        # Redis down, or up but empty (just restarted): route by load among the
-        # backends seen recently rather than refuse the request.
-        records = [(b.record, 0, 0, 0) for b in fleet.serving(model)]
-    recent = state.recent.depths(model, keys)
-    out = []
-    for r, depth, marked, disk in records:
-        b = fleet.view(r)
-        if check_fingerprint(state, b, r) is None:
-            expected = max(marked, recent.get(r.backend_id, 0))
-            out.append((b, b.candidate(r, depth, expected, disk)))
-        else:  # its keys are not ours: whatever it "matches" is a coincidence
-            out.append((b, b.candidate(r)))
-    return out, known
-
-
-def _no_backend(state: State, model: str) -> APIError:
-    if model in state.fleet.models():
-        return APIError(503, f"No backend serving '{model}' is reachable right now.",
-                        "server_error", None, "no_backend")
-    return not_found(f"The model '{model}' does not exist or no live backend serves it.",
-                     param="model", code="model_not_found")
-
-
-async def ask_backend(request: web.Request, model: str, path: str, body: dict) -> tuple[int, bytes]:
-    """One question about a prompt (not a generation: a token count) to a live backend
-    serving `model`, least loaded first, the next one if it cannot be reached. No cache
-    routing: nothing is prefilled, so no routing mark, decision or stats either."""
-    state = state_of(request)
-    if state.models.needs_load(model, bool(state.fleet.serving(model))):
-        await state.models.wait_loaded(model, functools.partial(_serving_now, state, model))
-    backends = sorted(state.fleet.serving(model), key=lambda b: (b.is_suspect(), b.inflight))
-    if not backends:
-        raise _no_backend(state, model)
-    headers = upstream_headers(state, request.get("scope"))
-    error = None
-    for b in backends[:2]:
-        try:
-            async with state.session.post(b.url + path, data=orjson.dumps(body),
-                                          headers=headers) as up:
-                return up.status, await up.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            error = APIError(502, f"Backend {b.id} is unreachable: "
-                             f"{exc or type(exc).__name__}.", "server_error", None,
-                             "backend_unreachable")
-    raise error
-
-
-async def route_request(request: web.Request) -> web.StreamResponse:
-    """/v1/chat/completions and /v1/completions: the client's body passes through."""
-    t_start = time.perf_counter()
-    raw, body = await read_json(request)
-    return await _route(_routed(request, raw, body, request.path, t_start))
-
-
-async def route_chat(request: web.Request, body: dict, relay: Relay,
-                     t_start: float) -> web.StreamResponse:
-    """Route a chat-completions body that another API's handler built (Responses,
-    Messages) exactly as /v1/chat/completions routes its own: the same prefix chain,
-    lookup, choice, failover and forwarding, so a conversation hits the same cache
-    whichever API carries it. `relay` turns the backend's chat answer into that API's."""
-    return await _route(_routed(request, orjson.dumps(body), body, CHAT_PATH, t_start, relay))
-
-
-async def _route(req: RoutedRequest) -> web.StreamResponse:
-    state = state_of(req.request)
-    model = req.model
-    layout = state.fleet.layout(model)
-    await _chain(state.config, req, layout)
-    state.models.touch(model)
-    if state.models.needs_load(model, bool(state.fleet.serving(model))):
-        # A valid request for a configured model that is not loaded: wait for its load.
-        done = await loading.hold(req.request, state.models, model, req.stream,
-                                  functools.partial(_serving_now, state, model), req.error_event)
-        if done is not None:
-            return done
-        if state.fleet.layout(model) != layout:  # its backends' template decides
-            await _chain(state.config, req, state.fleet.layout(model))
-    if loading.held(req.request) is None:
-        return await _dispatch(state, req)
-    try:  # the client's stream has started: errors and answers go into it
-        resp = await _dispatch(state, req)
-    except APIError as err:
-        return await loading.write_error(req.request, err, req.error_event)
-    return await loading.finish(req.request, resp, req.error_event)
 
 
 async def _serving_now(state: State, model: str) -> bool:
@@ -235,6 +169,42 @@ async def _dispatch(state: State, req: RoutedRequest) -> web.StreamResponse:
                     raise retry.error
 
 
+async def _candidates(state: State,
+                      req: RoutedRequest) -> tuple[list[tuple[Backend, Candidate]], bool]:
+    """Each live backend serving the model, as the fleet knows it and as a candidate of
+    this request (how deep it holds the prefix, by the registry and this proxy's recent
+    choices); and whether the registry answered."""
+    model, keys = req.model, req.keys
+    t0 = time.perf_counter()
+    late = state.registry.late
+    found = await state.registry.lookup(model, keys)
+    state.metrics.lookup.observe(time.perf_counter() - t0)
+    fleet = state.fleet
+    records = []
+    if found is None:
+        state.metrics.registry_unknown.inc()
+        if state.registry.late > late:
+            state.metrics.registry_late.inc()
+    else:
+        records = [(m.record, m.depth, m.marked_depth, m.disk_depth) for m in found.values()
+                   if model in m.record.models]
+    known = bool(records)
+    if not records:
+        # Redis down, or up but empty (just restarted): route by load among the
+        # backends seen recently rather than refuse the request.
+        records = [(b.record, 0, 0, 0) for b in fleet.serving(model)]
+    recent = state.recent.depths(model, keys)
+    out = []
+    for r, depth, marked, disk in records:
+        b = fleet.view(r)
+        if check_fingerprint(state, b, r) is None:
+            expected = max(marked, recent.get(r.backend_id, 0))
+            out.append((b, b.candidate(r, depth, expected, disk)))
+        else:  # its keys are not ours: whatever it "matches" is a coincidence
+            out.append((b, b.candidate(r)))
+    return out, known
+
+
 def _live_route(state: State, ctx: RouteContext) -> Decision | None:
     """With the registry unable to say (lookup past its deadline, Redis down), a turn
     of a conversation this proxy routed before goes where its prefix is: the backend
@@ -254,3 +224,36 @@ def _live_route(state: State, ctx: RouteContext) -> Decision | None:
     matched = ctx.matched_bytes(c)
     return Decision(c, "live-route", max(0, ctx.request_bytes - matched) / bpt,
                     predicted_tokens=int(matched / bpt), mark=True)
+
+
+def _no_backend(state: State, model: str) -> APIError:
+    if model in state.fleet.models():
+        return APIError(503, f"No backend serving '{model}' is reachable right now.",
+                        "server_error", None, "no_backend")
+    return not_found(f"The model '{model}' does not exist or no live backend serves it.",
+                     param="model", code="model_not_found")
+
+
+async def ask_backend(request: web.Request, model: str, path: str,
+                      body: dict) -> tuple[int, bytes]:
+    """One question about a prompt (not a generation: a token count) to a live backend
+    serving `model`, least loaded first, the next one if it cannot be reached. No cache
+    routing: nothing is prefilled, so no routing mark, decision or stats either."""
+    state = state_of(request)
+    if state.models.needs_load(model, bool(state.fleet.serving(model))):
+        await state.models.wait_loaded(model, functools.partial(_serving_now, state, model))
+    backends = sorted(state.fleet.serving(model), key=lambda b: (b.is_suspect(), b.inflight))
+    if not backends:
+        raise _no_backend(state, model)
+    headers = upstream_headers(state, request.get("scope"))
+    error = None
+    for b in backends[:2]:
+        try:
+            async with state.session.post(b.url + path, data=orjson.dumps(body),
+                                          headers=headers) as up:
+                return up.status, await up.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            error = APIError(502, f"Backend {b.id} is unreachable: "
+                             f"{exc or type(exc).__name__}.", "server_error", None,
+                             "backend_unreachable")
+    raise error

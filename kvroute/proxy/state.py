@@ -61,7 +61,7 @@ class State:
     session: aiohttp.ClientSession | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
     background: set = field(default_factory=set)
-    fingerprint: dict = field(default_factory=dict)  # this proxy's (kvroute.prefix.fingerprint)
+    fingerprint: dict = field(default_factory=dict)  # this proxy's (kvroute.core.prefix.fingerprint)
 
 
 def state_of(request: web.Request) -> State:
