@@ -2,7 +2,7 @@
 
 Times `kvroute.backend.requests.parse_chat` / `parse_completion` (the backend's validation of
 every chat and completion body) and the proxy's parsers of the agent APIs
-(`proxy.responses_api.parse`, `proxy.messages_api.parse`) on the bodies
+(`proxy.agents.responses.parse`, `proxy.agents.messages.parse`) on the bodies
 bench_proxy.py sends and on tool-calling agent turns, best of --repeat runs. It
 counts this process's CPU time (`time.process_time`), not wall time, so a machine
 shared with other work skews it less.
@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvroute.backend import requests
-from kvroute.proxy import messages_api, responses_api
+from kvroute.proxy.agents import messages as messages_api, responses as responses_api
 
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",

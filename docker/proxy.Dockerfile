@@ -36,7 +36,7 @@ RUN python -m venv /opt/venv \
  && cat /tmp/requirements.txt \
  && /opt/venv/bin/pip install -r /tmp/requirements.txt \
  && /opt/venv/bin/pip install --no-deps /tmp/wheels/kvroute-*.whl \
- && /opt/venv/bin/python -c "import sys, kvroute.proxy.server, kvroute.cli; bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm') or m.startswith('kvroute.backend')); assert not bad, bad" \
+ && /opt/venv/bin/python -c "import sys, kvroute.proxy.app, kvroute.cli; bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm') or m.startswith('kvroute.backend')); assert not bad, bad" \
  && /opt/venv/bin/kvroute proxy --help > /dev/null
 
 # --- runtime -----------------------------------------------------------------------------

@@ -58,7 +58,8 @@ def _proxy_parser(sub) -> None:
 
 
 def run_proxy(s: dict[str, Any]) -> int:
-    from .proxy.server import ProxyConfig, serve
+    from .proxy.app import serve
+    from .proxy.state import ProxyConfig
 
     if not s["redis_url"]:
         raise config.ConfigError("--redis-url (or KVROUTE_REDIS_URL) is required")

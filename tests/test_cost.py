@@ -1,9 +1,9 @@
-"""The cost function (proxy/cost.py): each documented term moves the estimate the
+"""The cost function (proxy/policy/cost.py): each documented term moves the estimate the
 way a user of the fleet relies on."""
 
 import pytest
 
-from kvroute.proxy.cost import CostInput, CostWeights, calibrated_rate, cost, fleet_median
+from kvroute.proxy.policy.cost import CostInput, CostWeights, calibrated_rate, cost, fleet_median
 
 W = CostWeights()
 

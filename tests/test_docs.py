@@ -20,8 +20,8 @@ import pytest
 from harness import ROOT, free_port, get_json, wait_until
 
 from kvroute.backend import metrics as backend_metrics
-from kvroute.proxy.apis import APIS
-from kvroute.proxy.metrics import ProxyMetrics
+from kvroute.proxy.observe.apis import APIS
+from kvroute.proxy.observe.metrics import ProxyMetrics
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SOURCES = ROOT / "kvroute"
@@ -88,7 +88,7 @@ def code_label_values() -> dict[str, dict[str, set[str]]]:
 
 def route_reasons() -> set[str]:
     return literals(r'decide\(ctx, [^\n]*?, "([\w-]+)"|reason = "([\w-]+)"(?: if [^\n]* else "([\w-]+)")?'
-                    r'|Decision\(c, "([\w-]+)"', "proxy/policy.py", "proxy/server.py")
+                    r'|Decision\(c, "([\w-]+)"', "proxy/policy/policies.py", "proxy/routing.py")
 
 
 _VALUE = re.compile(r"`?([\w-]+)`?$")
@@ -278,7 +278,7 @@ def is_module(name: str) -> bool:
 
 
 def test_every_source_path_and_module_the_docs_name_exists():
-    """`kvroute/proxy/cost.py`, `tests/test_x.py`, `kvroute.devtools.arch_models.ensure`:
+    """`kvroute/proxy/policy/cost.py`, `tests/test_x.py`, `kvroute.devtools.arch_models.ensure`:
     after a move, a doc naming the old place is wrong."""
     for doc in DOCS:
         text = text_of(doc)

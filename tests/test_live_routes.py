@@ -4,7 +4,7 @@ is: real Redis, two real backends with the demo model, real proxies, the officia
 
 A lookup past its deadline (a busy host) or a hung Redis answers "unknown"; the proxy
 then routes by load, except a turn of a conversation it routed before, which goes to
-the backend it last sent that conversation to (proxy/recent.py LiveRoutes) and is
+the backend it last sent that conversation to (proxy/policy/recent.py LiveRoutes) and is
 served from that backend's cache.
 """
 

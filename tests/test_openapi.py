@@ -27,11 +27,11 @@ from harness import post_json
 from kvroute import config
 from kvroute.api import openapi
 from kvroute.api.errors import APIError
+from kvroute.api.chat import ChatCompletionBody, CompletionBody
 from kvroute.api.messages import CountTokensBody, MessagesBody
 from kvroute.api.responses import ResponsesBody
-from kvroute.api.chat import ChatCompletionBody, CompletionBody
 from kvroute.backend.requests import parse_chat, parse_completion
-from kvroute.proxy import messages_api, responses_api
+from kvroute.proxy.agents import messages as messages_api, responses as responses_api
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
         "logprobs": True}
@@ -65,7 +65,7 @@ def _described(role: str) -> set[tuple[str, str]]:
 
 def test_every_proxy_route_is_described():
     from kvroute.cli import _fields_of
-    from kvroute.proxy.server import create_app
+    from kvroute.proxy.app import create_app
     from kvroute.proxy.state import ProxyConfig
 
     # The proxy's own settings, as `kvroute proxy` builds them (nothing is started:

@@ -1,7 +1,7 @@
-"""Cache-aware placement (proxy/placement.py) over costs (proxy/cost.py)."""
+"""Cache-aware placement (proxy/policy/placement.py) over costs (proxy/policy/cost.py)."""
 
-from kvroute.proxy.cost import CostInput, cost
-from kvroute.proxy.placement import Option, Placer
+from kvroute.proxy.policy.cost import CostInput, cost
+from kvroute.proxy.policy.placement import Option, Placer
 
 
 def opt(prompt=1000, matched=0, free=0.0, load=0, key="", **kw) -> Option:

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from kvroute.proxy.policy import (POLICIES, Candidate, CacheAware, Load, PolicyConfig,
-                                  RouteContext, make_policy)
+from kvroute.proxy.policy.interface import Candidate, Load, PolicyConfig, RouteContext
+from kvroute.proxy.policy.policies import POLICIES, CacheAware, make_policy
 
 # 9 blocks of 400 bytes; block 0 is the model's shared header.
 CHAIN = list(range(100, 109))

@@ -386,14 +386,14 @@ def test_regression_redis_outage_longer_than_forget_after_keeps_the_fleet():
     """After Redis was unreachable for longer than forget_after (10 s), the first answer
     of a Redis whose records had expired made the proxy forget every backend: requests
     got 404 model_not_found until the heartbeats came back."""
-    from kvroute.proxy.fleet import Backends
+    from kvroute.proxy.fleet import Fleet
 
-    b = Backends()
+    b = Fleet()
     rec = BackendRecord(backend_id="b1", instance_id="i1", url="http://127.0.0.1:1", models=[MODEL])
     b.update([rec], keep_for=10.0)
-    b.seen["b1"] -= 30  # last listed 30 s ago: Redis did not answer since
+    b.backends["b1"].listed_at -= 30  # last listed 30 s ago: Redis did not answer since
     b.update([], keep_for=10.0)  # back, empty (records expired during the outage)
-    assert [r.backend_id for r in b.serving(MODEL)] == ["b1"]
-    b.absent_since["b1"] -= 11  # now missing from answers for longer than keep_for
+    assert [x.id for x in b.serving(MODEL)] == ["b1"]
+    b.backends["b1"].absent_since -= 11  # now missing from answers for longer than keep_for
     b.update([], keep_for=10.0)
     assert b.serving(MODEL) == []

@@ -28,7 +28,7 @@ import harness
 from harness import BackendProcess, ProxyProcess, get_json, request
 
 from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
-from kvroute.proxy import responses_api
+from kvroute.proxy.agents import responses as responses_api
 
 SECRET = "codex-secret"
 TOKEN = "codex-internal-token"

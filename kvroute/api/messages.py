@@ -1,14 +1,14 @@
 """Anthropic Messages API request bodies (POST /v1/messages and
 /v1/messages/count_tokens on the proxy), as models.
 
-The one definition of what the proxy accepts there: proxy/messages_api.py validates
+The one definition of what the proxy accepts there: proxy/agents/messages.py validates
 with `MessagesBody` / `CountTokensBody` and translates the result into a chat body;
 kvroute/openapi.py describes them. A user turn holds text and tool results, an
 assistant turn text, tool uses and (ignored) thinking, a system message text: each
 role's model says which. Fields Claude Code sends that change nothing for a text model
 (`thinking`, `context_management`, `output_config.effort`, `metadata`, `service_tier`,
 `cache_control` on any block or tool) are accepted; unknown fields are ignored, as
-everywhere (`Body`). The refusals' wording is Anthropic's: messages_api.py words them.
+everywhere (`Body`). The refusals' wording is Anthropic's: proxy/agents/messages.py words them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .validation import MAX_STOP, Body, NonEmpty, invalid, refusing, tagged_by
 
 
 # The one `code` of a refused content block (an image, a server tool's result, ...):
-# proxy/messages_api.py words the refusal after the block type that was sent.
+# proxy/agents/messages.py words the refusal after the block type that was sent.
 UNSUPPORTED_BLOCK = "unsupported_content"
 PREFILL = "prefill_unsupported"
 

@@ -1,6 +1,6 @@
 """OpenAI Responses API request bodies (POST /v1/responses on the proxy), as models.
 
-The one definition of what the proxy accepts there: proxy/responses_api.py validates
+The one definition of what the proxy accepts there: proxy/agents/responses.py validates
 with `ResponsesBody` and translates the result into a chat body; kvroute/openapi.py
 describes it. Fields kvroute accepts without effect are typed all the same, so a
 wrong type is a 400 here rather than a surprise later.

@@ -65,7 +65,7 @@ class BackendRecord:
     waiting: int = 0  # requests accepted, not yet admitted to the engine's batch
     running: int = 0  # requests in the engine's batch: prefilling or decoding
     prefill_tps: float = 0.0  # measured prefill tokens/s
-    # Calibration for the proxy's cost function (proxy/cost.py), measured by the
+    # Calibration for the proxy's cost function (proxy/policy/cost.py), measured by the
     # backend for the model it serves.
     bytes_per_token: float = 0.0  # canonical request bytes per prompt token
     decode_steps_per_s: float = 0.0  # batch steps/s; each decoding sequence gains a token

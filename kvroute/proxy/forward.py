@@ -1,5 +1,6 @@
-"""Forwarding one routed request: the upstream call, the relay of its answer, and the
-errors that let the router fail over to the next backend (`Retry`).
+"""Forwarding one routed request: the request as the routing built it (`RoutedRequest`),
+the upstream call, the relay of its answer, and the errors that let the router fail
+over to the next backend (`Retry`).
 
 The body passes through unchanged and the answer's bytes are relayed as they arrive.
 A client disconnect cancels the handler, which closes the upstream connection, which
@@ -11,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from dataclasses import dataclass, field
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from kvroute.api.errors import APIError, overloaded
@@ -20,14 +23,51 @@ from kvroute.api.http import SSE_HEADERS
 from kvroute.core.hits import is_cache_hit
 
 from . import loading
-from .fleet import watch_of
-from .policy import Decision
+from .agents.gateway import Relay
+from .fleet import Backend, watch_of
+from .policy.interface import Decision
 from .state import State
-from .translate import Relay, chat_error_event
 
 log = logging.getLogger("kvroute.proxy")
 
 RETRYABLE_STATUS = {502, 503, 504}
+
+
+@dataclass
+class RoutedRequest:
+    """One request on its way to a backend: built once by the routing (routing.py) from
+    the client's request, read by every step after it (chain, choice, forward, relay)."""
+
+    request: web.Request  # the client's
+    raw: bytes  # the body as forwarded: the client's own bytes, or the agent API's chat body
+    body: dict  # the same, parsed
+    model: str
+    path: str  # the backend path it goes to
+    scope: str | None  # the API key's cache scope (proxy/auth.py)
+    t_start: float  # time.perf_counter() when it arrived: the proxy's overhead counts from it
+    relay: Relay | None = None  # an agent API's translation of the answer; None: relayed as is
+    keys: list[int] = field(default_factory=list)  # its prefix chain
+    ends: list[int] = field(default_factory=list)  # byte offset where each chain block ends
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+    @property
+    def request_bytes(self) -> int:
+        """Its size as the policy weighs it: the chain's canonical bytes."""
+        return self.ends[-1] if self.ends else len(self.raw)
+
+    def error_event(self, err: APIError) -> bytes:
+        """How the client's API ends a stream that began before the error (while its
+        model loaded): its own error event."""
+        return self.relay.held_error(err) if self.relay is not None else chat_error_event(err)
+
+
+def chat_error_event(err: APIError) -> bytes:
+    """The end of a chat or completion stream that failed after its 200: the error
+    envelope as a chunk, then [DONE]."""
+    return b"data: " + orjson.dumps(err.body()) + b"\n\ndata: [DONE]\n\n"
 
 
 class Retry(Exception):
@@ -52,29 +92,29 @@ def route_headers(decision: Decision) -> dict:
     }
 
 
-
-async def forward(request: web.Request, state: State, raw: bytes, model: str, scope: str | None,
-                   decision: Decision, path: str, relay: Relay | None) -> web.StreamResponse:
+async def forward(state: State, req: RoutedRequest, decision: Decision,
+                  b: Backend) -> web.StreamResponse:
+    """Send `req` to the chosen backend `b` and relay its answer; raises Retry when the
+    router may try another backend (nothing reached the client yet)."""
     c = decision.candidate
-    b = state.backends
     bid = c.backend_id
     prefill = decision.prefill_tokens
-    b.inflight[bid] = b.inflight.get(bid, 0) + 1
-    b.unanswered_tokens[bid] = b.unanswered_tokens.get(bid, 0.0) + prefill
-    state.metrics.child(state.metrics.inflight, bid).set(b.inflight[bid])
+    b.inflight += 1
+    b.unanswered_tokens += prefill
+    state.metrics.child(state.metrics.inflight, bid).set(b.inflight)
     answered = False
     upstream = None
     # A stopped or hung backend keeps its connections open and says nothing: without
     # this watch a request would wait for --request-timeout. One watch per backend,
     # shared by all its requests: a task per request cost a third of peak throughput.
-    watchdog = watch_of(state, bid, c.url)
+    watchdog = watch_of(state, b)
     abandon = None
     try:
         try:
             # A task, so the watch can cancel it; cancelling this handler (client gone)
             # cancels it too, as it is being awaited.
             post = asyncio.ensure_future(state.session.post(
-                c.url + path, data=raw, headers=upstream_headers(state, scope)))
+                c.url + req.path, data=req.raw, headers=upstream_headers(state, req.scope)))
             stop_waiting = functools.partial(_stop_waiting, post=post)
             watchdog.add_done_callback(stop_waiting)
             try:
@@ -94,7 +134,7 @@ async def forward(request: web.Request, state: State, raw: bytes, model: str, sc
         # ends with an error event, a whole answer is retried elsewhere.
         abandon = functools.partial(_abandon, upstream=upstream, bid=bid)
         watchdog.add_done_callback(abandon)
-        b.unanswered_tokens[bid] = max(0.0, b.unanswered_tokens.get(bid, 0.0) - prefill)
+        b.unanswered_tokens = max(0.0, b.unanswered_tokens - prefill)
         answered = True
         if upstream.status in RETRYABLE_STATUS:
             raise Retry(APIError(upstream.status, f"Backend {bid} answered {upstream.status}.",
@@ -103,35 +143,35 @@ async def forward(request: web.Request, state: State, raw: bytes, model: str, sc
             retry_after = float(upstream.headers.get("Retry-After", "1") or 1)
             raise Retry(overloaded("Every backend serving this model is at capacity.",
                                     retry_after), failover=False)
-        record_decision(state, model, decision, upstream)
-        record_stats(state, model, decision, upstream)
+        record_decision(state, req.model, decision, upstream)
+        record_stats(state, req.model, decision, b, upstream)
         headers = route_headers(decision)
         for name in ("x-kvroute-cached-tokens", "x-kvroute-prompt-tokens", "Retry-After"):
             if name in upstream.headers:
                 headers[name] = upstream.headers[name]
         ctype = upstream.headers.get("Content-Type", "application/json")
-        state.metrics.child(state.metrics.requests, model, bid, str(upstream.status)).inc()
+        state.metrics.child(state.metrics.requests, req.model, bid, str(upstream.status)).inc()
         if ctype.startswith("text/event-stream"):
-            if relay is not None:
-                return await relay.stream(request, upstream, headers, bid)
-            return await relay_stream(request, upstream, headers, bid)
+            if req.relay is not None:
+                return await req.relay.stream(req.request, upstream, headers, bid)
+            return await relay_stream(req.request, upstream, headers, bid)
         try:
             data = await upstream.read()
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             # Nothing reached the client yet: retry it elsewhere.
             raise Retry(APIError(502, f"Backend {bid} failed while answering: {exc}.",
                                   "server_error", None, "backend_failed"), failover=True)
-        if relay is not None:
-            return await relay.whole(upstream.status, data, headers)
+        if req.relay is not None:
+            return await req.relay.whole(upstream.status, data, headers)
         return web.Response(body=data, status=upstream.status, headers=headers,
                             content_type=ctype.split(";")[0])
     finally:
         if abandon is not None:
             watchdog.remove_done_callback(abandon)
         if not answered:
-            b.unanswered_tokens[bid] = max(0.0, b.unanswered_tokens.get(bid, 0.0) - prefill)
-        b.inflight[bid] = max(0, b.inflight.get(bid, 0) - 1)
-        state.metrics.child(state.metrics.inflight, bid).set(b.inflight[bid])
+            b.unanswered_tokens = max(0.0, b.unanswered_tokens - prefill)
+        b.inflight = max(0, b.inflight - 1)
+        state.metrics.child(state.metrics.inflight, bid).set(b.inflight)
         if upstream is not None:
             release(upstream)
 
@@ -177,15 +217,14 @@ def _header_int(upstream, name: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-def record_stats(state: State, model: str, decision: Decision, upstream) -> None:
+def record_stats(state: State, model: str, decision: Decision, b: Backend, upstream) -> None:
     c = decision.candidate
     cached = _header_int(upstream, "x-kvroute-cached-tokens")
     try:
         ttft_ms = float(upstream.headers["x-kvroute-ttft-ms"])
     except (KeyError, ValueError):
         ttft_ms = None
-    record = state.backends.records.get(c.backend_id)
-    tps = (record.prefill_tps if record else 0.0) or c.load.prefill_tps
+    tps = b.record.prefill_tps or c.load.prefill_tps
     state.stats.record(
         model=model, backend=c.backend_id, reason=decision.reason, prefix_blocks=c.depth,
         predicted_tokens=decision.predicted_tokens, status=upstream.status,

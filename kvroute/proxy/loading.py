@@ -25,21 +25,23 @@ from typing import Callable
 import orjson
 from aiohttp import web
 
-from kvroute.api.errors import APIError, not_found
+from kvroute.api.errors import APIError
 from kvroute.api.http import SSE_HEADERS
-from kvroute.api.routes import MESSAGES_PATH, RESPONSES_PATH
 from kvroute.core.model_loads import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY,
                                       UNLOADED, UNLOADING, ModelLoads, ModelState, quietly)
 
-from .translate import HELD, chat_error_event, sse_event
-
 log = logging.getLogger("kvroute.proxy.loading")
+
+HELD = "kvroute_held_stream"  # request key: the SSE response started while its model loaded
 
 KEEPALIVE = 2.0  # seconds between `: loading` comments
 POLL = 0.2  # seconds between looks at the states and the registry while a load runs
 RESEND = 3.0  # seconds between load requests of one wait
 REFRESH = 0.5  # seconds between refreshes of the states this proxy shows
 TOUCH_EVERY = 1.0  # seconds between two last-use marks of one model by this proxy
+
+# How the client's API ends a started stream with an error: its own error event.
+ErrorEvent = Callable[[APIError], bytes]
 
 
 @dataclass
@@ -177,16 +179,12 @@ def _consume_exception(fut: asyncio.Future) -> None:
 # -- holding a request ---------------------------------------------------------------
 
 
-def wants_stream(body: dict) -> bool:
-    return body.get("stream") is True
-
-
-async def hold(request: web.Request, models: Models, model: str, stream: bool,
-               serving) -> web.StreamResponse | None:
+async def hold(request: web.Request, models: Models, model: str, stream: bool, serving,
+               error_event: ErrorEvent) -> web.StreamResponse | None:
     """Wait for `model` to load. A streaming request gets its SSE response started and
     keep-alive comments; it is left in request[HELD] for the relay to continue. Returns
-    a finished response when the wait failed on a started stream, else None (raises
-    APIError when nothing was sent yet)."""
+    a finished response when the wait failed on a started stream (the error written as
+    `error_event` encodes it), else None (raises APIError when nothing was sent yet)."""
     if not stream:
         await models.wait_loaded(model, serving)
         return None
@@ -202,7 +200,7 @@ async def hold(request: web.Request, models: Models, model: str, stream: bool,
             await asyncio.wait([wait], timeout=KEEPALIVE)
         wait.result()
     except APIError as err:
-        return await write_error(request, err)
+        return await write_error(request, err, error_event)
     except ConnectionError:
         return resp  # the client left while it waited; the load goes on for the others
     finally:
@@ -212,32 +210,24 @@ async def hold(request: web.Request, models: Models, model: str, stream: bool,
 
 
 def held(request: web.Request) -> web.StreamResponse | None:
+    """The SSE response started while the request's model loaded; None if it did not wait."""
     return request.get(HELD)
 
 
-async def write_error(request: web.Request, err: APIError) -> web.StreamResponse:
+async def write_error(request: web.Request, err: APIError,
+                      error_event: ErrorEvent) -> web.StreamResponse:
     """End a started stream with `err` in the client API's own error event."""
     resp = request[HELD]
-    if request.path.startswith(MESSAGES_PATH):
-        from .messages_api import error_fields
-
-        event = sse_event("error", {"type": "error", **error_fields(err)})
-    elif request.path.startswith(RESPONSES_PATH):
-        from .responses_api import error_fields
-
-        # Nothing was sent before it: the stream's first event.
-        event = sse_event("error", {"type": "error", "sequence_number": 0, **error_fields(err)})
-    else:
-        event = chat_error_event(err)
     try:
-        await resp.write(event)
+        await resp.write(error_event(err))
         await resp.write_eof()
     except ConnectionError:
         pass
     return resp
 
 
-async def finish(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+async def finish(request: web.Request, resp: web.StreamResponse,
+                 error_event: ErrorEvent) -> web.StreamResponse:
     """After a held stream was routed: an answer that is not the stream itself (a whole
     JSON error from the backend) goes into the stream as an error event."""
     started = held(request)
@@ -250,4 +240,4 @@ async def finish(request: web.Request, resp: web.StreamResponse) -> web.StreamRe
     except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         error = APIError(502, "The backend answered a stream with a whole body.", "server_error",
                          None, "backend_failed")
-    return await write_error(request, error)
+    return await write_error(request, error, error_event)

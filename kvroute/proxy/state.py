@@ -10,12 +10,12 @@ from aiohttp import web
 
 from kvroute.core.registry import Registry
 
-from .fleet import Backends
+from .fleet import Fleet
 from .loading import Models
-from .metrics import ProxyMetrics
-from .policy import RoutingPolicy
-from .recent import LiveRoutes, RecentChoices
-from .stats import Stats
+from .observe.metrics import ProxyMetrics
+from .policy.interface import RoutingPolicy
+from .policy.recent import LiveRoutes, RecentChoices
+from .observe.stats import Stats
 
 STATE_KEY = web.AppKey("state", object)
 
@@ -53,7 +53,7 @@ class State:
     registry: Registry
     policy: RoutingPolicy
     metrics: ProxyMetrics
-    backends: Backends
+    fleet: Fleet  # what this proxy knows of each backend
     models: Models  # configured models of `kvroute serve` deployments, loaded on demand
     recent: RecentChoices = field(default_factory=RecentChoices)
     live: LiveRoutes = field(default_factory=LiveRoutes)  # conversations' last backends
@@ -61,7 +61,7 @@ class State:
     session: aiohttp.ClientSession | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
     background: set = field(default_factory=set)
-    fingerprint: dict = field(default_factory=dict)  # this proxy's (kvroute.prefix.fingerprint)
+    fingerprint: dict = field(default_factory=dict)  # this proxy's (kvroute.core.prefix.fingerprint)
 
 
 def state_of(request: web.Request) -> State:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvroute.core.hits import is_cache_hit
 
+DASHBOARD = Path(__file__).with_name("dashboard.html")  # the page that draws them (package data)
 SERIES_POINTS = 300  # one point every SERIES_PERIOD seconds: 10 minutes
 SERIES_PERIOD = 2.0
 TTFT_SAMPLES = 1000

@@ -29,7 +29,7 @@ answered with, so the next turn's prefix keys continue the last one's.
 
 With `store` (OpenAI's default) the response (its conversation, and the response
 object for `GET /v1/responses/{id}`) is kept in Redis for the proxy's
-`--response-ttl` (see response_store.py), scoped by the API key.
+`--response-ttl` (see store.py), scoped by the API key.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from kvroute.api.errors import APIError, bad_request, not_found
 from kvroute.api.validation import validate
 from kvroute.api.routes import RESPONSES_PATH
 
-from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
-                        chat_chunks, chunk_parts, json_response, new_id, off_loop_if_large,
-                        read_json, tool_call_parts, upstream_error)
+from .gateway import (GATEWAY, Relay, SSEWriter, carry_fault, json_response, off_loop_if_large,
+                      read_json, sse_event)
+from .reply import ChatReply, Usage, new_id, tool_call_parts
 
 PATH = RESPONSES_PATH
 IGNORED_TOOLS_HEADER = "x-kvroute-ignored-tools"
@@ -381,13 +381,14 @@ class _ResponsesRelay(Relay):
         self.id = new_id("resp_")
         self.created = int(time.time())
 
-    def _headers(self, headers: dict) -> dict:
+    def headers(self, headers: dict) -> dict:
         if self.req.ignored_tools:
             return {**headers, IGNORED_TOOLS_HEADER: ",".join(self.req.ignored_tools)}
         return headers
 
-    def _object(self, status: str, output: list[dict], usage: Usage | None,
-                error: dict | None = None) -> dict:
+    def response(self, status: str, output: list[dict], usage: Usage | None,
+                 error: dict | None = None) -> dict:
+        """The response object, as its create answers it and its stream's events carry it."""
         r = self.req
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
@@ -408,115 +409,113 @@ class _ResponsesRelay(Relay):
             "user": r.user, "metadata": r.metadata,
         }
 
-    async def _finish(self, reply: ChatReply, output: list[dict]) -> dict:
+    async def finish(self, reply: ChatReply, output: list[dict]) -> dict:
+        """The finished response object, stored (with its conversation) unless `store`
+        is false."""
         status = "incomplete" if reply.finish_reason == "length" else "completed"
-        obj = self._object(status, output, reply.usage)
+        obj = self.response(status, output, reply.usage)
         if self.req.store:
             messages = self.history + self.req.input + [reply.message()]
             await self.gateway.responses.put(self.scope, self.id,
                                              {"v": 1, "messages": messages, "response": obj})
         return obj
 
-    async def whole(self, status: int, data: bytes, headers: dict) -> web.StreamResponse:
-        if status >= 400:
-            err = upstream_error(status, data)
-            # The backend names chat parameters; say which of this request's it means.
-            err.param = _CHAT_PARAMS.get(err.param or "", err.param)
-            raise err
-        reply = ChatReply.from_completion(data)
+    def held_error(self, err: APIError) -> bytes:
+        # Nothing was sent before it: the stream's first event.
+        return sse_event("error", {"type": "error", "sequence_number": 0, **error_fields(err)})
+
+    def refusal(self, err: APIError) -> APIError:
+        # The backend names chat parameters; say which of this request's it means.
+        err.param = _CHAT_PARAMS.get(err.param or "", err.param)
+        return err
+
+    async def answer(self, reply: ChatReply) -> dict:
         output = []
         if reply.text or not reply.tool_calls:
             output.append(_message_item(new_id("msg_"), reply.text, "completed"))
         output += [OutputCall.of(call, self.req.routes).item("completed")
                    for call in reply.tool_calls]
-        return json_response(await self._finish(reply, output), self._headers(headers))
+        return await self.finish(reply, output)
 
-    async def stream(self, request: web.Request, upstream: Any, headers: dict,
-                     bid: str) -> web.StreamResponse:
-        w = SSEWriter(self._headers(headers))
-        if not await w.start(request):
-            return w.resp
-        seq = itertools.count()
+    def events(self, sse: SSEWriter, reply: ChatReply) -> "_ResponsesEvents":
+        return _ResponsesEvents(self, sse, reply)
 
-        async def send(kind: str, **fields) -> bool:
-            return await w.send(kind, {"type": kind, "sequence_number": next(seq), **fields})
 
-        output: list[dict] = []  # finished items, in output_index order
-        reply = ChatReply(usage=Usage.from_headers(headers))
-        message: dict | None = None  # the open message item, while its text streams
+class _ResponsesEvents:
+    """The Responses stream of one reply, every event with its `sequence_number`:
+    response.created and .in_progress; an output item per text run (a message, its
+    text in deltas) and per tool call (the item of the client's kind of tool, its
+    arguments in one delta: the backend sends each call whole); then
+    response.completed or .incomplete with the finished response object."""
 
-        async def open_message() -> None:
-            nonlocal message
-            message = {"id": new_id("msg_"), "text": ""}
-            index = len(output)
-            await send("response.output_item.added", output_index=index,
-                       item=_message_item(message["id"], "", "in_progress"))
-            await send("response.content_part.added", item_id=message["id"],
-                       output_index=index, content_index=0, part=_text_part(""))
+    def __init__(self, relay: _ResponsesRelay, sse: SSEWriter, reply: ChatReply):
+        self.relay, self.sse, self.reply = relay, sse, reply
+        self.seq = itertools.count()
+        self.output: list[dict] = []  # finished items, in output_index order
+        self.message: dict | None = None  # the open message item, while its text streams
 
-        async def close_message() -> None:
-            nonlocal message
-            if message is None:
-                return
-            item, index = message, len(output)
-            text = item["text"]
-            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            await send("response.output_text.done", **ids, text=text, logprobs=[])
-            await send("response.content_part.done", **ids, part=_text_part(text))
-            done = _message_item(item["id"], text, "completed")
-            await send("response.output_item.done", output_index=index, item=done)
-            output.append(done)
-            message = None
+    async def send(self, kind: str, **fields) -> bool:
+        return await self.sse.send(kind, {"type": kind, "sequence_number": next(self.seq),
+                                          **fields})
 
-        async def send_call(call: dict) -> None:
-            out, index = OutputCall.of(call, self.req.routes), len(output)
-            await send("response.output_item.added", output_index=index,
-                       item=out.item("in_progress"))
-            for kind, fields in out.argument_events(index):
-                await send(kind, **fields)
-            done = out.item("completed")
-            await send("response.output_item.done", output_index=index, item=done)
-            output.append(done)
+    async def begin(self) -> None:
+        initial = self.relay.response("in_progress", [], None)
+        await self.send("response.created", response=initial)
+        await self.send("response.in_progress", response=initial)
 
-        initial = self._object("in_progress", [], None)
-        await send("response.created", response=initial)
-        await send("response.in_progress", response=initial)
-        try:
-            async for chunk in chat_chunks(upstream, bid):
-                if chunk.get("usage"):
-                    reply.usage = Usage.from_chat(chunk["usage"])
-                text, calls, finish, stop = chunk_parts(chunk)
-                if text:
-                    if message is None:
-                        await open_message()
-                    message["text"] += text
-                    reply.text += text
-                    await send("response.output_text.delta", item_id=message["id"],
-                               output_index=len(output), content_index=0, delta=text, logprobs=[])
-                for call in calls:
-                    await close_message()
-                    reply.tool_calls.append(call)
-                    await send_call(call)
-                if finish:
-                    reply.finish_reason, reply.stop = finish, stop
-                if not w.open:
-                    # The client left: stop reading, so the server's forward closes upstream
-                    # and the backend stops decoding (its prompt stays cached).
-                    return w.resp
-            if not output and message is None:  # an empty reply is still one message
-                await open_message()
-            await close_message()
-            final = await self._finish(reply, output)
-            incomplete = final["status"] == "incomplete"
-            await send("response.incomplete" if incomplete else "response.completed",
-                       response=final)
-        except UpstreamFailed as exc:
-            err = exc.error
-            await send("error", **error_fields(err))
-            await send("response.failed", response=self._object(
-                "failed", output, None, error={"code": err.code or "server_error",
-                                               "message": err.message}))
-        return await w.end()
+    async def text(self, text: str) -> None:
+        if self.message is None:
+            await self._open_message()
+        self.message["text"] += text
+        await self.send("response.output_text.delta", item_id=self.message["id"],
+                        output_index=len(self.output), content_index=0, delta=text, logprobs=[])
+
+    async def tool_call(self, call: dict) -> None:
+        await self._close_message()
+        out, index = OutputCall.of(call, self.relay.req.routes), len(self.output)
+        await self.send("response.output_item.added", output_index=index,
+                        item=out.item("in_progress"))
+        for kind, fields in out.argument_events(index):
+            await self.send(kind, **fields)
+        done = out.item("completed")
+        await self.send("response.output_item.done", output_index=index, item=done)
+        self.output.append(done)
+
+    async def end(self) -> None:
+        if not self.output and self.message is None:  # an empty reply is still one message
+            await self._open_message()
+        await self._close_message()
+        final = await self.relay.finish(self.reply, self.output)
+        incomplete = final["status"] == "incomplete"
+        await self.send("response.incomplete" if incomplete else "response.completed",
+                        response=final)
+
+    async def fail(self, error: APIError) -> None:
+        await self.send("error", **error_fields(error))
+        await self.send("response.failed", response=self.relay.response(
+            "failed", self.output, None, error={"code": error.code or "server_error",
+                                                "message": error.message}))
+
+    async def _open_message(self) -> None:
+        self.message = {"id": new_id("msg_"), "text": ""}
+        index = len(self.output)
+        await self.send("response.output_item.added", output_index=index,
+                        item=_message_item(self.message["id"], "", "in_progress"))
+        await self.send("response.content_part.added", item_id=self.message["id"],
+                        output_index=index, content_index=0, part=_text_part(""))
+
+    async def _close_message(self) -> None:
+        if self.message is None:
+            return
+        item, index = self.message, len(self.output)
+        text = item["text"]
+        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        await self.send("response.output_text.done", **ids, text=text, logprobs=[])
+        await self.send("response.content_part.done", **ids, part=_text_part(text))
+        done = _message_item(item["id"], text, "completed")
+        await self.send("response.output_item.done", output_index=index, item=done)
+        self.output.append(done)
+        self.message = None
 
 
 # -- handlers ----------------------------------------------------------------------------

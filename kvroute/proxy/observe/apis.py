@@ -1,7 +1,7 @@
 """Which client API a request speaks, counted per API for /metrics and /stats.
 
 chat and completions are OpenAI's passed-through endpoints; responses and messages
-are translated onto the chat path (responses_api.py, messages_api.py). Counted in the
+are translated onto the chat path (proxy/agents/). Counted in the
 outermost middleware, so every request is seen with its final status: also those
 refused before any routing (400, 401, 413) and those no backend answered.
 """

@@ -1,6 +1,6 @@
 """Cache-aware placement: which candidate gets a request, given each one's cost.
 
-    1. The cheapest estimate (proxy/cost.py) wins.
+    1. The cheapest estimate (cost.py) wins.
     2. Locality: the candidate holding the deepest prefix is kept while its estimate
        stays within `slack` seconds of the cheapest: keeping a conversation (or a
        burst sharing a new system prompt) on one backend pays off on every later

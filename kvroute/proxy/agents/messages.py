@@ -40,9 +40,9 @@ from kvroute.api.errors import APIError
 from kvroute.api.validation import validate
 from kvroute.api.routes import COUNT_TOKENS_PATH, MESSAGES_COUNT_PATH, MESSAGES_PATH
 
-from .translate import (GATEWAY, ChatReply, Relay, SSEWriter, UpstreamFailed, Usage, carry_fault,
-                        chat_chunks, chunk_parts, json_response, new_id, off_loop_if_large,
-                        read_json, tool_call_parts, upstream_error)
+from .gateway import (GATEWAY, Relay, SSEWriter, carry_fault, json_response, off_loop_if_large,
+                      read_json, sse_event)
+from .reply import ChatReply, Usage, new_id, tool_call_parts, upstream_error
 
 PATH, COUNT_PATH = MESSAGES_PATH, MESSAGES_COUNT_PATH
 # Several text blocks of one turn (Claude Code sends a few) read as paragraphs.
@@ -232,80 +232,77 @@ class _MessagesRelay(Relay):
         self.req = req
         self.id = new_id("msg_")
 
-    def _message(self, content: list[dict], reply: ChatReply | None, usage: Usage) -> dict:
+    def message(self, content: list[dict], reply: ChatReply | None, usage: Usage) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.req.model,
                 "content": content,
                 "stop_reason": _stop_reason(reply) if reply else None,
                 "stop_sequence": reply.stop if reply else None, "usage": _usage(usage)}
 
-    async def whole(self, status: int, data: bytes, headers: dict) -> web.StreamResponse:
-        if status >= 400:
-            raise backend_refusal(upstream_error(status, data), self.req)
-        reply = ChatReply.from_completion(data)
+    def held_error(self, err: APIError) -> bytes:
+        return sse_event("error", {"type": "error", **error_fields(err)})
+
+    def refusal(self, err: APIError) -> APIError:
+        return backend_refusal(err, self.req)
+
+    async def answer(self, reply: ChatReply) -> dict:
         content = [{"type": "text", "text": reply.text}] if reply.text else []
         content += [_tool_use(call) for call in reply.tool_calls]
-        return json_response(self._message(content, reply, reply.usage), headers)
+        return self.message(content, reply, reply.usage)
 
-    async def stream(self, request: web.Request, upstream: Any, headers: dict,
-                     bid: str) -> web.StreamResponse:
-        w = SSEWriter(headers)
-        if not await w.start(request):
-            return w.resp
+    def events(self, sse: SSEWriter, reply: ChatReply) -> "_MessagesEvents":
+        return _MessagesEvents(self, sse, reply)
 
-        async def send(kind: str, **fields) -> bool:
-            return await w.send(kind, {"type": kind, **fields})
 
-        reply = ChatReply(usage=Usage.from_headers(headers))
-        blocks = 0  # content blocks started so far
-        text_open = False
+class _MessagesEvents:
+    """Anthropic's stream of one reply: message_start and a ping; a content block per
+    text run and per tool call (its input in one delta: the backend sends each call
+    whole); message_delta with the stop reason and usage, message_stop."""
 
-        async def close_text() -> None:
-            nonlocal text_open
-            if text_open:
-                await send("content_block_stop", index=blocks - 1)
-                text_open = False
+    def __init__(self, relay: _MessagesRelay, sse: SSEWriter, reply: ChatReply):
+        self.relay, self.sse, self.reply = relay, sse, reply
+        self.blocks = 0  # content blocks started so far
+        self.text_open = False
 
-        await send("message_start", message=self._message([], None, reply.usage))
-        await send("ping")
-        try:
-            async for chunk in chat_chunks(upstream, bid):
-                if chunk.get("usage"):
-                    reply.usage = Usage.from_chat(chunk["usage"])
-                text, calls, finish, stop = chunk_parts(chunk)
-                if text:
-                    if not text_open:
-                        await send("content_block_start", index=blocks,
-                                   content_block={"type": "text", "text": ""})
-                        blocks, text_open = blocks + 1, True
-                    reply.text += text
-                    await send("content_block_delta", index=blocks - 1,
-                               delta={"type": "text_delta", "text": text})
-                for call in calls:
-                    await close_text()
-                    reply.tool_calls.append(call)
-                    block = _tool_use(call)
-                    await send("content_block_start", index=blocks,
-                               content_block={**block, "input": {}})
-                    # The backend sends each call whole: one delta carries all of its input.
-                    partial = orjson.dumps(block["input"]).decode()
-                    await send("content_block_delta", index=blocks,
-                               delta={"type": "input_json_delta", "partial_json": partial})
-                    await send("content_block_stop", index=blocks)
-                    blocks += 1
-                if finish:
-                    reply.finish_reason, reply.stop = finish, stop
-                if not w.open:
-                    # The client left: stop reading, so the server's forward closes upstream
-                    # and the backend stops decoding (its prompt stays cached).
-                    return w.resp
-            await close_text()
-            await send("message_delta", delta={"stop_reason": _stop_reason(reply),
-                                               "stop_sequence": reply.stop},
-                       usage=_usage(reply.usage))
-            await send("message_stop")
-        except UpstreamFailed as exc:
-            await send("error", **error_fields(exc.error))
-        return await w.end()
+    async def send(self, kind: str, **fields) -> bool:
+        return await self.sse.send(kind, {"type": kind, **fields})
+
+    async def begin(self) -> None:
+        await self.send("message_start", message=self.relay.message([], None, self.reply.usage))
+        await self.send("ping")
+
+    async def text(self, text: str) -> None:
+        if not self.text_open:
+            await self.send("content_block_start", index=self.blocks,
+                            content_block={"type": "text", "text": ""})
+            self.blocks, self.text_open = self.blocks + 1, True
+        await self.send("content_block_delta", index=self.blocks - 1,
+                        delta={"type": "text_delta", "text": text})
+
+    async def tool_call(self, call: dict) -> None:
+        await self._close_text()
+        block, index = _tool_use(call), self.blocks
+        await self.send("content_block_start", index=index, content_block={**block, "input": {}})
+        partial = orjson.dumps(block["input"]).decode()
+        await self.send("content_block_delta", index=index,
+                        delta={"type": "input_json_delta", "partial_json": partial})
+        await self.send("content_block_stop", index=index)
+        self.blocks += 1
+
+    async def end(self) -> None:
+        await self._close_text()
+        reply = self.reply
+        await self.send("message_delta", delta={"stop_reason": _stop_reason(reply),
+                                                "stop_sequence": reply.stop},
+                        usage=_usage(reply.usage))
+        await self.send("message_stop")
+
+    async def fail(self, error: APIError) -> None:
+        await self.send("error", **error_fields(error))
+
+    async def _close_text(self) -> None:
+        if self.text_open:
+            await self.send("content_block_stop", index=self.blocks - 1)
+            self.text_open = False
 
 
 async def create(request: web.Request) -> web.StreamResponse:
