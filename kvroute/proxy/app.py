@@ -113,7 +113,7 @@ async def openapi_json(request: web.Request) -> web.Response:
 def create_app(config: ProxyConfig) -> web.Application:
     registry = Registry(config.redis_url, lookup_timeout=config.lookup_timeout)
     policy = make_policy(PolicyConfig(name=config.policy, locality_slack=config.locality_slack))
-    on_demand = loading.Models(ModelLoads(config.redis_url), config.load_timeout)
+    on_demand = loading.OnDemand(ModelLoads(config.redis_url), config.load_timeout)
     state = State(config, registry, policy, ProxyMetrics(), Fleet(), on_demand,
                   fingerprint=prefix.fingerprint(config.secret, config.block_bytes))
     # Outermost first: the per-API count sees final statuses, after Messages errors took

@@ -45,7 +45,7 @@ ErrorEvent = Callable[[APIError], bytes]
 
 
 @dataclass
-class Models:
+class OnDemand:
     """This proxy's view of the configured models, and the loads it waits on."""
 
     states: ModelLoads
@@ -179,7 +179,7 @@ def _consume_exception(fut: asyncio.Future) -> None:
 # -- holding a request ---------------------------------------------------------------
 
 
-async def hold(request: web.Request, models: Models, model: str, stream: bool, serving,
+async def hold(request: web.Request, models: OnDemand, model: str, stream: bool, serving,
                error_event: ErrorEvent) -> web.StreamResponse | None:
     """Wait for `model` to load. A streaming request gets its SSE response started and
     keep-alive comments; it is left in request[HELD] for the relay to continue. Returns

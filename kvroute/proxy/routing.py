@@ -22,12 +22,13 @@ import orjson
 from aiohttp import web
 
 from kvroute.api.errors import APIError, bad_request, not_found
+from kvroute.api.http import read_json
 from kvroute.api.routes import CHAT_PATH
 from kvroute.core import prefix
 from kvroute.core.registry import RegistryUnavailable
 
 from . import loading
-from .agents.gateway import Relay, off_loop_if_large, read_json
+from .agents.gateway import Relay, off_loop_if_large
 from .fleet import Backend, check_fingerprint
 from .forward import Retry, RoutedRequest, forward, upstream_headers
 from .policy.interface import Candidate, Decision, RouteContext

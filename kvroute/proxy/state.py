@@ -11,7 +11,7 @@ from aiohttp import web
 from kvroute.core.registry import Registry
 
 from .fleet import Fleet
-from .loading import Models
+from .loading import OnDemand
 from .observe.metrics import ProxyMetrics
 from .policy.interface import RoutingPolicy
 from .policy.recent import LiveRoutes, RecentChoices
@@ -54,7 +54,7 @@ class State:
     policy: RoutingPolicy
     metrics: ProxyMetrics
     fleet: Fleet  # what this proxy knows of each backend
-    models: Models  # configured models of `kvroute serve` deployments, loaded on demand
+    models: OnDemand  # configured models of `kvroute serve` deployments, loaded on demand
     recent: RecentChoices = field(default_factory=RecentChoices)
     live: LiveRoutes = field(default_factory=LiveRoutes)  # conversations' last backends
     stats: Stats = field(default_factory=Stats)

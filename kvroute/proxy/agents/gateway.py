@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 
 from kvroute.api.errors import APIError
-from kvroute.api.http import SSE_HEADERS, parse_json
+from kvroute.api.http import SSE_HEADERS, json_response
 
 from .. import loading
 from .reply import ChatReply, UpstreamFailed, Usage, chat_chunks, upstream_error
@@ -52,16 +52,6 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 
 # -- the way in ------------------------------------------------------------------------
-
-
-async def read_json(request: web.Request) -> tuple[bytes, dict]:
-    """The client's body, raw and parsed (the routing's and the agent APIs' alike); a
-    body over the proxy's --max-body-bytes is a 413 in the error envelope."""
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise APIError(413, f"Request body too large: {exc.reason}.", code="request_too_large")
-    return raw, parse_json(raw)
 
 
 async def off_loop_if_large(size: int, fn: Callable, *args) -> Any:
@@ -191,7 +181,3 @@ def sse_event(event: str, data: dict) -> bytes:
     """One named SSE event (the agent APIs' streams)."""
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
-
-def json_response(obj: Any, headers: dict, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, headers=headers,
-                        content_type="application/json")
