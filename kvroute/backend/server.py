@@ -80,6 +80,7 @@ class BackendConfig:
     block_bytes: int
     disk_cache_dir: str = ""  # the disk tier's folder; empty: RAM only
     disk_cache_bytes: int = 0
+    disk_fsync: str = "always"  # or "never" (docs/SSD_TIER.md, Durability)
 
 
 @dataclass
@@ -682,7 +683,7 @@ def load_state(config: BackendConfig) -> State:
     )
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
     disk = open_disk_tier(config.model, config.disk_cache_dir, config.disk_cache_bytes,
-                          config.cache_bytes, store, metrics_)
+                          config.cache_bytes, store, metrics_, fsync=config.disk_fsync == "always")
     return State(config, engine, tokenizer, metrics_, store, context, time.time(), new_instance_id(),
                  vocab_size=_vocab_size(model_config, tokenizer), disk=disk,
                  drops_reasoning=_drops_reasoning(tokenizer), layout=_chat_layout(tokenizer),
