@@ -3,7 +3,7 @@ namespace of its own (its address, its ports, its processes) running its own
 `kvroute serve` (two demo backends and a proxy), a three-master Redis Cluster on the
 bridge between them, and clients of both proxies (the `openai` client).
 
-docs/DEPLOY.md "Several machines behind one Redis" is the recipe this follows.
+docs/DEPLOY.md "Several machines, step by step" is the recipe this follows.
 The tests run in file order on one deployment; the last one kills host A."""
 
 from __future__ import annotations
