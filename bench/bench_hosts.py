@@ -15,11 +15,13 @@ proxy expected the backend to hold of the prompt; `cached_tokens`: what the back
 reported).
 
 Per layout it reports the hit ratio (cached / prompt tokens, from each answer's
-usage; all turns, and turns after the first), routing precision (predicted / actual
-cached tokens over all decisions, the same from the proxies' /metrics counters, and
-the share of requests predicted within 10 % of their prompt), the routing reasons,
-the requests per backend and, with 2 hosts, the share of turns served by a backend on
-the other host than the proxy that took them.
+usage; all turns, and turns after the first) and routing precision: predicted /
+actual cached tokens (each answer matched to its proxy's decision; all turns, turns
+after the first, and from the proxies' /metrics counters), the share of requests
+predicted within 10 % of their prompt, and how many were off by more, on first and
+on later turns; then the routing reasons, the requests per backend and, with 2 hosts,
+the share of turns served by a backend on the other host than the proxy that took
+them.
 
     python bench/bench_hosts.py [--conversations 16] [--groups 4] [--turns 5] [--repeat 1]
         [--show-misses]
@@ -65,13 +67,14 @@ class Answer:
     cached: int = 0
     reply: str = ""
     error: str = ""
+    predicted: int | None = None  # the proxy's decision (None: not found in its /stats)
+    reason: str = ""
 
 
 @dataclass
 class Run:
     layout: str
     answers: list[Answer] = field(default_factory=list)
-    decisions: list[dict] = field(default_factory=list)
     predicted_metric: float = 0.0
     cached_metric: float = 0.0
     seconds: float = 0.0
@@ -112,6 +115,18 @@ def new_decisions(fleet: Machines, seen: dict[str, float]) -> list[dict]:
     return out
 
 
+def match(answers: list[Answer], decisions: list[dict]) -> None:
+    """Each answer's routing decision: the one of its proxy with its backend and token
+    counts (a wave's answers differ in those)."""
+    for a in answers:
+        for d in decisions:
+            if (d["proxy"], d["backend"], d["prompt_tokens"], d["cached_tokens"]) == \
+                    (a.proxy, a.backend, a.prompt, a.cached):
+                a.predicted, a.reason = d["predicted_tokens"], d["reason"]
+                decisions.remove(d)
+                break
+
+
 def workload(fleet: Machines, run: Run, args, rng: random.Random) -> None:
     nonce = f"{run.layout}-{rng.random():.6f}"
     conversations = []
@@ -130,11 +145,11 @@ def workload(fleet: Machines, run: Run, args, rng: random.Random) -> None:
                 host = rng.choice(hosts)
                 jobs.append(pool.submit(send, fleet.proxy(host), list(messages),
                                         Answer(c, turn, host)))
-            for c, job in enumerate(jobs):
-                answer = job.result()
-                run.answers.append(answer)
+            wave = [job.result() for job in jobs]
+            for c, answer in enumerate(wave):
                 conversations[c].append({"role": "assistant", "content": answer.reply or "..."})
-            run.decisions += new_decisions(fleet, seen)
+            match(wave, new_decisions(fleet, seen))
+            run.answers += wave
     run.seconds = time.perf_counter() - t0
     for host in hosts:
         text = request(fleet.proxy(host) + "/metrics")[2].decode()
@@ -146,29 +161,38 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.3f}" if b else "-"
 
 
+def off(a: Answer) -> bool:
+    return abs(a.predicted - a.cached) > 0.1 * a.prompt
+
+
 def row(run: Run) -> list[str]:
     ok = [a for a in run.answers if not a.error]
-    later = [a for a in ok if a.turn > 0]
-    hit = ratio(sum(a.cached for a in ok), sum(a.prompt for a in ok))
-    hit_later = ratio(sum(a.cached for a in later), sum(a.prompt for a in later))
-    d = [x for x in run.decisions if x["status"] == 200 and x["cached_tokens"] is not None]
-    pred, actual = sum(x["predicted_tokens"] for x in d), sum(x["cached_tokens"] for x in d)
-    close = sum(abs(x["predicted_tokens"] - x["cached_tokens"]) <= 0.1 * x["prompt_tokens"] for x in d)
-    over = sum(x["predicted_tokens"] - x["cached_tokens"] > 0.1 * x["prompt_tokens"] for x in d)
-    reasons = collections.Counter(x["reason"] for x in d)
+    known = [a for a in ok if a.predicted is not None]
+    later = [a for a in known if a.turn > 0]
+
+    def hit(answers: list[Answer]) -> str:
+        return ratio(sum(a.cached for a in answers), sum(a.prompt for a in answers))
+
+    def precision(answers: list[Answer]) -> str:
+        return ratio(sum(a.predicted for a in answers), sum(a.cached for a in answers))
+
+    reasons = collections.Counter(a.reason for a in known)
     per_backend = collections.Counter(a.backend for a in ok)
     crossed = sum(a.backend.split("-", 1)[0] != a.proxy for a in ok)
-    return [run.layout, str(len(run.answers)), str(len(run.answers) - len(ok)), hit, hit_later,
-            ratio(pred, actual), ratio(run.predicted_metric, run.cached_metric),
-            f"{close / len(d):.3f}" if d else "-", str(over), f"{len(d)}/{len(ok)}",
-            ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())),
+    return [run.layout, str(len(run.answers)), str(len(run.answers) - len(ok)), hit(ok),
+            hit([a for a in ok if a.turn > 0]), precision(known), precision(later),
+            ratio(run.predicted_metric, run.cached_metric),
+            f"{sum(not off(a) for a in known) / len(known):.3f}" if known else "-",
+            f"{sum(off(a) for a in known if a.turn == 0)} / {sum(off(a) for a in later)}",
+            f"{len(known)}/{len(ok)}", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())),
             "/".join(str(v) for _, v in sorted(per_backend.items())),
             f"{crossed / len(ok):.2f}" if len(LAYOUTS[run.layout]) > 1 and ok else "-"]
 
 
 HEADERS = ["layout", "requests", "errors", "hit ratio", "hit ratio (turns>=1)", "pred/actual",
-           "pred/actual (/metrics)", "predicted within 10%", "over-predicted", "decisions seen",
-           "route reasons", "requests per backend", "served across hosts"]
+           "pred/actual (turns>=1)", "pred/actual (/metrics)", "within 10% of the prompt",
+           "off by more: turn 0 / later", "decisions matched", "route reasons",
+           "requests per backend", "served across hosts"]
 
 
 def main() -> int:
@@ -211,11 +235,11 @@ def main() -> int:
         table.add_column(h)
     for run in runs:
         table.add_row(*row(run))
-        for d in run.decisions if args.show_misses else []:
-            if abs(d["predicted_tokens"] - (d["cached_tokens"] or 0)) > 0.1 * (d["prompt_tokens"] or 0):
-                console.print(f"{run.layout}: {d['proxy']} -> {d['backend']} {d['reason']}: predicted "
-                              f"{d['predicted_tokens']}, cached {d['cached_tokens']} of "
-                              f"{d['prompt_tokens']}", highlight=False)
+        for a in run.answers if args.show_misses else []:
+            if a.predicted is not None and off(a):
+                console.print(f"{run.layout}: turn {a.turn} of {a.conversation}: {a.proxy} -> "
+                              f"{a.backend} {a.reason}: predicted {a.predicted}, cached {a.cached} "
+                              f"of {a.prompt}", highlight=False)
     console.print(table)
     console.print("| " + " | ".join(HEADERS) + " |\n|" + "---|" * len(HEADERS))
     for run in runs:
