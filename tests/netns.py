@@ -40,7 +40,12 @@ def unavailable() -> str | None:
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode:
         return f"`ip netns add` failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    try:
+        ran = subprocess.run(["ip", "netns", "exec", probe, "true"], capture_output=True, text=True)
+        if ran.returncode:
+            return f"`ip netns exec` failed: {ran.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 
@@ -77,7 +82,7 @@ class Hosts:
         self.bridge = f"kvb{self.token}"
         self.namespaces = {n: f"kvroute-{self.token}-{n}" for n in names}
         self.veths = {n: f"kv{self.token}h{i}" for i, n in enumerate(names)}  # root side
-        self.made: list[tuple[str, ...]] = []  # what close() deletes, newest first
+        self.made: list[tuple[str, ...]] = []  # `ip` arguments that undo each step, in order
 
     @property
     def bridge_address(self) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import openai
 import pytest
 
-from harness import get_json, wait_until
+from harness import wait_until
 from kvroute.config import ModelSpec
 from kvroute.core.models_state import LOADED, NO_CAPACITY, UNLOADED, ModelsState, ModelState
 from kvroute.devtools import demo_model
