@@ -17,8 +17,11 @@ from dataclasses import dataclass, field
 import openai
 import pytest
 
-from harness import wait_until
+import harness
+from harness import BackendProcess, ProxyProcess, post_json, wait_until
 from kvroute.config import ModelSpec
+from kvroute.core.prefix import chat_chain, make_salt
+from kvroute.core.registry import Registry
 from kvroute.core.models_state import LOADED, NO_CAPACITY, UNLOADED, ModelsState, ModelState
 from kvroute.devtools import demo_model
 from kvroute.serve.launcher import replica_cost
@@ -133,6 +136,45 @@ def test_a_model_on_demand_loads_on_the_host_with_room(fleet):
     assert again.backend == turn.backend and again.cached >= 0.8 * again.prompt
 
 
+def test_a_request_goes_past_every_backend_of_a_dead_machine(text_model, tmp_path):
+    """A machine that dies takes its backends with it, and until their records lapse
+    (3 s) a proxy may pick one after another of them for the same request. Both dead
+    ones hold the prompt here, so cache-aware tries them first; neither could be
+    reached, so neither saw the request, and the proxy goes on to the live backend
+    (it used to answer 502 after the second)."""
+    secret = "dead-machine"
+    messages = opening("a dead machine")
+    body = {"model": "demo", "messages": messages, "max_tokens": 8}
+
+    def backends(url: str) -> list[BackendProcess]:
+        return [BackendProcess(text_model, "demo", tmp_path, backend_id=bid,
+                               extra=["--redis-url", url, "--secret", secret, "--no-warmup"])
+                for bid in ("dead-1", "dead-2", "alive")]
+
+    def both_hold(url: str) -> bool:
+        chain = chat_chain(body, model="demo", salt=make_salt(secret))
+
+        async def look() -> bool:
+            registry = Registry(url)
+            try:
+                found = await registry.lookup("demo", chain, timeout=2.0) or {}
+            finally:
+                await registry.close()
+            return all(found.get(b) and found[b].depth == len(chain) for b in ("dead-1", "dead-2"))
+
+        return asyncio.run(look())
+
+    with harness.fleet(backends, lambda url: [ProxyProcess(url, tmp_path, ["--secret", secret])]) as f:
+        dead = [f["backends"]["dead-1"], f["backends"]["dead-2"]]
+        for b in dead:  # straight to the backend: each holds the prompt
+            assert post_json(b.url + "/v1/chat/completions", body)[0] == 200
+        wait_until(lambda: both_hold(f["redis"].url), 10, what="both advertising the prompt")
+        for b in dead:
+            b.proc.kill()
+            b.proc.wait(5)
+        assert send(f["proxies"][0].url, messages).backend == "alive"
+
+
 @dataclass
 class Sent:
     conversation: int
@@ -203,6 +245,9 @@ def test_a_host_killed_mid_traffic_loses_only_its_requests_in_flight(fleet):
         before = {c.index: c.answered()[-1].turn.backend for c in conversations}
         killed_at = time.monotonic()
         assert fleet.hosts.kill("hosta") >= 4  # serve, its proxy, two backends
+        # Until its last process is gone, host A may still take a connection it never answers.
+        wait_until(lambda: not fleet.hosts.pids("hosta"), 10, what="host A's processes gone")
+        gone_at = time.monotonic()
         wait_until(lambda: all(len(c.answered(killed_at)) >= 3 for c in conversations), 60,
                    interval=0.05, what="three answered turns of every conversation after the kill")
     finally:
@@ -213,7 +258,7 @@ def test_a_host_killed_mid_traffic_loses_only_its_requests_in_flight(fleet):
 
     lost = [s for c in conversations for s in c.sent if s.turn is None]
     # Lost: only what A's proxy held when it died, at most one per client.
-    assert all(s.proxy == "hosta" and s.started < killed_at for s in lost), lost
+    assert all(s.proxy == "hosta" and s.started < gone_at for s in lost), lost
     assert len(lost) <= len(conversations)
     for c in conversations:
         assert {host_of(s.turn.backend) for s in c.answered(killed_at)} == {"hostb"}, c.sent
@@ -222,7 +267,8 @@ def test_a_host_killed_mid_traffic_loses_only_its_requests_in_flight(fleet):
         ended = [s for s in c.answered() if s.ended > killed_at]
         i = next(i for i, s in enumerate(ended) if host_of(s.turn.backend) == "hostb")
         resumed, later = ended[i], ended[i + 1:]
-        print(f"conversation {c.index}: {before[c.index]} -> {resumed.turn.backend}, answered "
+        print(f"conversation {c.index} (host A gone {gone_at - killed_at:.2f}s after the kill): "
+              f"{before[c.index]} -> {resumed.turn.backend}, answered "
               f"{resumed.ended - killed_at:.2f}s after the kill, {resumed.turn.cached}/"
               f"{resumed.turn.prompt} cached; lost {[s for s in lost if s.conversation == c.index]}")
         if host_of(before[c.index]) == "hosta":
