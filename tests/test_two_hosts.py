@@ -4,7 +4,8 @@ namespace of its own (its address, its ports, its processes) running its own
 bridge between them, and clients of both proxies (the `openai` client).
 
 docs/DEPLOY.md "Several machines, step by step" is the recipe this follows.
-The tests run in file order on one deployment; the last one kills host A."""
+The tests of the two hosts run in file order on one deployment; the last one kills
+host A. The first test is apart: a dead machine's backends, on loopback."""
 
 from __future__ import annotations
 
@@ -103,39 +104,6 @@ def follow(messages: list[dict], turn: Turn, n: int) -> list[dict]:
             {"role": "user", "content": f"And then {n}?"}]
 
 
-def test_conversations_stick_to_their_backend_across_proxies_and_hosts(fleet):
-    """Turn 1 through one host's proxy, turn 2 through the other's: same backend, cached,
-    whichever host that backend is on."""
-    crossed = []
-    for i in range(4):
-        first, second = (HOSTS[i % 2], HOSTS[1 - i % 2])
-        messages = opening(f"stick {i}")
-        one = send(fleet.proxy(first), messages)
-        two = send(fleet.proxy(second), follow(messages, one, 2))
-        assert two.backend == one.backend, (i, one, two)
-        assert two.cached >= 0.8 * two.prompt, (i, two)
-        if host_of(two.backend) != second:
-            crossed.append(i)
-    # Some turn 2 went through one machine's proxy to the other machine's backend.
-    assert crossed
-
-
-def test_a_model_on_demand_loads_on_the_host_with_room(fleet):
-    """`extra` is configured on both hosts; host A's memory budget has no room for it
-    (its demo replicas are pinned), host B's has. Asked through A's proxy, it loads on
-    B and answers; A published its refusal, which did not fail the request."""
-    messages = opening("on demand")
-    turn = send(fleet.proxy("hosta"), messages, model="extra", timeout=180)
-    assert turn.backend == "hostb-extra-1"
-    states = published(fleet, "extra")
-    assert states["hostb"].state == LOADED
-    assert states["hosta"].state == UNLOADED and states["hosta"].error_code == NO_CAPACITY
-    assert "memory_budget" in states["hosta"].error
-    # Its next turn through B's proxy: the same backend, cached.
-    again = send(fleet.proxy("hostb"), follow(messages, turn, 2), model="extra")
-    assert again.backend == turn.backend and again.cached >= 0.8 * again.prompt
-
-
 def test_a_request_goes_past_every_backend_of_a_dead_machine(text_model, tmp_path):
     """A machine that dies takes its backends with it, and until their records lapse
     (3 s) a proxy may pick one after another of them for the same request. Both dead
@@ -173,6 +141,39 @@ def test_a_request_goes_past_every_backend_of_a_dead_machine(text_model, tmp_pat
             b.proc.kill()
             b.proc.wait(5)
         assert send(f["proxies"][0].url, messages).backend == "alive"
+
+
+def test_conversations_stick_to_their_backend_across_proxies_and_hosts(fleet):
+    """Turn 1 through one host's proxy, turn 2 through the other's: same backend, cached,
+    whichever host that backend is on."""
+    crossed = []
+    for i in range(4):
+        first, second = (HOSTS[i % 2], HOSTS[1 - i % 2])
+        messages = opening(f"stick {i}")
+        one = send(fleet.proxy(first), messages)
+        two = send(fleet.proxy(second), follow(messages, one, 2))
+        assert two.backend == one.backend, (i, one, two)
+        assert two.cached >= 0.8 * two.prompt, (i, two)
+        if host_of(two.backend) != second:
+            crossed.append(i)
+    # Some turn 2 went through one machine's proxy to the other machine's backend.
+    assert crossed
+
+
+def test_a_model_on_demand_loads_on_the_host_with_room(fleet):
+    """`extra` is configured on both hosts; host A's memory budget has no room for it
+    (its demo replicas are pinned), host B's has. Asked through A's proxy, it loads on
+    B and answers; A published its refusal, which did not fail the request."""
+    messages = opening("on demand")
+    turn = send(fleet.proxy("hosta"), messages, model="extra", timeout=180)
+    assert turn.backend == "hostb-extra-1"
+    states = published(fleet, "extra")
+    assert states["hostb"].state == LOADED
+    assert states["hosta"].state == UNLOADED and states["hosta"].error_code == NO_CAPACITY
+    assert "memory_budget" in states["hosta"].error
+    # Its next turn through B's proxy: the same backend, cached.
+    again = send(fleet.proxy("hostb"), follow(messages, turn, 2), model="extra")
+    assert again.backend == turn.backend and again.cached >= 0.8 * again.prompt
 
 
 @dataclass
