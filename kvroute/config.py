@@ -163,6 +163,11 @@ BACKEND = [
          toml="models.disk_cache_dir"),
     _opt("disk_cache_bytes", parse_bytes, 32 << 30, "byte budget of the disk tier (0: off)",
          toml="models.disk_cache_bytes"),
+    _opt("disk_fsync", str, "always", "when the disk tier's records reach the drive: 'always' "
+         "(each file and its folder fsynced as it is written: a power loss keeps every record "
+         "written) or 'never' (the kernel writes back in its own time: a power loss may lose "
+         "the newest records; the checksums drop any it damaged)", choices=("always", "never"),
+         toml="models.disk_fsync"),
     _opt("prefill_step", int, 0, "tokens per prefill chunk; decoding of other requests "
          "interleaves between chunks (0: 2048 on a GPU, 512 on the CPU)", toml="models.prefill_step"),
     _opt("long_prefill", str, "auto", "prompts with more than one chunk to prefill: 'serial' "
@@ -368,6 +373,7 @@ class BackendConfig:
     cache_bytes: int = _BACKEND["cache_bytes"]
     disk_cache_dir: str = _BACKEND["disk_cache_dir"]  # the disk tier's folder; empty: RAM only
     disk_cache_bytes: int = _BACKEND["disk_cache_bytes"]
+    disk_fsync: str = _BACKEND["disk_fsync"]  # always or never (docs/SSD_TIER.md, Durability)
     prefill_step: int = _BACKEND["prefill_step"]  # 0: by platform (GPU 2048, CPU 512)
     long_prefill: str = _BACKEND["long_prefill"]  # auto, serial, batched
     memory_limit: int = _BACKEND["memory_limit"]  # 0: MLX's default
@@ -402,6 +408,7 @@ class ModelSpec:
     cache_bytes: int = _MODEL["cache_bytes"]
     disk_cache_dir: str = _MODEL["disk_cache_dir"]
     disk_cache_bytes: int = _MODEL["disk_cache_bytes"]
+    disk_fsync: str = _MODEL["disk_fsync"]
     prefill_step: int = _MODEL["prefill_step"]
     memory_limit: int = _MODEL["memory_limit"]
     long_prefill: str = _MODEL["long_prefill"]

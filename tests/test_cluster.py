@@ -22,17 +22,23 @@ SALT = make_salt("cluster-test")
 
 
 class LocalCluster:
-    """Three cluster-enabled redis-servers, no replicas, all 16384 slots assigned."""
+    """Three cluster-enabled redis-servers, no replicas, all 16384 slots assigned;
+    `host`: the address clients reach them at (loopback too, for the admin calls; off
+    loopback only on a private test network, hence no protected mode)."""
 
-    def __init__(self, n: int = 3):
+    def __init__(self, n: int = 3, host: str = "127.0.0.1"):
+        self.host = host
+        on_host = [] if host == "127.0.0.1" else ["--bind", "127.0.0.1", host,
+                                                  "--cluster-announce-ip", host,
+                                                  "--protected-mode", "no"]
         self.nodes = [RedisServer(extra_args=["--cluster-enabled", "yes",
                                               "--cluster-config-file", "nodes.conf",
-                                              "--cluster-node-timeout", "2000"])
+                                              "--cluster-node-timeout", "2000", *on_host])
                       for _ in range(n)]
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        return "redis+cluster://" + ",".join(f"{self.host}:{n.port}" for n in self.nodes)
 
     def cli(self, port: int, *args: str) -> str:
         return subprocess.run(["redis-cli", "-p", str(port), *args], check=True, text=True,
@@ -42,7 +48,7 @@ class LocalCluster:
         for node in self.nodes:
             node.start()
         subprocess.run(["redis-cli", "--cluster", "create",
-                        *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                        *(f"{self.host}:{n.port}" for n in self.nodes),
                         "--cluster-replicas", "0", "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
         deadline = time.monotonic() + 30

@@ -55,6 +55,20 @@ def test_models_take_backend_defaults_and_flags_override_them(tmp_path):
     assert {(m.replicas, m.cache_bytes) for m in c.models} == {(3, 64 << 20)}
 
 
+def test_disk_fsync_is_a_model_setting_with_two_policies(tmp_path):
+    path = tmp_path / "k.toml"
+    path.write_text('[[models]]\npath = "demo"\ndisk_fsync = "never"\n')
+    (model,) = config.build(parse(config.SERVE, ["--config", str(path)]), {}).models
+    flags = model.backend_flags()
+    assert flags[flags.index("--disk-fsync") + 1] == "never"  # what its backends are given
+    backend = config.resolve(config.BACKEND, parse(config.BACKEND, []), {"KVROUTE_DISK_FSYNC": "never"})
+    assert backend["disk_fsync"] == "never"
+    assert config.resolve(config.BACKEND, parse(config.BACKEND, []), {})["disk_fsync"] == "always"
+    path.write_text('[[models]]\npath = "demo"\ndisk_fsync = "sometimes"\n')
+    with pytest.raises(ConfigError, match="disk_fsync: 'sometimes' is not one of always, never"):
+        config.build(parse(config.SERVE, ["--config", str(path)]), {})
+
+
 def test_api_keys_from_flag_environment_and_file(tmp_path):
     path = tmp_path / "k.toml"
     path.write_text('[proxy]\napi_keys = ["sk-file:team"]\n')

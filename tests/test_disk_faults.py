@@ -279,3 +279,50 @@ def test_a_crash_at_every_step_of_a_write(text_model, tmp_path, step):
         assert_same_answer(answer, cold(again, follow))
     finally:
         again.stop()
+
+
+STEP_LOG = """\
+from kvroute.backend import diskfile
+
+def _note(step):
+    with open({path!r}, "a") as f:
+        f.write(step + "\\n")
+
+diskfile.crash_point = _note
+"""
+
+
+@pytest.mark.parametrize("policy", ["always", "never"])
+def test_the_fsync_policy_reaches_the_writer(text_model, tmp_path, policy):
+    """KVROUTE_DISK_FSYNC=always fsyncs each record's file, then its folder; `never`
+    fsyncs neither (the hook runs right after each real fsync). Both write whole
+    records that a restart after SIGKILL serves: the kernel keeps what the process
+    wrote, only a power loss can take what was never fsynced."""
+    steps = tmp_path / "steps.txt"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STEP_LOG.format(path=str(steps)))
+    disk = tmp_path / "disk"
+    backend = BackendProcess(text_model, model_id="demo", log_dir=tmp_path, backend_id="fsync",
+                             extra=["--prefill-step", "64", "--disk-cache-dir", str(disk)],
+                             env={"PYTHONPATH": os.pathsep.join([str(hook), *sys.path]),
+                                  "KVROUTE_DISK_FSYNC": policy})
+    backend.start()
+    messages = conversation()
+    try:
+        first = chat(backend, messages)
+        wait_until(lambda: written(backend), 30, what="the record on disk")
+    finally:
+        kill(backend)
+    noted = steps.read_text().split()
+    writes = noted.count("renamed")
+    assert writes >= 1 and noted.count("tmp_written") == writes
+    fsyncs = writes if policy == "always" else 0
+    assert (noted.count("tmp_synced"), noted.count("dir_synced")) == (fsyncs, fsyncs), noted
+
+    again = start(text_model, "demo", disk, tmp_path, port=backend.port)
+    try:
+        assert cached(chat(again, next_turn(messages, first))) > 0
+        assert metric(again, "kvroute_backend_cache_hits_total", tier="disk") == 1
+    finally:
+        again.stop()

@@ -63,3 +63,15 @@ def test_summary_reports_the_latest_error():
     old = ModelState("m", "a", UNLOADED, error="old", error_at=1.0)
     new = ModelState("m", "b", UNLOADED, error="new", error_at=2.0)
     assert summarize([old, new]).error == "new"
+
+
+def test_one_machines_refusal_waits_for_the_others():
+    """Machine a has no room, machine b (configured for the model too) has not answered
+    the same load request yet: the model's summary carries no error, so a proxy keeps
+    waiting for b instead of answering a's refusal."""
+    refused = ModelState("m", "a", UNLOADED, error="no room", error_code="model_capacity",
+                         error_at=2.0)
+    quiet = ModelState("m", "b", UNLOADED)
+    assert summarize([refused, quiet]).error == ""
+    assert summarize([refused, ModelState("m", "b", LOADING)]).state == LOADING
+    assert summarize([refused]).error == "no room"

@@ -73,7 +73,7 @@ def load_state(config: BackendConfig) -> State:
     )
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
     disk = open_disk_tier(config.model, config.disk_cache_dir, config.disk_cache_bytes,
-                          config.cache_bytes, store, metrics_)
+                          config.cache_bytes, store, metrics_, fsync=config.disk_fsync == "always")
     template = Template(tokenizer, secret=config.secret, block_bytes=config.block_bytes,
                         checkpointing=engine.checkpointing)
     return State(config, engine, template, metrics_, store, context, time.time(), new_instance_id(),

@@ -80,13 +80,14 @@ class DiskEvent:
 
 class DiskTier:
     def __init__(self, directory: str | Path, budget_bytes: int, fingerprint: str,
-                 metrics: Any, queue_bytes: int, read_parallel: int = 4):
+                 metrics: Any, queue_bytes: int, read_parallel: int = 4, fsync: bool = True):
         self.directory = Path(directory).expanduser()
         self.budget_bytes = budget_bytes
         self.fingerprint = fingerprint
         self.metrics = metrics
         self.queue_bytes = queue_bytes  # bytes of entries waiting to be written, at most
         self.read_parallel = read_parallel
+        self.fsync = fsync  # each write's file and folder (docs/SSD_TIER.md, Durability)
         self.enabled = False
         self.listeners: list[Callable[[DiskEvent], None]] = []
         self.index: OrderedDict[str, Record] = OrderedDict()  # LRU order, oldest first
@@ -338,7 +339,7 @@ class DiskTier:
         try:
             if shutil.disk_usage(self.directory).free < entry.nbytes:
                 raise OSError(errno.ENOSPC, "no space left on the device")
-            name, size = diskfile.write(self.directory, stem, entry.cache, meta)
+            name, size = diskfile.write(self.directory, stem, entry.cache, meta, self.fsync)
         except (OSError, RuntimeError) as exc:  # MLX reports a failed write as RuntimeError
             code = exc.errno if isinstance(exc, OSError) else _probe_errno(self.directory)
             reason = errno.errorcode.get(code or 0, "EIO")
@@ -552,7 +553,7 @@ def _probe_errno(directory: Path) -> int:
 
 
 def open_disk_tier(model: str, directory: str, budget_bytes: int, ram_budget: int,
-                   store: Any, metrics: Any) -> DiskTier | None:
+                   store: Any, metrics: Any, fsync: bool = True) -> DiskTier | None:
     """The disk tier of a backend, listening to its store; None when not configured
     or unusable (then the backend serves from RAM only)."""
     if not directory or budget_bytes <= 0:
@@ -562,7 +563,8 @@ def open_disk_tier(model: str, directory: str, budget_bytes: int, ram_budget: in
 
     fp = diskfile.fingerprint(_download(model))
     # Entries waiting for the writer pin their arrays: at most a RAM budget's worth.
-    tier = DiskTier(directory, budget_bytes, fp, metrics, queue_bytes=max(ram_budget, 1 << 20))
+    tier = DiskTier(directory, budget_bytes, fp, metrics, queue_bytes=max(ram_budget, 1 << 20),
+                    fsync=fsync)
     if not tier.open():
         return None
     store.listeners.append(tier.on_store_event)

@@ -20,7 +20,9 @@ raises `BadRecord` and is never handed to the model.
 
 Durability: `write` fsyncs the temporary file before renaming it into place and
 the directory after, so after a power loss a record is whole or absent (and a
-damaged one is still found by its checksums).
+damaged one is still found by its checksums). With fsync off (`--disk-fsync never`)
+the kernel writes it back in its own time: a power loss may lose the newest
+records or leave them damaged, and the checksums drop those.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def fingerprint(model_path: str | Path) -> str:
 
 
 # Test-only: called with each step of a write ("tmp_written", "tmp_synced",
-# "renamed", "dir_synced"); tests set it in a backend process to SIGKILL it there.
+# "renamed", "dir_synced"; the two `_synced` right after their fsync, and only when
+# there was one); tests set it in a backend process to SIGKILL it there, or count.
 crash_point: Callable[[str], None] | None = None
 
 
@@ -95,11 +98,14 @@ def _step(name: str) -> None:
         crash_point(name)
 
 
-def write(directory: Path, stem: str, cache: list[Any], meta: dict) -> tuple[str, int]:
+def write(directory: Path, stem: str, cache: list[Any], meta: dict,
+          fsync: bool = True) -> tuple[str, int]:
     """Write `cache` under a temporary name, fsync it, rename it into place and fsync
     the directory, so a reader (or a restart after a crash or a power loss) never sees
-    half a record. The final name carries the checksums (a header cannot hold the
-    checksum of a file it starts). Returns the file's name and size."""
+    half a record; fsync=False leaves both fsyncs to the kernel's write-back (a crash
+    of the process loses nothing, a power loss may). The final name carries the
+    checksums (a header cannot hold the checksum of a file it starts). Returns the
+    file's name and size."""
     from mlx_lm.models.cache import save_prompt_cache
 
     tmp = directory / (stem + TMP_SUFFIX)
@@ -109,14 +115,16 @@ def write(directory: Path, stem: str, cache: list[Any], meta: dict) -> tuple[str
         os.chmod(tmp, 0o600)
         with open(tmp, "rb") as f:  # just written: read back from the page cache
             blob = f.read()
-            os.fsync(f.fileno())
-        _step("tmp_synced")
+            if fsync:
+                os.fsync(f.fileno())
+                _step("tmp_synced")
         offset = 8 + struct.unpack("<Q", blob[:8])[0]
         name = f"{stem}.{_digest(blob[:offset])}.{_digest(blob)}{SUFFIX}"
         os.replace(tmp, directory / name)
         _step("renamed")
-        _fsync_dir(directory)
-        _step("dir_synced")
+        if fsync:
+            _fsync_dir(directory)
+            _step("dir_synced")
         return name, len(blob)
     except BaseException:
         try:

@@ -82,6 +82,10 @@ def summarize(states: list[ModelState]) -> ModelState:
     """One model's state across machines: the best state, summed counters."""
     best = min(states, key=lambda s: (_RANK.get(s.state, 9), -s.updated_at))
     failed = max(states, key=lambda s: s.error_at)
+    if not all(s.error for s in states):
+        # One machine's refusal is not the model's while another configured for it has
+        # not answered yet: that one may have room (it publishes `loading` a moment later).
+        failed = ModelState(model=best.model, machine=best.machine)
     return dataclasses.replace(
         best, machine=",".join(sorted(s.machine for s in states if s.state in (LOADED, LOADING)))
         or best.machine,

@@ -166,7 +166,10 @@ async def _dispatch(state: State, req: RoutedRequest) -> web.StreamResponse:
                 state.metrics.failovers.labels(c.backend_id).inc()
                 log.warning("backend %s failed before answering (%s); retrying elsewhere",
                             c.backend_id, retry.error.message)
-                if failovers > 1:
+                # One more backend after a failure, and any number past backends that
+                # could not be reached (they never saw the request; a dead machine
+                # takes several with it until their records lapse).
+                if failovers > 1 and retry.error.code != "backend_unreachable":
                     raise retry.error
 
 
