@@ -36,6 +36,33 @@ log = logging.getLogger("kvroute.backend")
 GPU_GIL_SWITCH_S = 0.0005
 
 
+# The longest prompt warm-up prefills on CUDA (Engine._warm_long): up to it, no full
+# prefill chunk of a later prompt waits for an attention plan. A 64k-token prefill of a
+# 7B model takes a few seconds on an H200, paid once at start instead of by the first
+# users of each prompt length.
+WARM_PREFILL_TOKENS = 65536
+WARM_PREFILL_MEMORY = 0.1  # of the device's memory (or this process's limit), at most
+
+
+def _warm_long_tokens(state: State) -> int:
+    """Tokens of the long warm-up prompt (engine thread: measuring KV runs the model):
+    the longest prompt this backend takes, within WARM_PREFILL_TOKENS and the memory
+    its KV may use. 0 off CUDA, where attention builds no per-shape plans."""
+    if not state.engine.on_cuda:
+        return 0
+    limit = min(state.config.max_prompt_tokens or state.context_length, state.context_length,
+                WARM_PREFILL_TOKENS)
+    memory = state.device.get("memory_limit") or state.device.get("memory") or 0
+    try:
+        per_token = state.engine.kv_bytes_per_token()[0]
+    except Exception:
+        log.warning("could not measure KV bytes per token; no long warm-up", exc_info=True)
+        return 0
+    if per_token > 0 and memory:
+        limit = min(limit, int(memory * WARM_PREFILL_MEMORY / per_token))
+    return limit
+
+
 def load_state(config: BackendConfig) -> State:
     from mlx_lm import load
 
@@ -177,7 +204,7 @@ async def serve(config: BackendConfig) -> None:
     state.engine.start()
     if not config.no_warmup:
         # Before the registry or a proxy hears of this backend: healthy means warm.
-        seconds = await state.engine.call(state.engine.warm_up)
+        seconds = await state.engine.call(lambda: state.engine.warm_up(_warm_long_tokens(state)))
         state.device["warmup_s"] = round(seconds, 2)
         log.info("warmed up in %.1fs (prefill step %d)", seconds, config.prefill_step)
     # How long a prompt one entry may hold under the budgets, said once at start.

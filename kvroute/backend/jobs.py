@@ -57,7 +57,8 @@ class Job:
     phase: str = "queued"  # queued, prefill, decode, done
     cached_tokens: int = 0  # what the client is told came from cache
     start: int = 0  # where the generator's copy of the prompt begins (a cache hit)
-    boundaries: list[int] = field(default_factory=list)  # checkpoints still ahead
+    boundaries: list[int] = field(default_factory=list)  # segment ends still ahead
+    aligned: set[int] = field(default_factory=set)  # of those, chunk alignments: no commit
     readmitted: bool = False
     processed: int = 0
     generated: int = 0
