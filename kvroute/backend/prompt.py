@@ -21,6 +21,7 @@ from kvroute.api.errors import bad_request
 from kvroute.core import prefix
 
 from .requests import ChatRequest, CompletionRequest
+from .tokenize import PrefixTokenizer
 
 log = logging.getLogger("kvroute.backend")
 
@@ -57,6 +58,7 @@ class Template:
         self.drops_reasoning = (reasoning_marker(tokenizer) if drops_reasoning is None
                                 else drops_reasoning)
         self.bytes_per_token = 0.0  # measured, see _calibrate
+        self.tokens = PrefixTokenizer(tokenizer)
 
     # -- what a handler asks (tokenizing and hashing: off the event loop) --------------
 
@@ -109,20 +111,25 @@ class Template:
             messages, tools=tools, add_generation_prompt=generation, tokenize=tokenize)
         return list(out) if tokenize else out
 
-    def _chat_prompt(self, req: ChatRequest) -> list[int]:
+    def _chat_text(self, req: ChatRequest) -> str:
         try:
-            return self._render(req.messages, req.tools, True)
+            return self._render(req.messages, req.tools, True, tokenize=False)
         except Exception as exc:  # template errors are the request's fault (bad role order, ...)
             raise bad_request(f"The messages could not be rendered by the chat template: {exc}.",
                               param="messages")
 
+    def _chat_prompt(self, req: ChatRequest) -> list[int]:
+        # As apply_chat_template(tokenize=True) tokenizes its rendering, reusing the
+        # tokens of an earlier prompt this one extends (tokenize.py).
+        return self.tokens.encode(self._chat_text(req))
+
     def _chat_tokens(self, req: ChatRequest) -> tuple[list[int], dict[int, int]]:
         """The prompt, and {token position: number of messages it ends} for the
         checkpoints a model with untrimmable caches keeps (see engine.py)."""
-        prompt = self._chat_prompt(req)
+        text = self._chat_text(req)
+        prompt = self.tokens.encode(text)
         marks: dict[int, int] = {}
         if self.checkpointing:
-            text = self._render(req.messages, req.tools, True, tokenize=False)
             for n in {_header_messages(req.messages), len(req.messages)}:
                 position = self._position(prompt, text, req.messages[:n], req.tools)
                 if position:
