@@ -27,6 +27,7 @@ from kvroute.api import openapi
 from kvroute.api.process import bind_sockets, start_site, wait_for_stop
 from kvroute.api.errors import APIError, bad_request, error_middleware, not_found
 from kvroute.core.registry import BackendRecord, Registry, new_instance_id
+from kvroute.core.usage import USAGE_HEADER, usage_comment
 from kvroute.api.wire import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH,
                               MODELS_PATH, SSE_HEADERS, ChatRequest, CompletionRequest, parse_chat,
                               parse_completion, parse_json)
@@ -34,6 +35,7 @@ from kvroute.api.wire import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HE
 from .disk import DiskTier, open_disk_tier
 from .engine import Delta, Engine, Finish, Job
 from .metrics import BackendMetrics
+from .misses import Misses, template_opening, view_headers
 from .publisher import Publisher
 from .chunks import ChatBuilder, CompletionBuilder
 from .store import Store
@@ -458,6 +460,7 @@ def _cache_headers(job: Job) -> dict:
     }
     if job.first_token_at is not None:
         headers["x-kvroute-ttft-ms"] = f"{(job.first_token_at - job.submitted) * 1000:.1f}"
+    headers.update(view_headers(job.miss))
     return headers
 
 
@@ -489,6 +492,8 @@ async def _stream(
                 await resp.write(_sse(builder.finish_chunk(event, include_usage)))
                 if include_usage:
                     await resp.write(_sse(builder.usage_chunk(event)))
+                if request.headers.get(USAGE_HEADER):  # the proxy counts every team's tokens
+                    await resp.write(usage_comment(event.completion_tokens))
                 break
             else:
                 await resp.write(_sse(event.body()))
@@ -683,6 +688,7 @@ def load_state(config: BackendConfig) -> State:
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
     disk = open_disk_tier(config.model, config.disk_cache_dir, config.disk_cache_bytes,
                           config.cache_bytes, store, metrics_)
+    engine.misses = Misses(store, metrics_, disk, template_opening(tokenizer))
     return State(config, engine, tokenizer, metrics_, store, context, time.time(), new_instance_id(),
                  vocab_size=_vocab_size(model_config, tokenizer), disk=disk,
                  drops_reasoning=_drops_reasoning(tokenizer), layout=_chat_layout(tokenizer),
