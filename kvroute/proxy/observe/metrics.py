@@ -159,6 +159,7 @@ class ProxyMetrics:
         self.child(self.failovers, backend)
         self.child(self.inflight, backend)
         for model in models:
+            self.child(self.requests, model, backend, "200")
             for reason in route_reasons:
                 self.child(self.decisions, model, backend, reason)
             for metric in (self.predicted_tokens, self.actual_tokens, self.prompt_tokens,
