@@ -105,13 +105,13 @@ def parse_limit(value: Any) -> tuple[str, int]:
 
 
 def parse_models(value: Any) -> tuple[str, tuple[str, ...]]:
-    """`TARGET=MODEL[|MODEL...]`: the only models TARGET may use."""
+    """`TARGET=MODEL[;MODEL...]`: the only models TARGET may use."""
     if isinstance(value, tuple):
         return value
     target, sep, models = str(value).strip().rpartition("=")
-    names = tuple(m.strip() for m in models.split("|") if m.strip())
+    names = tuple(m.strip() for m in models.split(";") if m.strip())
     if not sep or not target.strip() or not names:
-        raise ValueError("expected TARGET=MODEL[|MODEL...]")
+        raise ValueError("expected TARGET=MODEL[;MODEL...]")
     return target.strip(), names
 
 
@@ -185,7 +185,7 @@ _LIMITS = [
     _opt("concurrent_requests", parse_limit, [], "requests TARGET may have in flight at once"
          + _TARGET, many=True, metavar="TARGET=N", toml="limits.concurrent_requests"),
     _opt("allowed_models", parse_models, [], "the only models TARGET may use" + _TARGET,
-         many=True, metavar="TARGET=MODEL[|MODEL...]", toml="limits.allowed_models"),
+         many=True, metavar="TARGET=MODEL[;MODEL...]", toml="limits.allowed_models"),
 ]
 LIMIT_NAMES = tuple(s.name for s in _LIMITS)
 _LIMIT_TIMEOUT = _opt("limit_timeout_ms", float, 250.0, "how long a usage-limit check waits for "
@@ -559,5 +559,5 @@ def limit_variables(limits: dict[str, list]) -> dict[str, str]:
     out = {}
     for name, pairs in limits.items():
         out[by_name[name].env] = ",".join(
-            f"{target}={'|'.join(v) if isinstance(v, tuple) else v}" for target, v in pairs)
+            f"{target}={';'.join(v) if isinstance(v, tuple) else v}" for target, v in pairs)
     return out

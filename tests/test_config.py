@@ -148,14 +148,14 @@ def test_readme_configuration_reference_matches_the_table(heading, table, column
 def test_usage_limits_from_the_file_the_environment_and_flags(tmp_path):
     path = tmp_path / "limits.toml"
     path.write_text('[limits]\nrequests_per_minute = ["team-a=60"]\n'
-                    'allowed_models = ["team-a=demo|tiny"]\n')
+                    'allowed_models = ["team-a=demo;tiny"]\n')
     serve = config.build({"config": str(path)}, {"KVROUTE_TOKENS_PER_DAY": "*=1000,sk-x=5"})
     assert serve.limits == {"requests_per_minute": [("team-a", 60)],
                             "tokens_per_day": [("*", 1000), ("sk-x", 5)],
                             "allowed_models": [("team-a", ("demo", "tiny"))]}
     # What the proxy `kvroute serve` starts reads back the same.
     env = config.limit_variables(serve.limits)
-    assert env["KVROUTE_ALLOWED_MODELS"] == "team-a=demo|tiny"
+    assert env["KVROUTE_ALLOWED_MODELS"] == "team-a=demo;tiny"
     assert config.resolve(config.PROXY, {}, env)["allowed_models"] == [("team-a", ("demo", "tiny"))]
     parser = argparse.ArgumentParser()
     config.add_flags(parser, config.PROXY)

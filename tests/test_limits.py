@@ -94,7 +94,7 @@ def proxy_config(redis_url: str, **limits) -> SimpleNamespace:
 
 def test_which_rule_applies_key_then_scope_then_any():
     rules = rules_of(proxy_config("redis://unused", requests_per_minute=["sk-x=1", "a=2", "*=3"],
-                                  allowed_models=["a=m1|m2"]))
+                                  allowed_models=["a=m1;m2"]))
     assert rules["a"].requests_per_minute == 2 and rules["a"].allowed_models == {"m1", "m2"}
     limits = Limits(proxy_config("redis://unused", requests_per_minute=["sk-x=1", "a=2", "*=3"]),
                     ProxyMetrics(), Stats())
