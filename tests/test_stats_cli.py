@@ -34,7 +34,9 @@ def snapshot() -> dict:
                      cached_tokens=12000, ttft_ms=123.4, prefill_tps=5000.0, team="team-alpha",
                      miss=Miss(reason, 1000, 17 if reason == "template_drift" else None),
                      seconds_lost=0.2)
-    stats.count_team("team-alpha", "kvroute-demo", TeamCounts(12, 1, 123456, 98765, 4321, 12.3, 1.2))
+    stats.count_team("team-alpha", "kvroute-demo", TeamCounts(
+        requests=12, errors=1, prompt_tokens=123456, cached_tokens=98765, seconds_saved=12.3,
+        generated_tokens=4321, seconds_lost=1.2))
     stats.count_limited("team-beta", "tokens_per_minute")
     for status in (200, 429, 401, 502):
         stats.count_api("chat", status)

@@ -24,7 +24,7 @@ import numpy as np
 from kvroute.core import misses as reasons
 from kvroute.core.misses import MIN_LOST_TOKENS
 
-from .store import Commit, Event, Store, common_prefix
+from .store import Commit, Entry, Event, Store, common_prefix
 
 log = logging.getLogger("kvroute.backend.misses")
 
@@ -59,13 +59,31 @@ class Misses:
         self.keep_tokens = keep_tokens
         self._gone: collections.deque[_Gone] = collections.deque()
         self._gone_tokens = 0
+        # Prefix key -> the entries advertised under it, kept from the store's events: the
+        # entry a request's deepest key points at is found in one walk of its chain.
+        self._holders: dict[int, set[int]] = collections.defaultdict(set)
+        self._entries: dict[int, Entry] = {}
         store.listeners.append(self.on_store_event)
 
-    # -- what the store let go (engine thread) ---------------------------------------
+    # -- what the store holds and let go (engine thread) -----------------------------
 
     def on_store_event(self, event: Event) -> None:
-        if event.kind == "evict" and event.reason == "evicted" and event.entry is not None:
-            e = event.entry
+        e = event.entry
+        if e is None:
+            return
+        if event.kind == "insert":  # a new entry, or more keys for one
+            self._entries[e.id] = e
+            for key in e.chain:
+                self._holders[key].add(e.id)
+            return
+        if self._entries.pop(e.id, None) is not None:
+            for key in e.chain:
+                ids = self._holders.get(key)
+                if ids is not None:
+                    ids.discard(e.id)
+                    if not ids:
+                        del self._holders[key]
+        if event.reason == "evicted":
             self._remember(_Gone(e.model, e.scope, e.tokens, reasons.EVICTED_RAM))
 
     def on_commit(self, done: Commit, tokens: np.ndarray, model: str, scope: str | None) -> None:
@@ -87,7 +105,8 @@ class Misses:
                 cached: int, prefill_tps: float = 0.0) -> View:
         tokens = np.asarray(prompt, dtype=np.int32)
         limit = len(tokens) - 1  # the last token always runs through the model
-        own, other, diverged = self._held(model, tokens, scope, chain, limit)
+        own, other = self._held(model, tokens, scope, limit)
+        diverged = self._diverged(model, tokens, scope, chain, limit)
         causes = [(own - cached, reasons.NO_CHECKPOINT), (other - max(cached, own), reasons.OTHER_SCOPE)]
         causes += self._let_go(model, tokens, scope, cached, limit)
         lost, reason = max(causes, key=lambda c: c[0])
@@ -100,27 +119,32 @@ class Misses:
             m.l(m.seconds_lost, reason=reason).inc(lost / prefill_tps)
         return view
 
-    def _held(self, model: str, tokens: np.ndarray, scope: str | None, chain: list[int],
-              limit: int) -> tuple[int, int, int | None]:
-        """(longest common prefix with an entry of this scope, usable or not; the same
-        for other scopes; where the prompt leaves the entry of this scope holding the
-        deepest key of the request's chain)."""
-        depth_of = {k: i for i, k in enumerate(chain) if i}  # key 0 is every request's
+    def _held(self, model: str, tokens: np.ndarray, scope: str | None,
+              limit: int) -> tuple[int, int]:
+        """The longest common prefix with an entry of this scope, usable or not; the
+        same for other scopes."""
         own = other = 0
-        keyed: tuple[int, int] = (0, 0)
         with self.store.lock:
             for e in self.store.entries.values():
-                if e.model != model:
-                    continue
-                n = min(common_prefix(e.tokens, tokens), limit)
-                if e.scope != scope:
-                    other = max(other, n)
-                    continue
-                own = max(own, n)
-                depth = max((depth_of.get(k, 0) for k in e.chain), default=0)
-                if depth and (depth, n) > keyed:
-                    keyed = (depth, n)
-        return own, other, (keyed[1] if keyed[0] else None)
+                if e.model == model:
+                    n = min(common_prefix(e.tokens, tokens), limit)
+                    if e.scope == scope:
+                        own = max(own, n)
+                    else:
+                        other = max(other, n)
+        return own, other
+
+    def _diverged(self, model: str, tokens: np.ndarray, scope: str | None, chain: list[int],
+                  limit: int) -> int | None:
+        """Where the prompt leaves the entry advertised under the deepest key of its chain
+        (what the registry told the proxy); None when no entry holds one. Key 0, the
+        header, is every request's."""
+        for key in reversed(chain[1:]):
+            held = [self._entries[i] for i in self._holders.get(key, ())]
+            held = [e for e in held if e.model == model and e.scope == scope]
+            if held:
+                return max(min(common_prefix(e.tokens, tokens), limit) for e in held)
+        return None
 
     def _let_go(self, model: str, tokens: np.ndarray, scope: str | None, cached: int,
                 limit: int) -> list[tuple[int, str]]:

@@ -26,12 +26,12 @@ from kvroute.core.usage import USAGE_HEADER, StreamTail
 
 from . import loading
 from .agents.gateway import Relay
-from .teams import team_of
 from .fleet import Backend, watch_of
 from .misses import Facts, Miss, client_reason, explain
 from .observe.stats import TeamCounts
 from .policy.interface import Decision
 from .state import State
+from .teams import team_of
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -61,7 +61,6 @@ class RoutedRequest:
     suspects: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)  # backends that failed before answering it
     previous: tuple[str, float] | None = None  # its last backend "restarted"/"gone", tokens there
-    bytes_per_token: float = 4.0
     outcome: Outcome | None = None  # what the backend answered, once it did
 
     @property
@@ -83,9 +82,7 @@ class RoutedRequest:
 class Outcome:
     """One answered request, as its team's figures count it (observe/stats.py)."""
 
-    backend: str
     status: int
-    reason: str = ""  # its cache reason (kvroute/core/misses.py); "" for an error answer
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0  # known when the answer ended
@@ -277,8 +274,8 @@ def record_answer(state: State, req: RoutedRequest, decision: Decision, b: Backe
         m.child(m.cache_reasons, model, miss.reason).inc()
         if lost:
             m.child(m.seconds_lost, model, miss.reason).inc(lost)
-    req.outcome = Outcome(bid, upstream.status, miss.reason if miss else "", prompt or 0,
-                          cached or 0, seconds_saved=saved, seconds_lost=lost)
+    req.outcome = Outcome(upstream.status, prompt or 0, cached or 0, seconds_saved=saved,
+                          seconds_lost=lost)
     state.stats.record(
         model=model, backend=bid, reason=decision.reason, prefix_blocks=c.depth,
         predicted_tokens=decision.predicted_tokens, status=upstream.status,
@@ -304,8 +301,9 @@ def record_usage(state: State, req: RoutedRequest) -> None:
         if seconds:
             m.child(m.team_seconds, team, model, kind).inc(seconds)
     state.stats.count_team(team, model, TeamCounts(
-        1, int(o.status >= 400), o.prompt_tokens, o.cached_tokens, o.generated_tokens,
-        o.seconds_saved, o.seconds_lost))
+        requests=1, errors=int(o.status >= 400), prompt_tokens=o.prompt_tokens,
+        cached_tokens=o.cached_tokens, seconds_saved=o.seconds_saved,
+        generated_tokens=o.generated_tokens, seconds_lost=o.seconds_lost))
 
 
 def facts(req: RoutedRequest, decision: Decision, upstream, cached: int) -> Facts:

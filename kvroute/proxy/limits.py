@@ -196,7 +196,8 @@ class Limits:
             self.local.release(a.subject, a.request_id)
             return
         self.in_flight[a.subject].discard(a.request_id)
-        self._spawn(self._end_shared(a, tokens if charge else 0))
+        if charge or r.concurrent_requests:
+            self._spawn(self._end_shared(a, tokens if charge else 0))
 
     async def _end_shared(self, a: Admission, tokens: int) -> None:
         try:

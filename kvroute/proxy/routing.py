@@ -233,7 +233,6 @@ def _note_holdings(state: State, req: RoutedRequest, ctx: RouteContext,
     proxy last sent the conversation to restarted or went since."""
     bpt = (fleet_median([c.load.bytes_per_token for c in ctx.candidates])
            or state.policy.config.bytes_per_token)
-    req.bytes_per_token = bpt
     for c in ctx.candidates:
         matched = ctx.matched_bytes(c)
         req.held[c.backend_id] = (matched + ctx.restore_bytes(c, matched)) / bpt

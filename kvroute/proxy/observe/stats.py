@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvroute.core.hits import is_cache_hit
-from kvroute.core.misses import REASONS, TEMPLATE_DRIFT
+from kvroute.core.misses import REASONS
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")  # the page that draws them (package data)
 SERIES_POINTS = 300  # one point every SERIES_PERIOD seconds: 10 minutes
@@ -87,27 +87,18 @@ class Missed:
 
 
 @dataclass
-class TeamCounts:
+class TeamCounts(Counts):
     """One team's figures for one model (each answered request, once it ended)."""
 
-    requests: int = 0
-    errors: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
     generated_tokens: int = 0
-    seconds_saved: float = 0.0
     seconds_lost: float = 0.0
 
-    def add(self, other: "TeamCounts") -> None:
+    def merge(self, other: "TeamCounts") -> None:
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict:
-        return {"requests": self.requests, "errors": self.errors,
-                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "generated_tokens": self.generated_tokens,
-                "hit_ratio": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None,
-                "seconds_saved": round(self.seconds_saved, 3),
+        return {**super().as_dict(), "generated_tokens": self.generated_tokens,
                 "seconds_lost": round(self.seconds_lost, 3)}
 
 
@@ -168,7 +159,7 @@ class Stats:
         })
 
     def count_team(self, team: str, model: str, counts: TeamCounts) -> None:
-        self.teams.setdefault(team, {}).setdefault(model, TeamCounts()).add(counts)
+        self.teams.setdefault(team, {}).setdefault(model, TeamCounts()).merge(counts)
 
     def count_limited(self, team: str, limit: str) -> None:
         by_limit = self.limited.setdefault(team, {})
@@ -233,6 +224,6 @@ class Stats:
     def _team(models: dict[str, TeamCounts], limited: dict[str, int]) -> dict:
         total = TeamCounts()
         for counts in models.values():
-            total.add(counts)
+            total.merge(counts)
         return {**total.as_dict(), "limited": dict(limited),
                 "models": {model: c.as_dict() for model, c in sorted(models.items())}}
