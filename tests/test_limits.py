@@ -32,9 +32,9 @@ def redis():
 
 def clear_of_a_minute_end(url: str) -> None:
     """Windows are the server's minutes: a test that counts in one must not cross into
-    the next (at most 12 s of waiting, one run in five)."""
+    the next (at most 6 s of waiting, one run in ten)."""
     client = redis_py.Redis.from_url(url)
-    wait_until(lambda: client.time()[0] % 60 < 48, 15, interval=0.2, what="a fresh minute")
+    wait_until(lambda: client.time()[0] % 60 < 54, 10, interval=0.2, what="a fresh minute")
     client.close()
 
 
