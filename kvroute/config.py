@@ -32,6 +32,10 @@ The file (every key optional):
     host = "127.0.0.1"
     port_base = 8100                     # replicas take the next free ports from here
 
+    [limits]                             # per scope, API key, or * (each other team)
+    requests_per_minute = ["team-a=600"]
+    tokens_per_day = ["team-a=5000000", "*=1000000"]
+
     [[models]]
     path = "mlx-community/Qwen2.5-7B-Instruct-4bit"   # a local path, a repo id, or "demo"
     alias = "qwen-7b"                    # the `model` name clients send
@@ -85,6 +89,30 @@ def parse_api_keys(values: list[str]) -> dict[str, str | None]:
         if key:
             keys[key] = scope or None
     return keys
+
+
+def parse_limit(value: Any) -> tuple[str, int]:
+    """`TARGET=N` (a usage limit): TARGET a scope, an API key, or `*`."""
+    if isinstance(value, tuple):
+        return value
+    target, sep, number = str(value).strip().rpartition("=")
+    if not sep or not target.strip():
+        raise ValueError("expected TARGET=N")
+    n = int(number)
+    if n < 0:
+        raise ValueError("a limit is 0 (none) or more")
+    return target.strip(), n
+
+
+def parse_models(value: Any) -> tuple[str, tuple[str, ...]]:
+    """`TARGET=MODEL[;MODEL...]`: the only models TARGET may use."""
+    if isinstance(value, tuple):
+        return value
+    target, sep, models = str(value).strip().rpartition("=")
+    names = tuple(m.strip() for m in models.split(";") if m.strip())
+    if not sep or not target.strip() or not names:
+        raise ValueError("expected TARGET=MODEL[;MODEL...]")
+    return target.strip(), names
 
 
 def _switch(value: Any) -> bool:
@@ -143,6 +171,26 @@ _MAX_BODY = _opt("max_body_bytes", parse_bytes, 8 << 20, "largest accepted reque
 _LOAD_TIMEOUT = _opt("load_timeout", float, 300.0, "seconds a request waits while its model "
                      "loads on demand", toml="proxy.load_timeout")
 _TOKEN = _opt("internal_token", str, "", "token shared by proxies and backends (x-kvroute-token)")
+
+# Usage limits (kvroute/proxy/limits.py), shared by every proxy through Redis. TARGET is
+# a scope, an API key, or `*`: every team without a rule of its own, each apart.
+_TARGET = "; TARGET: a scope, an API key, or * (each team without a rule of its own)"
+_LIMITS = [
+    _opt("requests_per_minute", parse_limit, [], "requests a minute TARGET may begin" + _TARGET,
+         many=True, metavar="TARGET=N", toml="limits.requests_per_minute"),
+    _opt("tokens_per_minute", parse_limit, [], "prompt and generated tokens a minute TARGET "
+         "may use" + _TARGET, many=True, metavar="TARGET=N", toml="limits.tokens_per_minute"),
+    _opt("tokens_per_day", parse_limit, [], "prompt and generated tokens a UTC day TARGET may "
+         "use" + _TARGET, many=True, metavar="TARGET=N", toml="limits.tokens_per_day"),
+    _opt("concurrent_requests", parse_limit, [], "requests TARGET may have in flight at once"
+         + _TARGET, many=True, metavar="TARGET=N", toml="limits.concurrent_requests"),
+    _opt("allowed_models", parse_models, [], "the only models TARGET may use" + _TARGET,
+         many=True, metavar="TARGET=MODEL[;MODEL...]", toml="limits.allowed_models"),
+]
+LIMIT_NAMES = tuple(s.name for s in _LIMITS)
+_LIMIT_TIMEOUT = _opt("limit_timeout_ms", float, 250.0, "how long a usage-limit check waits for "
+                      "Redis; past it this proxy decides alone from its own counts",
+                      toml="limits.timeout_ms")
 
 # `kvroute backend`. Settings with a `models.` key are also per-model keys of the file.
 BACKEND = [
@@ -222,6 +270,8 @@ PROXY = [
     _opt("response_ttl", float, 86400.0, "seconds a stored /v1/responses answer can be continued "
          "from with previous_response_id"),
     _LOAD_TIMEOUT,
+    *_LIMITS,
+    _LIMIT_TIMEOUT,
     _LOG_LEVEL,
     _JSON_LOGS,
 ]
@@ -266,6 +316,8 @@ SERVE = [
     _opt("idle_unload", parse_duration, None, "unload every model unused this long, e.g. 30m "
          "(default: the file's per model, else never)", env=False),
     _LOAD_TIMEOUT,
+    *_LIMITS,
+    _LIMIT_TIMEOUT,
     _opt("log_level", str, "info", "logging level", choices=LOG_LEVELS),
     _opt("json_logs", bool, False, "one JSON object per log line, with the process name",
          switch=True),
@@ -477,6 +529,9 @@ class ServeConfig:
     load_timeout: float = _SERVE["load_timeout"]
     machine: str = _SERVE["machine"]
     internal_token: str = _SERVE["internal_token"]
+    # Usage limits, for the proxy: (target, value) pairs of each LIMIT_NAMES setting.
+    limits: dict[str, list] = field(default_factory=dict)
+    limit_timeout_ms: float = _SERVE["limit_timeout_ms"]
     ready_timeout: float = 600.0
 
 
@@ -538,4 +593,15 @@ def build(flags: argparse.Namespace | Mapping[str, Any], env: Mapping[str, str])
                           f"{values['max_loaded_models']}")
     kw = {k: v for k, v in values.items() if k in names and k != "models"}
     kw["api_keys"] = parse_api_keys(kw["api_keys"])
+    kw["limits"] = {name: values[name] for name in LIMIT_NAMES if values[name]}
     return ServeConfig(models=models, **kw)
+
+
+def limit_variables(limits: dict[str, list]) -> dict[str, str]:
+    """Usage limits as the KVROUTE_* variables of the proxy `kvroute serve` starts."""
+    by_name = {s.name: s for s in _LIMITS}
+    out = {}
+    for name, pairs in limits.items():
+        out[by_name[name].env] = ",".join(
+            f"{target}={';'.join(v) if isinstance(v, tuple) else v}" for target, v in pairs)
+    return out

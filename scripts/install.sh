@@ -75,3 +75,10 @@ if [ -n "$test_mode" ] && command -v apt-get >/dev/null 2>&1 \
   echo "installing chromium (dashboard test) ..." >&2
   apt_install chromium fonts-dejavu-core
 fi
+
+# promtool tests the alerting rules of docker/kvroute-alerts.yml (Debian ships it in
+# the prometheus package; its service is not started by this).
+if [ -n "$test_mode" ] && command -v apt-get >/dev/null 2>&1 && ! command -v promtool >/dev/null 2>&1; then
+  echo "installing promtool (alerting-rules test) ..." >&2
+  apt_install --no-install-recommends prometheus
+fi

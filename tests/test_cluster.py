@@ -11,6 +11,7 @@ import time
 import pytest
 from redis.cluster import key_slot
 
+from kvroute.core.limit_counters import LimitCounters
 from kvroute.core.prefix import chat_chain, make_salt
 from kvroute.serve.redis_server import RedisServer
 from kvroute.backend.publisher import Publisher
@@ -109,6 +110,32 @@ def models_on_different_masters(cluster: LocalCluster) -> list[str]:
         if len(by_node) == len(cluster.nodes):
             return list(by_node.values())
     raise AssertionError("could not spread models over the masters")
+
+
+def test_usage_limits_on_a_three_master_cluster(cluster):
+    """Each limit subject's counters live in one slot; subjects spread over the masters."""
+    subjects = [f"scope:team-{i}" for i in range(12)]
+
+    async def main():
+        c = LimitCounters(cluster.url, timeout=2.0)
+        for s in subjects:
+            assert [(await c.admit(s, f"r{i}", requests_per_minute=1, concurrent=2))[0]
+                    for i in range(2)] == ["", "requests_per_minute"]
+            await c.charge(s, 10, per_minute=True, per_day=True)
+            assert (await c.admit(s, "t", tokens_per_minute=10))[0] == "tokens_per_minute"
+            await c.renew(s, ["r0"])
+            await c.release(s, "r0")
+        await c.close()
+
+    asyncio.run(main())
+    where: dict[str, set[int]] = {}
+    for port, found in cluster.keys().items():
+        for key in found:
+            if key.startswith("kvr:{lim:"):
+                where.setdefault(key.split("}")[0], set()).add(port)
+    assert len(where) == len(subjects)
+    assert all(len(ports) == 1 for ports in where.values()), where
+    assert len(set().union(*where.values())) > 1
 
 
 def test_registry_on_a_three_master_cluster(cluster):

@@ -157,3 +157,26 @@ def test_readme_configuration_reference_matches_the_table(heading, table, column
                 assert s.env == "KVROUTE_" + flag[2:].upper().replace("-", "_")
             if len(defaults) == len(flags):
                 _check_default(s, defaults[i])
+
+
+def test_usage_limits_from_the_file_the_environment_and_flags(tmp_path):
+    path = tmp_path / "limits.toml"
+    path.write_text('[limits]\nrequests_per_minute = ["team-a=60"]\n'
+                    'allowed_models = ["team-a=demo;tiny"]\n')
+    serve = config.build({"config": str(path)}, {"KVROUTE_TOKENS_PER_DAY": "*=1000,sk-x=5"})
+    assert serve.limits == {"requests_per_minute": [("team-a", 60)],
+                            "tokens_per_day": [("*", 1000), ("sk-x", 5)],
+                            "allowed_models": [("team-a", ("demo", "tiny"))]}
+    # What the proxy `kvroute serve` starts reads back the same.
+    env = config.limit_variables(serve.limits)
+    assert env["KVROUTE_ALLOWED_MODELS"] == "team-a=demo;tiny"
+    assert config.resolve(config.PROXY, {}, env)["allowed_models"] == [("team-a", ("demo", "tiny"))]
+    parser = argparse.ArgumentParser()
+    config.add_flags(parser, config.PROXY)
+    flags = parser.parse_args(["--concurrent-requests", "team-b=2", "--concurrent-requests",
+                               "sk-key==1"])
+    assert config.resolve(config.PROXY, flags, {})["concurrent_requests"] == \
+        [("team-b", 2), ("sk-key=", 1)]  # a key may end in '=' (base64)
+    for bad in ("team-a", "=5", "team-a=-1", "team-a=many"):
+        with pytest.raises(config.ConfigError):
+            config.resolve(config.PROXY, {}, {"KVROUTE_REQUESTS_PER_MINUTE": bad})

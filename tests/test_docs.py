@@ -20,8 +20,11 @@ import pytest
 from harness import ROOT, free_port, get_json, wait_until
 
 from kvroute.backend import metrics as backend_metrics
+from kvroute.core.misses import REASONS
+from kvroute.proxy.limits import LIMITS
 from kvroute.proxy.observe.apis import APIS
 from kvroute.proxy.observe.metrics import ProxyMetrics
+from kvroute.proxy.policy.interface import ROUTE_REASONS
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SOURCES = ROOT / "kvroute"
@@ -80,6 +83,9 @@ def code_label_values() -> dict[str, dict[str, set[str]]]:
     proxy = ProxyMetrics()
     proxy.set_models([{"model": "m", "state": "loaded", "memory_bytes": 0, "loads": 0,
                        "unloads": 0, "load_seconds": 0}])
+    # What a proxy creates for its teams and for a backend it sees: every series at 0.
+    proxy.know_teams(["t"], LIMITS)
+    proxy.know_backend("b", ["m"], ROUTE_REASONS)
     got.update(exported_series(proxy.render()))
     got["kvroute_proxy_api_requests"] = {"api": set(APIS.values())}
     got["kvroute_proxy_route_decisions"] = {"reason": route_reasons()}
@@ -141,6 +147,14 @@ def test_dashboard_lists_every_routing_reason():
                if line.startswith("| reason |"))
     documented = set(re.findall(r"`([a-z]+(?:-[a-z]+)*)`", row))
     assert documented == route_reasons()
+
+
+def test_dashboard_guides_through_every_cache_reason():
+    text = text_of(ROOT / "docs/dashboard.md")
+    table = text[text.index("| cache reason |"):]
+    table = table[: table.index("\n\n")]
+    documented = [re.match(r"\| `(\w+)` \|", line) for line in table.splitlines()[2:]]
+    assert [m.group(1) for m in documented if m] == list(REASONS)
 
 
 def test_every_metric_the_docs_name_exists():

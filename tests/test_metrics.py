@@ -14,6 +14,7 @@ import pytest
 from harness import BackendProcess, free_port, request, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvroute.core.misses import REASONS
 from kvroute.serve.redis_server import RedisServer
 
 
@@ -55,6 +56,26 @@ def system(text_model, tmp_path_factory):
     for b in backends:
         b.stop()
     redis.stop()
+
+
+def test_every_series_exists_before_its_first_event(system):
+    """Grafana shows "No data" for a series until it exists, and rate() misses the event
+    that creates it: evictions, failovers and every reason are there, at 0, from the start."""
+    proxy = samples(system["proxy"])
+    for bid, backend in system["backends"].items():
+        own = samples(backend.url)
+        labels = {"model": backend.model_id, "backend": bid}
+        for name in ("kvroute_backend_evictions_total", "kvroute_backend_disk_evictions_total",
+                     "kvroute_backend_commits_total", "kvroute_backend_cache_reasons_total",
+                     "kvroute_backend_prefill_seconds_lost_total"):
+            assert any(n == name and set(labels.items()) <= ls for n, ls in own), (name, bid)
+        assert ("kvroute_proxy_failovers_total", frozenset({("backend", bid)})) in proxy
+        for reason in REASONS:
+            assert ("kvroute_proxy_cache_reasons_total",
+                    frozenset({("model", backend.model_id), ("reason", reason)})) in proxy
+        for kind in ("prompt", "cached", "generated"):
+            assert ("kvroute_proxy_team_tokens_total", frozenset(
+                {("team", "other"), ("model", backend.model_id), ("kind", kind)})) in proxy
 
 
 @pytest.fixture(scope="module")

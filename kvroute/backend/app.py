@@ -24,6 +24,7 @@ from kvroute.api.http import SSE_DONE, SSE_HEADERS, json_response, read_json, ss
 from kvroute.api.routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH,
                                 MODELS_PATH)
 from kvroute.config import BackendConfig
+from kvroute.core.usage import USAGE_HEADER, usage_comment
 
 from .chunks import ChatBuilder, CompletionBuilder
 from .debug import describe_entries
@@ -31,6 +32,7 @@ from .disk import DiskTier
 from .engine import Engine
 from .jobs import Delta, Finish, Job
 from .metrics import BackendMetrics
+from .misses import view_headers
 from .prompt import Template
 from .publisher import Publisher
 from .requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
@@ -183,6 +185,7 @@ def _cache_headers(job: Job) -> dict:
     }
     if job.first_token_at is not None:
         headers["x-kvroute-ttft-ms"] = f"{(job.first_token_at - job.submitted) * 1000:.1f}"
+    headers.update(view_headers(job.miss))
     return headers
 
 
@@ -210,6 +213,8 @@ async def _stream(
                 await resp.write(sse_data(builder.finish_chunk(event, include_usage)))
                 if include_usage:
                     await resp.write(sse_data(builder.usage_chunk(event)))
+                if request.headers.get(USAGE_HEADER):  # the proxy counts every team's tokens
+                    await resp.write(usage_comment(event.completion_tokens))
                 break
             else:
                 await resp.write(sse_data(event.body()))

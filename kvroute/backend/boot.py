@@ -20,6 +20,7 @@ from .app import State, create_app
 from .disk import open_disk_tier
 from .engine import Engine
 from .metrics import BackendMetrics
+from .misses import Misses, template_opening
 from .prompt import Template
 from .publisher import Publisher
 from .store import Store
@@ -101,6 +102,7 @@ def load_state(config: BackendConfig) -> State:
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
     disk = open_disk_tier(config.model, config.disk_cache_dir, config.disk_cache_bytes,
                           config.cache_bytes, store, metrics_, fsync=config.disk_fsync == "always")
+    engine.misses = Misses(store, metrics_, disk, template_opening(tokenizer))
     template = Template(tokenizer, secret=config.secret, block_bytes=config.block_bytes,
                         checkpointing=engine.checkpointing)
     return State(config, engine, template, metrics_, store, context, time.time(), new_instance_id(),

@@ -86,6 +86,7 @@ class Engine:
         self.reply_tokens = 0.0  # mean tokens of a finished reply
         self.decoding = 0  # sequences in the decode phase after the last step
         self.peak_batch = 0
+        self.misses: Any = None  # backend/misses.py Misses: each admitted request's cache reason
         # Called (engine thread) when waiting, running or decoding changed: the
         # publisher then writes the record at once instead of at the next heartbeat.
         self.on_load_change: Callable[[], None] | None = None
@@ -403,6 +404,9 @@ class Engine:
         self._jobs[job.uid] = job
         if not job.readmitted:
             job.cached_tokens = hit.tokens
+            if self.misses is not None:
+                job.miss = self.misses.explain(self.model_id, job.prompt, job.scope, job.chain,
+                                               hit.tokens, self.prefill_tps)
             self.metrics.l(self.metrics.prompt_tokens).inc(len(job.prompt))
             self.metrics.l(self.metrics.cached_tokens).inc(hit.tokens)
             if hit.tokens and self.prefill_tps > 0:
@@ -543,6 +547,8 @@ class Engine:
                                  chain=self._chain_for(job, path, len(tokens)), scope=job.scope,
                                  prefix_chains=job.checkpoints)
         self._count_commit(done, path)
+        if self.misses is not None:
+            self.misses.on_commit(done, tokens, self.model_id, job.scope)
 
     def _count_commit(self, done: Commit, path: str) -> None:
         """A commit kept nowhere is refused, never counted as a commit, and never

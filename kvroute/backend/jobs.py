@@ -52,6 +52,7 @@ class Job:
     fault: str | None = None
     cancelled: bool = False
     restored: Any = None  # a disk tier state for this prompt (backend/disk.py Restored)
+    miss: Any = None  # why its prompt missed the cache, at admission (backend/misses.py View)
     # Engine-side state.
     uid: int | None = None
     phase: str = "queued"  # queued, prefill, decode, done

@@ -10,6 +10,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvroute.core.misses import BACKEND_REASONS
+
 EXIT_PATHS = ("eos", "length", "stop", "tool_calls", "disconnect", "error")
 COMMIT_PATHS = ("checkpoint", "disconnect_prefill", "recovered", "finish")
 REFUSED_REASONS = ("no_disk_tier", "over_disk_budget", "disk_queue_full", "disk_failing")
@@ -21,6 +23,7 @@ class BackendMetrics:
     def __init__(self, model: str, backend_id: str):
         self.registry = CollectorRegistry()
         self._labels = {"model": model, "backend": backend_id}
+        self._families: list = []
         self.requests = self._family(Counter, "kvroute_backend_requests",
                                      "Requests by endpoint and HTTP status", ("endpoint", "status"))
         self.finished = self._family(Counter, "kvroute_backend_finished",
@@ -63,6 +66,14 @@ class BackendMetrics:
                                               "Redis errors the publisher met (monotonic)")
         self.registry_connected = self._family(Gauge, "kvroute_backend_registry_connected",
                                                "1 while the publisher is in sync with Redis")
+        self.cache_reasons = self._family(
+            Counter, "kvroute_backend_cache_reasons",
+            "Admitted requests by this backend's cache reason: hit, or why the prompt missed "
+            "(kvroute/core/misses.py)", ("reason",))
+        self.seconds_lost = self._family(
+            Counter, "kvroute_backend_prefill_seconds_lost",
+            "Prefill seconds spent on tokens the store held or had held (evicted, refused, "
+            "uncuttable, another scope's), by reason", ("reason",))
         self.ttft = self._family(Histogram, "kvroute_backend_ttft_seconds",
                                  "Time to first token", ("cached",), buckets=_LATENCY_BUCKETS)
         self.latency = self._family(Histogram, "kvroute_backend_request_seconds",
@@ -77,6 +88,18 @@ class BackendMetrics:
             self.commits_refused.labels(**self._labels, reason=reason)
         for whole in ("disk", "dropped"):
             self.commits_over_budget.labels(**self._labels, whole=whole)
+        for reason in BACKEND_REASONS:
+            self.cache_reasons.labels(**self._labels, reason=reason)
+            self.seconds_lost.labels(**self._labels, reason=reason)
+        for cached in ("true", "false"):
+            self.ttft.labels(**self._labels, cached=cached)
+            self.latency.labels(**self._labels, cached=cached)
+        # Every series exists from the start, at 0: a series first created by its first
+        # event (an eviction) shows "No data" in Grafana until then, and rate() and
+        # increase() miss that first event.
+        for family in self._families:
+            if list(family._labelnames) == list(self._labels):
+                self.l(family)
 
     def _disk_metrics(self) -> None:
         # The disk tier (backend/disk.py) and the tier each hit came from.
@@ -123,7 +146,9 @@ class BackendMetrics:
     def _family(self, kind: type, name: str, doc: str, extra: tuple[str, ...] = (),
                 **kw: Any) -> Any:
         """One metric family of this process, labelled by model and backend (+ `extra`)."""
-        return kind(name, doc, [*self._labels, *extra], registry=self.registry, **kw)
+        family = kind(name, doc, [*self._labels, *extra], registry=self.registry, **kw)
+        self._families.append(family)
+        return family
 
     def l(self, metric, **extra):  # noqa: E743 - short on purpose: used on every update
         return metric.labels(**self._labels, **extra)

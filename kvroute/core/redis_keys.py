@@ -25,9 +25,17 @@ Key layout (`<m>` is the model id with `{`, `}`, `%`, blanks and non-ASCII perce
     kvr:{models}:used       HASH  <model> -> last request (unix s), from proxies
     kvr:{models}:load       STREAM {model, origin} load requests, read by every
                                    `kvroute serve`; MAXLEN ~1000, EXPIRE 60 s
+    kvr:{lim:<s>}:rpm:<minute>  STR  requests a usage-limit subject began in that minute
+                                   (unix s // 60, server time); EXPIRE 120 s
+    kvr:{lim:<s>}:tpm:<minute>  STR  tokens (prompt + generated) it used that minute
+    kvr:{lim:<s>}:tpd:<day>     STR  tokens it used that UTC day (unix s // 86400); EXPIRE 2 days
+    kvr:{lim:<s>}:open          ZSET its requests in flight: id -> lease expiry (server ms)
+
+`<s>` is a usage-limit subject (kvroute/proxy/limits.py): `scope:<scope>`, or `key:<hash>`
+for a rule naming one API key (a hash, never the key), encoded as `<m>` is.
 
 Everything a model's lookup touches shares the hash tag `{m:<m>}`, so one model
-lives in one Redis Cluster slot. The scripts declare the model's `backends` key
+lives in one Redis Cluster slot; everything one limit subject counts shares `{lim:<s>}`. The scripts declare the model's `backends` key
 (so a cluster client routes them to the right slot) and derive the other key names
 from a prefix inside the script: they are undeclared but always in that same slot.
 """
@@ -39,11 +47,24 @@ import struct
 from urllib.parse import quote
 
 
+_TAG_SAFE = "!#$&'()*+,-./:;<=>?@[]^_`|~"
+
+
 def model_tag(model: str) -> str:
     if not isinstance(model, str) or not model:
         raise ValueError("model must be a non-empty string")
     # Braces would break the hash tag; '%' is escaped so the encoding is injective.
-    return "kvr:{m:" + quote(model, safe="!#$&'()*+,-./:;<=>?@[]^_`|~") + "}:"
+    return "kvr:{m:" + quote(model, safe=_TAG_SAFE) + "}:"
+
+
+def limit_tag(subject: str) -> str:
+    """The key prefix of one usage-limit subject: its counters share one hash tag."""
+    if not isinstance(subject, str) or not subject:
+        raise ValueError("subject must be a non-empty string")
+    return "kvr:{lim:" + quote(subject, safe=_TAG_SAFE) + "}:"
+
+
+LIMIT_OPEN = "open"  # the subject's requests in flight (the key its scripts declare)
 
 
 # Ids appear in key names and set members ("<bid>|<iid>"), and the lookup script finds

@@ -15,6 +15,7 @@ import orjson
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from kvroute.core.sizes import format_bytes
 
@@ -35,46 +36,127 @@ def _ms(v: float | None) -> str:
     return "—" if v is None else f"{v:.0f}"
 
 
+NAME_WIDTH = 22  # a name column keeps up to this many characters on one line
+
+
+def _name(table: Table, header: str, values: list[str] | tuple = (), keep: bool = False) -> None:
+    """A column of names (backends, models, teams, reasons): wrapped where the terminal
+    is too narrow, never cut, so two backends named alike stay apart. `keep`: as wide as
+    its longest name (up to NAME_WIDTH), the columns beside it wrap first."""
+    width = min(NAME_WIDTH, max([len(header), *map(len, values)])) if keep else None
+    table.add_column(header, overflow="fold", justify="left", min_width=width)
+
+
+def _numbers(table: Table, *headers: str) -> None:
+    for header in headers:
+        table.add_column(header, justify="right", no_wrap=True)
+
+
 def render(stats: dict, decisions: int = 10) -> Group:
     t = stats["totals"]
     head = Table(title=f"kvroute — {datetime.fromtimestamp(stats['now']):%H:%M:%S}, "
                  f"up {stats['uptime_s']:.0f}s")
-    for col in ("hit ratio", "prompt tokens", "cached tokens", "prefill s saved", "requests", "errors"):
-        head.add_column(col, justify="right")
+    _numbers(head, "hit ratio", "prompt tok", "cached tok", "prefill s saved", "s lost",
+             "requests")
+    head.add_column("non-2xx", justify="right")
+    lost = sum(r["seconds_lost"] for r in stats.get("reasons", {}).values())
     head.add_row(percent(t["hit_ratio"]), f"{t['prompt_tokens']:,}", f"{t['cached_tokens']:,}",
-                 f"{t['seconds_saved']:.1f}", f"{t['requests']:,}", f"{t['errors']:,}")
+                 f"{t['seconds_saved']:.1f}", f"{lost:.1f}", f"{t['requests']:,}",
+                 non_2xx(stats.get("statuses", {})))
 
     models = Table(title="models")
-    for col in ("model", "hit ratio", "requests", "s saved", "TTFT cached p50/p95 ms",
-                "TTFT cold p50/p95 ms"):
-        models.add_column(col, justify="right" if col != "model" else "left")
+    _name(models, "model", list(stats["models"]), keep=True)
+    _numbers(models, "hit ratio", "requests", "s saved", "TTFT cached p50/p95 ms",
+             "TTFT cold p50/p95 ms")
     for name, m in sorted(stats["models"].items()):
         c, k = m["ttft_ms"]["cached"], m["ttft_ms"]["cold"]
         models.add_row(name, percent(m["hit_ratio"]), f"{m['requests']:,}", f"{m['seconds_saved']:.1f}",
                        f"{_ms(c['p50'])} / {_ms(c['p95'])}", f"{_ms(k['p50'])} / {_ms(k['p95'])}")
 
+    # Two lines a row (a backend over its models, its cache over its disk tier; a
+    # decision's model over its team, route over cache reason, cached tokens over TTFT):
+    # 100 columns hold them with long backend names whole.
     backends = Table(title="backends")
-    for col in ("backend", "models", "hit ratio", "cache", "disk", "hits ram/disk", "restore tok/s",
-                "queue", "inflight", "prefill tok/s"):
-        backends.add_column(col, justify="left" if col in ("backend", "models") else "right")
-    for b in stats["backends"]:
-        name = b["id"] + (" (suspect)" if b["suspect"] else "") + (
-            f" ({b['mismatch']} mismatch)" if b.get("mismatch") else "")
-        backends.add_row(name, ", ".join(b["models"]), percent(b["hit_ratio"]),
-                         f"{format_bytes(b['cache_bytes'])} / {format_bytes(b['cache_budget'])}",
-                         _disk(b), f"{b.get('ram_hits', 0)} / {b.get('disk_hits', 0)}",
-                         f"{b.get('restore_tps', 0):.0f}" if b.get("restore_tps") else "—",
-                         str(b["queue_depth"]), str(b["inflight"]), f"{b['prefill_tps']:.0f}")
+    rows = [(b["id"] + (" (suspect)" if b["suspect"] else "")
+             + (f" ({b['mismatch']} mismatch)" if b.get("mismatch") else ""), b)
+            for b in stats["backends"]]
+    _name(backends, "backend\nmodels", [r[0] for r in rows], keep=True)
+    _numbers(backends, "hit", "cache\ndisk", "hits\nram/disk", "queue\ninflight",
+             "prefill\ntok/s")
+    for name, b in rows:
+        backends.add_row(f"{name}\n{', '.join(b['models'])}", percent(b["hit_ratio"]),
+                         f"{format_bytes(b['cache_bytes'])}/{format_bytes(b['cache_budget'])}\n"
+                         f"{_disk(b)}", f"{b.get('ram_hits', 0)}/{b.get('disk_hits', 0)}",
+                         f"{b['queue_depth']}/{b['inflight']}", f"{b['prefill_tps']:.0f}")
 
     recent = Table(title="latest routing decisions")
-    for col in ("time", "model", "backend", "reason", "blocks", "predicted", "cached", "TTFT ms", "status"):
-        recent.add_column(col)
-    for d in stats["decisions"][:decisions]:
-        recent.add_row(f"{datetime.fromtimestamp(d['t']):%H:%M:%S}", d["model"], d["backend"],
-                       d["reason"], str(d["prefix_blocks"]), str(d["predicted_tokens"]),
-                       "—" if d["cached_tokens"] is None else str(d["cached_tokens"]),
-                       _ms(d["ttft_ms"]), str(d["status"]))
-    return Group(head, models, *model_states(stats), backends, recent)
+    shown = stats["decisions"][:decisions]
+    who = [f"{d['model']}\n{d.get('team') or ''}" for d in shown]
+    why = [f"{d['reason']}\n{d.get('cache_reason') or '—'}"
+           + (f" @{d['diverged_at']}" if d.get("diverged_at") is not None else "") for d in shown]
+    recent.add_column("time", no_wrap=True)
+    _name(recent, "model\nteam", [line for w in who for line in w.split("\n")])
+    _name(recent, "backend", [d["backend"] for d in shown], keep=True)
+    _name(recent, "route\ncache", [line for w in why for line in w.split("\n")], keep=True)
+    _numbers(recent, "cached\nTTFT", "status")
+    for d, model_team, route_cache in zip(shown, who, why):
+        cached = "—" if d["cached_tokens"] is None else f"{d['cached_tokens']:,}"
+        recent.add_row(f"{datetime.fromtimestamp(d['t']):%H:%M:%S}", model_team, d["backend"],
+                       route_cache, f"{cached}\n{_ms(d['ttft_ms'])} ms", str(d["status"]))
+    return Group(head, *reasons(stats), models, *teams(stats), *model_states(stats), backends,
+                 recent)
+
+
+def non_2xx(statuses: dict) -> str:
+    """Every request to the APIs that did not succeed, by status class."""
+    bad = {k: n for k, n in sorted(statuses.items()) if k != "2xx" and n}
+    if not bad:
+        return "0"
+    return f"{sum(bad.values()):,} (" + ", ".join(f"{k} {n:,}" for k, n in bad.items()) + ")"
+
+
+def reasons(stats: dict) -> list:
+    """Answered requests by cache reason: hit, or why the prompt missed."""
+    rows = sorted(((r, m) for r, m in stats.get("reasons", {}).items() if m["requests"]),
+                  key=lambda x: -x[1]["requests"])
+    if not rows:
+        return []
+    total = sum(m["requests"] for _, m in rows)
+    table = Table(title="cache reasons")
+    _name(table, "reason", [r for r, _ in rows], keep=True)
+    _numbers(table, "requests", "share", "lost tokens", "prefill s lost")
+    for reason, m in rows:
+        table.add_row(reason, f"{m['requests']:,}", percent(m["requests"] / total),
+                      f"{m['lost_tokens']:,}", f"{m['seconds_lost']:.2f}")
+    out: list = [table]
+    for model, d in sorted(stats.get("drift", {}).items()):
+        out.append(Text(f"template drift on {model}: tokens left the cached prefix at token "
+                        f"{d['position'] if d['position'] is not None else '?'} ({d['count']}x, "
+                        f"last on {d['backend']})", style="yellow"))
+    return out
+
+
+def teams(stats: dict) -> list[Table]:
+    rows = []
+    for team, t in sorted(stats.get("teams", {}).items()):
+        models = sorted(t["models"].items()) or ([("—", t)] if t.get("limited") else [])
+        # The team's refusals once, on its first row.
+        rows += [(team, model, m, t.get("limited") or {} if i == 0 else {})
+                 for i, (model, m) in enumerate(models)]
+    if not rows:
+        return []
+    table = Table(title="teams")
+    _name(table, "team", [r[0] for r in rows], keep=True)
+    _name(table, "model", [r[1] for r in rows], keep=True)
+    _numbers(table, "req", "prompt", "cached", "gen.", "hit", "saved s", "lost s")
+    table.add_column("limited", overflow="fold")
+    for team, model, m, limited in rows:
+        table.add_row(team, model, f"{m['requests']:,}", f"{m['prompt_tokens']:,}",
+                      f"{m['cached_tokens']:,}", f"{m['generated_tokens']:,}",
+                      percent(m["hit_ratio"]), f"{m['seconds_saved']:.1f}",
+                      f"{m['seconds_lost']:.1f}",
+                      ", ".join(f"{k.replace('_', ' ')} {n}" for k, n in limited.items()) or "—")
+    return [table]
 
 
 def model_states(stats: dict) -> list[Table]:
@@ -95,8 +177,8 @@ def model_states(stats: dict) -> list[Table]:
 
 def _disk(b: dict) -> str:
     if not b.get("disk_budget"):
-        return "off"
-    return f"{format_bytes(b['disk_bytes'])} / {format_bytes(b['disk_budget'])}"
+        return "disk off"
+    return f"{format_bytes(b['disk_bytes'])}/{format_bytes(b['disk_budget'])}"
 
 
 def run(url: str, watch: bool, api_key: str | None = None, period: float = 2.0) -> int:

@@ -32,13 +32,15 @@ from .agents.gateway import GATEWAY, Gateway
 from .agents.store import ResponseStore
 from .auth import auth_middleware
 from .fleet import Fleet, refresh_backends
+from .limits import LIMITS, Limits
 from .observe import apis
 from .observe.metrics import ProxyMetrics
-from .observe.stats import DASHBOARD, SERIES_PERIOD
+from .observe.stats import DASHBOARD, SERIES_PERIOD, Stats
 from .policy.interface import PolicyConfig
 from .policy.policies import make_policy
 from .routing import ask_backend, route_chat, route_request
 from .state import STATE_KEY, ProxyConfig, State, state_of
+from .teams import teams
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -49,7 +51,9 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     state = state_of(request)
-    return _json({"object": "list", "data": state.models.listing(state.fleet.models())})
+    listing = state.models.listing(state.fleet.models())
+    return _json({"object": "list",
+                  "data": [m for m in listing if state.limits.allows(request, m["id"])]})
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -57,7 +61,7 @@ async def model_info(request: web.Request) -> web.Response:
     state = state_of(request)
     model = request.match_info["model"]
     entry = state.models.entry(model, state.fleet.models())
-    if entry is None:
+    if entry is None or not state.limits.allows(request, model):
         raise not_found(f"The model '{model[:200]}' does not exist.", param="model",
                         code="model_not_found")
     return _json(entry)
@@ -114,7 +118,10 @@ def create_app(config: ProxyConfig) -> web.Application:
     registry = Registry(config.redis_url, lookup_timeout=config.lookup_timeout)
     policy = make_policy(PolicyConfig(name=config.policy, locality_slack=config.locality_slack))
     on_demand = loading.OnDemand(ModelLoads(config.redis_url), config.load_timeout)
-    state = State(config, registry, policy, ProxyMetrics(), Fleet(), on_demand,
+    counters, stats_ = ProxyMetrics(), Stats(teams(config.api_keys))
+    counters.know_teams(teams(config.api_keys), LIMITS)
+    state = State(config, registry, policy, counters, Fleet(), on_demand, stats=stats_,
+                  limits=Limits(config, counters, stats_),
                   fingerprint=prefix.fingerprint(config.secret, config.block_bytes))
     # Outermost first: the per-API count sees final statuses, after Messages errors took
     # Anthropic's envelope.
@@ -152,6 +159,8 @@ async def _startup(app: web.Application) -> None:
     state.tasks.append(asyncio.create_task(refresh_backends(state)))
     state.tasks.append(asyncio.create_task(sample_stats(state)))
     state.tasks.append(asyncio.create_task(state.models.refresh_loop()))
+    if state.limits.counters is not None:
+        state.tasks.append(asyncio.create_task(state.limits.renew_loop()))
 
 
 async def _cleanup(app: web.Application) -> None:
@@ -164,6 +173,7 @@ async def _cleanup(app: web.Application) -> None:
         await state.session.close()
     await state.registry.close()
     await state.models.states.close()
+    await state.limits.close()
 
 
 async def serve(config: ProxyConfig) -> None:

@@ -32,15 +32,19 @@ def check_api_key(keys: dict[str, str | None], header: str) -> tuple[bool, str |
 
 
 def _authenticate(request: web.Request, keys: dict[str, str | None]) -> str | None:
-    """The key's scope; 401 in the error envelope without a valid key."""
-    ok, scope = check_api_key(keys, request.headers.get("Authorization", ""))
+    """The key's scope (the key itself goes into request["api_key"], for the usage limits
+    that name a key); 401 in the error envelope without a valid key."""
+    header = request.headers.get("Authorization", "")
+    ok, scope = check_api_key(keys, header)
     if not ok and "x-api-key" in request.headers:
         # Anthropic clients send the key this way (Claude Code's ANTHROPIC_API_KEY).
-        ok, scope = check_api_key(keys, "Bearer " + request.headers["x-api-key"])
+        header = "Bearer " + request.headers["x-api-key"]
+        ok, scope = check_api_key(keys, header)
     if not ok:
         raise APIError(401, "Missing or invalid API key (send 'Authorization: Bearer <key>' "
                        "or 'x-api-key: <key>').", "authentication_error", None,
                        "invalid_api_key")
+    request["api_key"] = header[7:].strip()
     return scope
 
 

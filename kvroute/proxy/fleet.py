@@ -17,7 +17,7 @@ from kvroute.core.prefix import DEFAULT_LAYOUT, PREFIX_SCHEME, Layout
 from kvroute.core.registry import BackendRecord, Registry, RegistryUnavailable
 
 from .observe.metrics import ProxyMetrics
-from .policy.interface import Candidate, Load
+from .policy.interface import ROUTE_REASONS, Candidate, Load
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -195,6 +195,7 @@ async def refresh_backends(state: FleetState) -> None:
             state.fleet.update(records, keep_for=state.config.forget_after)
             for r in records:
                 check_fingerprint(state, state.fleet.view(r), r)
+                state.metrics.know_backend(r.backend_id, r.models, ROUTE_REASONS)
         except RegistryUnavailable as exc:
             log.debug("live backends unavailable: %s", exc)
         except Exception:

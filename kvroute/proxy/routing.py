@@ -30,7 +30,8 @@ from kvroute.core.registry import RegistryUnavailable
 from . import loading
 from .agents.gateway import Relay, off_loop_if_large
 from .fleet import Backend, check_fingerprint
-from .forward import Retry, RoutedRequest, forward, upstream_headers
+from .forward import Retry, RoutedRequest, forward, record_usage, upstream_headers
+from .policy.cost import fleet_median
 from .policy.interface import Candidate, Decision, RouteContext
 from .state import ProxyConfig, State, spawn, state_of
 
@@ -64,8 +65,19 @@ def _routed(request: web.Request, raw: bytes, body: dict, path: str, t_start: fl
 
 
 async def _route(req: RoutedRequest) -> web.StreamResponse:
-    """Its prefix chain, its model loaded when it is not, then a backend for it."""
+    """Its prefix chain, its model loaded when it is not, then a backend for it; once
+    answered, its team's figures."""
     state = state_of(req.request)
+    admission = await state.limits.admit(req.request, req.model)
+    try:
+        return await _route_to_backend(state, req)
+    finally:
+        record_usage(state, req)
+        o = req.outcome
+        state.limits.end(admission, o.prompt_tokens + o.generated_tokens if o else 0)
+
+
+async def _route_to_backend(state: State, req: RoutedRequest) -> web.StreamResponse:
     model = req.model
     layout = state.fleet.layout(model)
     await _chain(state.config, req, layout)
@@ -127,6 +139,8 @@ async def _dispatch(state: State, req: RoutedRequest) -> web.StreamResponse:
         raise _no_backend(state, model)
     backends = {b.id: b for b, _ in found}
     candidates = [c for _, c in found]
+    # Where this proxy sent the conversation before: asked before this route replaces it.
+    previous = state.live.find(req.keys)
     tried: set[str] = set()
     failovers = 0
     last_error: APIError | None = None
@@ -144,10 +158,12 @@ async def _dispatch(state: State, req: RoutedRequest) -> web.StreamResponse:
         if not pool:
             raise last_error or _no_backend(state, model)
         ctx = RouteContext(pool, req.keys, req.ends, req.request_bytes, known)
+        if not tried:
+            _note_holdings(state, req, ctx, previous)
         decision = (None if known else _live_route(state, ctx)) or state.policy.choose(ctx)
         c = decision.candidate
         tried.add(c.backend_id)
-        state.live.remember(req.keys, c.backend_id)
+        state.live.remember(req.keys, c.backend_id, req.instances.get(c.backend_id, ""))
         if decision.mark:
             state.recent.remember(model, req.keys, c.backend_id, state.config.mark_ttl_ms / 1000)
             if known:
@@ -161,6 +177,7 @@ async def _dispatch(state: State, req: RoutedRequest) -> web.StreamResponse:
             if retry.failover:
                 # A backend that failed before its first byte: try the next best once.
                 failovers += 1
+                req.failed.add(c.backend_id)
                 backends[c.backend_id].suspect_until = (
                     time.monotonic() + state.config.suspect_seconds)
                 state.metrics.failovers.labels(c.backend_id).inc()
@@ -189,6 +206,7 @@ async def _candidates(state: State,
         state.metrics.registry_unknown.inc()
         if state.registry.late > late:
             state.metrics.registry_late.inc()
+            req.lookup = "late"
     else:
         records = [(m.record, m.depth, m.marked_depth, m.disk_depth) for m in found.values()
                    if model in m.record.models]
@@ -196,7 +214,9 @@ async def _candidates(state: State,
     if not records:
         # Redis down, or up but empty (just restarted): route by load among the
         # backends seen recently rather than refuse the request.
+        req.lookup = "late" if req.lookup == "late" else "down"
         records = [(b.record, 0, 0, 0) for b in fleet.serving(model)]
+    req.instances = {r.backend_id: r.instance_id for r, *_ in records}
     recent = state.recent.depths(model, keys)
     out = []
     for r, depth, marked, disk in records:
@@ -209,6 +229,27 @@ async def _candidates(state: State,
     return out, known
 
 
+def _note_holdings(state: State, req: RoutedRequest, ctx: RouteContext,
+                   previous: tuple[str, str, int] | None) -> None:
+    """What the first choice knew of where the prompt is cached, in tokens, for the
+    reason it may miss (proxy/misses.py): how much each candidate holds or is expected
+    to, how much the chosen one's advertised keys promise, and whether the backend this
+    proxy last sent the conversation to restarted or went since."""
+    bpt = (fleet_median([c.load.bytes_per_token for c in ctx.candidates])
+           or state.policy.config.bytes_per_token)
+    for c in ctx.candidates:
+        matched = ctx.matched_bytes(c)
+        req.held[c.backend_id] = (matched + ctx.restore_bytes(c, matched)) / bpt
+        req.advertised[c.backend_id] = ctx.covered(c.advertised_depth) / bpt
+        if c.suspect:
+            req.suspects.add(c.backend_id)
+    if previous is not None:
+        bid, instance, depth = previous
+        now = req.instances.get(bid)
+        if now is None or (instance and now != instance):
+            req.previous = ("gone" if now is None else "restarted", ctx.covered(depth) / bpt)
+
+
 def _live_route(state: State, ctx: RouteContext) -> Decision | None:
     """With the registry unable to say (lookup past its deadline, Redis down), a turn
     of a conversation this proxy routed before goes where its prefix is: the backend
@@ -219,7 +260,7 @@ def _live_route(state: State, ctx: RouteContext) -> Decision | None:
     found = state.live.find(ctx.chain)
     if found is None:
         return None
-    backend_id, depth = found
+    backend_id, _, depth = found
     c = next((c for c in ctx.candidates if c.backend_id == backend_id and not c.suspect), None)
     if c is None:
         return None
@@ -244,6 +285,7 @@ async def ask_backend(request: web.Request, model: str, path: str,
     serving `model`, least loaded first, the next one if it cannot be reached. No cache
     routing: nothing is prefilled, so no routing mark, decision or stats either."""
     state = state_of(request)
+    state.limits.check_model(request, model)
     if state.models.needs_load(model, bool(state.fleet.serving(model))):
         await state.models.wait_loaded(model, functools.partial(_serving_now, state, model))
     backends = sorted(state.fleet.serving(model), key=lambda b: (b.is_suspect(), b.inflight))

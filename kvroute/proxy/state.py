@@ -11,6 +11,7 @@ from aiohttp import web
 from kvroute.core.registry import Registry
 
 from .fleet import Fleet
+from .limits import Limits
 from .loading import OnDemand
 from .observe.metrics import ProxyMetrics
 from .policy.interface import RoutingPolicy
@@ -44,6 +45,13 @@ class ProxyConfig:
     probe_timeout: float = 1.0  # /health deadline when checking a backend whose record lapsed
     response_ttl: float = 86400.0  # seconds a stored /v1/responses answer can be continued from
     load_timeout: float = 300.0  # seconds a request waits while its model loads on demand
+    # Usage limits (proxy/limits.py): (target, value) pairs, as kvroute/config.py parses them.
+    requests_per_minute: list = field(default_factory=list)
+    tokens_per_minute: list = field(default_factory=list)
+    tokens_per_day: list = field(default_factory=list)
+    concurrent_requests: list = field(default_factory=list)
+    allowed_models: list = field(default_factory=list)
+    limit_timeout_ms: float = 250.0  # a limit check waits this long for Redis, then decides alone
 
 
 
@@ -58,6 +66,7 @@ class State:
     recent: RecentChoices = field(default_factory=RecentChoices)
     live: LiveRoutes = field(default_factory=LiveRoutes)  # conversations' last backends
     stats: Stats = field(default_factory=Stats)
+    limits: Limits | None = None  # usage limits per API key or scope (None: no rule set)
     session: aiohttp.ClientSession | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
     background: set = field(default_factory=set)

@@ -31,7 +31,7 @@ from kvroute.core import accel, redis_client
 from . import capacity
 from kvroute.devtools import demo_model
 from .capacity import weights_bytes
-from kvroute.config import DEMO, ConfigError, ModelSpec, ServeConfig
+from kvroute.config import DEMO, ConfigError, ModelSpec, ServeConfig, limit_variables
 from .loader import Loader, Slot
 from .processes import Child
 from kvroute.api.lifecycle import health_body, health_pid
@@ -170,11 +170,12 @@ class Launcher:
             slots.append(Slot(spec, children, cost))
         self.loader = Loader(self, slots, budget)
         args = ["proxy", "--host", c.host, "--port", str(c.port), "--policy", c.policy,
-                "--load-timeout", str(c.load_timeout), *self._common()]
+                "--load-timeout", str(c.load_timeout), "--limit-timeout-ms",
+                str(c.limit_timeout_ms), *self._common()]
         keys = ",".join(f"{key}:{scope}" if scope else key for key, scope in c.api_keys.items())
         host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
         self.proxy = Child("proxy", args, f"http://{host}:{c.port}", "bold white",
-                           env={"KVROUTE_API_KEYS": keys})
+                           env={"KVROUTE_API_KEYS": keys, **limit_variables(c.limits)})
         self.children.append(self.proxy)
 
     def repick_port(self, child: Child) -> None:

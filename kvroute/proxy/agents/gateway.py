@@ -77,7 +77,11 @@ class Relay:
     JSON body; a refusal, any status >= 400, re-raised as `refusal` words it) or
     streamed (`events`, written as the one loop of `stream` reads the chunks).
     `held_error` is the error event that ends a stream started while its model loaded,
-    before anything else was sent; `headers` what the API adds to the answer's."""
+    before anything else was sent; `headers` what the API adds to the answer's.
+    `completion_tokens` is the reply's generated tokens once it has ended (its team's
+    figures count them)."""
+
+    completion_tokens: int = 0
 
     def headers(self, headers: dict) -> dict:
         return headers
@@ -97,8 +101,9 @@ class Relay:
     async def whole(self, status: int, data: bytes, headers: dict) -> web.StreamResponse:
         if status >= 400:
             raise self.refusal(upstream_error(status, data))
-        answer = await self.answer(ChatReply.from_completion(data))
-        return json_response(answer, self.headers(headers))
+        reply = ChatReply.from_completion(data)
+        self.completion_tokens = reply.usage.completion_tokens
+        return json_response(await self.answer(reply), self.headers(headers))
 
     async def stream(self, request: web.Request, upstream: Any, headers: dict,
                      bid: str) -> web.StreamResponse:
@@ -122,6 +127,8 @@ class Relay:
             await events.end()
         except UpstreamFailed as exc:
             await events.fail(exc.error)
+        finally:
+            self.completion_tokens = reply.usage.completion_tokens
         return await sse.end()
 
 

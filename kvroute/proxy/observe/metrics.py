@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvroute.core.misses import REASONS
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
@@ -84,6 +86,38 @@ class ProxyMetrics:
         self.inflight = Gauge(
             "kvroute_proxy_inflight", "Requests open to each backend", ["backend"], registry=r
         )
+        # Why prompts missed their cache (kvroute/core/misses.py), and each team's figures.
+        self.cache_reasons = Counter(
+            "kvroute_proxy_cache_reasons", "Answered requests by cache reason: hit, or why "
+            "the prompt missed its cache", ["model", "reason"], registry=r,
+        )
+        self.seconds_lost = Counter(
+            "kvroute_proxy_prefill_seconds_lost", "Prefill seconds spent on prompt tokens a "
+            "cache held (or had held), by the reason they missed", ["model", "reason"], registry=r,
+        )
+        self.team_requests = Counter(
+            "kvroute_proxy_team_requests", "Answered requests by team (API key scope; other: "
+            "no key or no scope) and model", ["team", "model"], registry=r,
+        )
+        self.team_tokens = Counter(
+            "kvroute_proxy_team_tokens", "Tokens by team and model, of kind prompt, cached or "
+            "generated", ["team", "model", "kind"], registry=r,
+        )
+        self.team_seconds = Counter(
+            "kvroute_proxy_team_prefill_seconds", "Prefill seconds by team and model: saved by "
+            "the cache, or lost to misses", ["team", "model", "kind"], registry=r,
+        )
+        self.limited = Counter(
+            "kvroute_proxy_limited_requests", "Requests refused by a usage limit, by team and "
+            "limit", ["team", "limit"], registry=r,
+        )
+        self.limits_local = Counter(
+            "kvroute_proxy_limit_checks_local", "Usage-limit checks this proxy decided alone "
+            "because Redis did not answer in time", registry=r,
+        )
+        self.teams: list[str] = []  # team labels (know_teams): bounded by the configured scopes
+        self._known_backends: set[tuple[str, tuple[str, ...]]] = set()
+        self._known_models: set[str] = set()
 
         # Configured models (`kvroute serve`), as their machines publish them in Redis.
         self.model_state = Gauge("kvroute_model_state", "1 for each configured model's state "
@@ -107,6 +141,44 @@ class ProxyMetrics:
         if found is None:
             found = self._children[key] = metric.labels(*values)
         return found
+
+    def know_teams(self, teams: list[str], limits: tuple[str, ...]) -> None:
+        """Every team's limit series, at 0 from the start."""
+        self.teams = list(teams)
+        for team in teams:
+            for limit in limits:
+                self.child(self.limited, team, limit)
+
+    def know_backend(self, backend: str, models: list[str], route_reasons: tuple[str, ...]) -> None:
+        """Create the series of a backend (and its models) the first time this proxy sees it,
+        at 0: a series first created by its first event (a failover) shows "No data" in
+        Grafana until then, and rate() misses that first event."""
+        if (backend, tuple(models)) in self._known_backends:
+            return
+        self._known_backends.add((backend, tuple(models)))
+        self.child(self.failovers, backend)
+        self.child(self.inflight, backend)
+        for model in models:
+            self.child(self.requests, model, backend, "200")
+            for reason in route_reasons:
+                self.child(self.decisions, model, backend, reason)
+            for metric in (self.predicted_tokens, self.actual_tokens, self.prompt_tokens,
+                           self.seconds_saved):
+                self.child(metric, model, backend)
+            if model in self._known_models:
+                continue
+            self._known_models.add(model)
+            for cached in ("true", "false"):
+                self.child(self.ttft, model, cached)
+            for reason in REASONS:
+                self.child(self.cache_reasons, model, reason)
+                self.child(self.seconds_lost, model, reason)
+            for team in self.teams:
+                self.child(self.team_requests, team, model)
+                for kind in ("prompt", "cached", "generated"):
+                    self.child(self.team_tokens, team, model, kind)
+                for kind in ("saved", "lost"):
+                    self.child(self.team_seconds, team, model, kind)
 
     def set_models(self, models: list[dict]) -> None:
         for m in models:

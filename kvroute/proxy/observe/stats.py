@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvroute.core.hits import is_cache_hit
+from kvroute.core.misses import REASONS
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")  # the page that draws them (package data)
 SERIES_POINTS = 300  # one point every SERIES_PERIOD seconds: 10 minutes
 SERIES_PERIOD = 2.0
 TTFT_SAMPLES = 1000
 DECISIONS = 50
+DRIFT_LOG_EVERY = 60.0  # seconds between two template-drift warnings of one model
 
 
 @dataclass
@@ -71,8 +73,41 @@ class ModelStats:
         }
 
 
+@dataclass
+class Missed:
+    """Requests of one cache reason, and the prompt tokens and prefill seconds it lost."""
+
+    requests: int = 0
+    lost_tokens: int = 0
+    seconds_lost: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"requests": self.requests, "lost_tokens": self.lost_tokens,
+                "seconds_lost": round(self.seconds_lost, 3)}
+
+
+@dataclass
+class TeamCounts(Counts):
+    """One team's figures for one model (each answered request, once it ended)."""
+
+    generated_tokens: int = 0
+    seconds_lost: float = 0.0
+
+    def merge(self, other: "TeamCounts") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "generated_tokens": self.generated_tokens,
+                "seconds_lost": round(self.seconds_lost, 3)}
+
+
+def status_class(status: int) -> str:
+    return f"{status // 100}xx"
+
+
 class Stats:
-    def __init__(self) -> None:
+    def __init__(self, teams: list[str] | None = None) -> None:
         self.started = time.time()
         self.totals = Counts()
         self.models: dict[str, ModelStats] = {}
@@ -81,15 +116,24 @@ class Stats:
         self.decisions: collections.deque = collections.deque(maxlen=DECISIONS)
         # Requests per client API (chat, completions, responses, messages), refused ones too.
         self.apis: dict[str, dict[str, int]] = {}
+        # Every request to those APIs by status class (2xx, 4xx, 5xx), refused ones too.
+        self.statuses: dict[str, int] = {"2xx": 0, "4xx": 0, "5xx": 0}
+        self.reasons = {reason: Missed() for reason in REASONS}
+        self.teams: dict[str, dict[str, TeamCounts]] = {team: {} for team in teams or []}
+        self.limited: dict[str, dict[str, int]] = {team: {} for team in teams or []}
+        self.drift: dict[str, dict] = {}  # model -> its last template drift
 
     def count_api(self, api: str, status: int) -> None:
         counts = self.apis.setdefault(api, {"requests": 0, "errors": 0})
         counts["requests"] += 1
         counts["errors"] += status >= 400
+        cls = status_class(status)
+        self.statuses[cls] = self.statuses.get(cls, 0) + 1
 
     def record(self, *, model: str, backend: str, reason: str, prefix_blocks: int,
                predicted_tokens: int, status: int, prompt_tokens: int | None,
-               cached_tokens: int | None, ttft_ms: float | None, prefill_tps: float) -> None:
+               cached_tokens: int | None, ttft_ms: float | None, prefill_tps: float,
+               team: str = "", miss=None, seconds_lost: float = 0.0) -> None:
         prompt, cached = prompt_tokens or 0, cached_tokens or 0
         saved = cached / prefill_tps if prefill_tps > 0 else 0.0
         error = status >= 400
@@ -99,12 +143,41 @@ class Stats:
         self.backends.setdefault(backend, Counts()).add(prompt, cached, saved, error)
         if ttft_ms is not None and not error:
             m.ttft["cached" if is_cache_hit(cached, prompt) else "cold"].append(ttft_ms)
+        if miss is not None:
+            missed = self.reasons.setdefault(miss.reason, Missed())
+            missed.requests += 1
+            missed.lost_tokens += miss.lost
+            missed.seconds_lost += seconds_lost
         self.decisions.appendleft({
             "t": time.time(), "model": model, "backend": backend, "reason": reason,
             "prefix_blocks": prefix_blocks, "predicted_tokens": predicted_tokens,
             "cached_tokens": cached_tokens, "prompt_tokens": prompt_tokens,
-            "ttft_ms": ttft_ms, "status": status,
+            "ttft_ms": ttft_ms, "status": status, "team": team,
+            "cache_reason": miss.reason if miss is not None else None,
+            "lost_tokens": miss.lost if miss is not None else 0,
+            "diverged_at": miss.diverged_at if miss is not None else None,
         })
+
+    def count_team(self, team: str, model: str, counts: TeamCounts) -> None:
+        self.teams.setdefault(team, {}).setdefault(model, TeamCounts()).merge(counts)
+
+    def count_limited(self, team: str, limit: str) -> None:
+        by_limit = self.limited.setdefault(team, {})
+        by_limit[limit] = by_limit.get(limit, 0) + 1
+
+    def note_drift(self, model: str, backend: str, position: int | None, predicted: int,
+                   cached: int) -> bool:
+        """Keep a model's last template drift; True when it is time to log one again."""
+        now = time.time()
+        last = self.drift.get(model)
+        self.drift[model] = {"t": now, "backend": backend, "position": position,
+                             "predicted_tokens": predicted, "cached_tokens": cached,
+                             "count": (last or {}).get("count", 0) + 1,
+                             "logged": (last or {}).get("logged", 0.0)}
+        if now - self.drift[model]["logged"] < DRIFT_LOG_EVERY:
+            return False
+        self.drift[model]["logged"] = now
+        return True
 
     def sample(self, backends: list[dict]) -> None:
         """One point of the time series (cumulative counters), every SERIES_PERIOD s."""
@@ -117,6 +190,7 @@ class Stats:
             },
             "backends": {b["id"]: {"cache_bytes": b["cache_bytes"], "queue_depth": b["queue_depth"]}
                          for b in backends},
+            "reasons": {reason: m.requests for reason, m in self.reasons.items()},
         })
 
     def snapshot(self, backends: list[dict]) -> dict:
@@ -138,4 +212,18 @@ class Stats:
             "backends": out_backends,
             "series": list(self.series),
             "decisions": list(self.decisions),
+            "statuses": dict(self.statuses),
+            "reasons": {reason: m.as_dict() for reason, m in self.reasons.items()},
+            "teams": {team: self._team(models, self.limited.get(team, {}))
+                      for team, models in self.teams.items()},
+            "drift": {model: {k: v for k, v in d.items() if k != "logged"}
+                      for model, d in self.drift.items()},
         }
+
+    @staticmethod
+    def _team(models: dict[str, TeamCounts], limited: dict[str, int]) -> dict:
+        total = TeamCounts()
+        for counts in models.values():
+            total.merge(counts)
+        return {**total.as_dict(), "limited": dict(limited),
+                "models": {model: c.as_dict() for model, c in sorted(models.items())}}

@@ -75,22 +75,29 @@ class RouteContext:
         """Request bytes the candidate's match covers beyond the shared header: block 0
         (salt and model) is common to every request of the model, matching it alone is
         no hit."""
-        return self._covered(c.depth)
+        return self.covered(c.depth)
 
     def restore_bytes(self, c: Candidate, matched: int) -> int:
         """Request bytes beyond the candidate's match (`matched`, from matched_bytes)
         that its disk tier would restore."""
-        return max(0, self._covered(c.disk_depth) - matched)
+        return max(0, self.covered(c.disk_depth) - matched)
 
-    def _covered(self, depth: int) -> int:
+    def covered(self, depth: int) -> int:
+        """Request bytes the first `depth` chain blocks cover beyond the shared header."""
         d = min(depth, len(self.ends))
         return self.ends[d - 1] - self.ends[0] if d > 1 else 0
+
+
+# Why a policy chose its backend (x-kvroute-route-reason), as policies.py and the
+# router's live route (routing.py) decide it.
+ROUTE_REASONS = ("cache-hit", "pending-hit", "disk-hit", "load", "no-registry", "live-route",
+                 "round-robin", "least-loaded", "random")
 
 
 @dataclass(frozen=True)
 class Decision:
     candidate: Candidate
-    reason: str  # cache-hit, pending-hit, load, no-registry, round-robin, least-loaded, random
+    reason: str  # one of ROUTE_REASONS
     prefill_tokens: float = 0.0  # estimated tokens the backend must prefill
     predicted_tokens: int = 0  # estimated cached tokens
     # Record the choice (routing marks in Redis, this proxy's recent choices) so that

@@ -64,31 +64,33 @@ class LiveRoutes:
     last one catches a retry of the same prompt. A chain key hashes the whole prefix
     before it (salt, scope and model included), so one key names one conversation.
     Bounded: least recently routed first out, and entries lapse after `ttl` seconds.
+    The backend's instance is kept too: a conversation whose backend restarted since
+    (or is gone) lost its cache there (proxy/misses.py).
     """
 
     def __init__(self, size: int = _LIVE_ROUTES, ttl: float = _LIVE_TTL) -> None:
         self.size = size
         self.ttl = ttl
-        self.routes: collections.OrderedDict[int, tuple[str, float]] = collections.OrderedDict()
+        self.routes: collections.OrderedDict[int, tuple[str, str, float]] = collections.OrderedDict()
 
-    def remember(self, keys: list[int], backend_id: str) -> None:
+    def remember(self, keys: list[int], backend_id: str, instance_id: str = "") -> None:
         expiry = time.monotonic() + self.ttl
         for key in keys[max(1, len(keys) - 2):]:  # key 0 is common to the whole model
-            self.routes[key] = (backend_id, expiry)
+            self.routes[key] = (backend_id, instance_id, expiry)
             self.routes.move_to_end(key)
         while len(self.routes) > self.size:
             self.routes.popitem(last=False)
 
-    def find(self, keys: list[int]) -> tuple[str, int] | None:
-        """The backend of the deepest remembered prefix of `keys`, and that prefix's
-        length in keys; None when no prefix beyond the header is remembered."""
+    def find(self, keys: list[int]) -> tuple[str, str, int] | None:
+        """The backend (id, instance id) of the deepest remembered prefix of `keys`, and
+        that prefix's length in keys; None when no prefix beyond the header is remembered."""
         now = time.monotonic()
         for depth in range(len(keys), 1, -1):
             hit = self.routes.get(keys[depth - 1])
             if hit is None:
                 continue
-            if hit[1] < now:
+            if hit[2] < now:
                 del self.routes[keys[depth - 1]]
                 continue
-            return hit[0], depth
+            return hit[0], hit[1], depth
         return None
