@@ -47,7 +47,7 @@ from .attention import avoid_cudnn_plans, fast, new_cache
 from .jobs import Delta, Finish, Job
 from .kv_budget import REFUSALS, Warnings, describe_budgets, kv_rate, probe_tokens
 from .metrics import BackendMetrics
-from .mlx_patches import keep_buffer_cache
+from .mlx_patches import fast_gated_delta, keep_buffer_cache
 from .output import Chunk, OutputParser
 from .sampling import make_processors, make_sampler
 from .store import Commit, Store, always_trimmable, common_prefix, held_tokens
@@ -94,6 +94,8 @@ class Engine:
         # Whether entries need checkpoints: some layer cannot always be trimmed.
         self.checkpointing = not always_trimmable(make_prompt_cache(model))
         self.on_cuda = avoid_cudnn_plans(prefill_step)
+        if self.on_cuda and fast_gated_delta():
+            log.info("CUDA: gated-delta layers run MLX's fused recurrence")
         if self.on_cuda:
             log.info("CUDA: attention calls of new shapes skip cuDNN's per-shape plans")
         # Keep MLX's buffer cache across prefill chunks (keep_buffer_cache): by default
