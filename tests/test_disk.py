@@ -102,7 +102,7 @@ def test_untrimmable_state_round_trips(tmp_path):
 
 def test_eviction_keeps_the_file_supersede_replaces_it(tmp_path):
     tier, _ = make_tier(tmp_path)
-    store = Store(budget_bytes=make_cache(10)[0].nbytes * 2 + 1)
+    store = Store(budget_bytes=sum(c.nbytes for c in make_cache(12)) + 1)  # one entry
     store.listeners.append(tier.on_store_event)
     store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])
     store.insert("m", tokens(10, 100), make_cache(10), "finish", chain=[2])  # evicts the first

@@ -95,7 +95,8 @@ def test_ram_smaller_than_the_working_set_serves_repeats_from_disk(text_model, t
         chats = [conversation(f"Question {i}: which ticket blocks release {i}?") for i in range(3)]
         firsts = [chat(backend, m) for m in chats]
         wait_until(lambda: written(backend, 3), 60, what="three conversations on disk")
-        assert backend.health()["cache"]["entries"] == 1  # RAM kept only the last one
+        # RAM kept the last one, at most the head of another (eviction cuts from tails).
+        assert backend.health()["cache"]["entries"] <= 2
         for messages, answer in zip(chats, firsts):
             follow = next_turn(messages, answer)
             hit = chat(backend, follow)

@@ -53,8 +53,13 @@ def test_a_new_prompt_and_a_hit():
     assert view_headers(view) == {reasons.REASON_HEADER: "new_prefix", reasons.LOST_HEADER: "0"}
 
 
+# Budgets under 132 tokens (100 + one 32-token block) let the next 100-token entry in
+# only by freeing all of the first: eviction cuts an entry back from its tail, block by
+# block, and removes it once nothing of it is left.
+
+
 def test_an_evicted_entry_is_remembered_by_its_tokens():
-    store, misses, metrics = setup(budget_tokens=150)
+    store, misses, metrics = setup(budget_tokens=120)
     store.insert("m", tokens(100), make_cache(100), "finish")
     store.insert("m", tokens(100, 1000), make_cache(100), "finish")  # evicts the first
     assert len(store) == 1
@@ -65,6 +70,15 @@ def test_an_evicted_entry_is_remembered_by_its_tokens():
     # Another scope never learns of it; a few tokens in common explain nothing.
     assert explain(misses, store, tokens(110), scope="b")[0].reason == reasons.NEW_PREFIX
     assert explain(misses, store, tokens(10) + tokens(50, 600))[0].reason == reasons.NEW_PREFIX
+
+
+def test_a_tail_cut_off_is_remembered_and_the_rest_still_hits():
+    store, misses, _ = setup(budget_tokens=150)
+    store.insert("m", tokens(100), make_cache(100), "finish")
+    store.insert("m", tokens(100, 1000), make_cache(100), "finish")  # cuts the first to 32
+    assert len(store) == 2
+    view, cached = explain(misses, store, tokens(110))
+    assert (view.reason, view.lost, cached) == (reasons.EVICTED_RAM, 68, 32)
 
 
 def test_what_remembered_is_bounded_in_tokens():
@@ -81,7 +95,7 @@ def test_evicted_from_ram_and_from_the_disk_tier(tmp_path):
     for disk_files, reason in ((2, reasons.NEW_PREFIX), (1, reasons.EVICTED_DISK)):
         tier, _ = make_tier(tmp_path / str(disk_files),
                             budget=cache_nbytes(make_cache(100)) * (disk_files + 0.5))
-        store, misses, _ = setup(budget_tokens=150, disk=tier)
+        store, misses, _ = setup(budget_tokens=120, disk=tier)
         store.listeners.append(tier.on_store_event)
         store.insert("m", tokens(100), make_cache(100), "finish")
         wait_until(lambda: len(tier.index) == 1, 30, what="the first written")
@@ -123,7 +137,7 @@ def test_another_scope_holds_it():
 
 
 def test_the_largest_loss_names_the_reason():
-    store, misses, _ = setup(budget_tokens=150)
+    store, misses, _ = setup(budget_tokens=120)
     store.insert("m", tokens(40), make_cache(40), "finish", scope="b")
     store.insert("m", tokens(100), make_cache(100), "finish")
     store.insert("m", tokens(100, 1000), make_cache(100), "finish")  # evicts the 100

@@ -12,9 +12,11 @@ def make_cache(n_tokens: int, layers: int = 2, seed: int = 0) -> list[KVCache]:
     mx.random.seed(seed)
     cache = []
     for _ in range(layers):
+        # Exactly n_tokens long, as the engine's committed caches are (extracted
+        # from the batch), not a generator's 256-token buffer.
         c = KVCache()
         k = mx.random.normal((1, 2, n_tokens, 8))
-        c.update_and_fetch(k, k * 2)
+        c.keys, c.values, c.offset = k, k * 2, n_tokens
         cache.append(c)
     return cache
 

@@ -232,8 +232,10 @@ class DiskTier:
                 return
             with self.lock:
                 self._pending_bytes += entry.nbytes
-            self._queue.put(("write", entry))
-        elif event.kind == "evict":
+            # Whole and evaluated here: the store keeps it as shared blocks, and the
+            # writer thread runs no MLX graph.
+            self._queue.put(("write", entry.frozen()))
+        elif event.kind == "evict" and event.reason != "trimmed":  # a cut entry's file stays whole
             # Gone from RAM: no more events for it (its file stays, unless superseded).
             self._seen.discard(entry.id)
             if event.reason == "superseded":

@@ -76,15 +76,23 @@ class Misses:
             for key in e.chain:
                 self._holders[key].add(e.id)
             return
+        if event.reason == "trimmed":  # cut shorter by eviction; it stays, under fewer keys
+            kept = set(e.chain)
+            self._unhold(e.id, [k for k in event.before.chain if k not in kept])
+            self._remember(_Gone(e.model, e.scope, event.before.tokens, reasons.EVICTED_RAM))
+            return
         if self._entries.pop(e.id, None) is not None:
-            for key in e.chain:
-                ids = self._holders.get(key)
-                if ids is not None:
-                    ids.discard(e.id)
-                    if not ids:
-                        del self._holders[key]
+            self._unhold(e.id, e.chain)
         if event.reason == "evicted":
             self._remember(_Gone(e.model, e.scope, e.tokens, reasons.EVICTED_RAM))
+
+    def _unhold(self, entry_id: int, keys: list[int]) -> None:
+        for key in keys:
+            ids = self._holders.get(key)
+            if ids is not None:
+                ids.discard(entry_id)
+                if not ids:
+                    del self._holders[key]
 
     def on_commit(self, done: Commit, tokens: np.ndarray, model: str, scope: str | None) -> None:
         """A commit over the budgets that RAM kept only in part (or not at all) and the

@@ -14,10 +14,17 @@ state of an `ArraysCache`, a `CacheList` of those). Two kinds matter here:
   only prompts that extend all of their tokens. The engine stores them as
   checkpoints at chosen positions (see `engine.py`), and they never supersede.
 
+Entries keep their full-attention layers as shared token blocks (paged.py): a
+prefix many conversations share is held once, and the byte budget counts each
+block once. Layers that cannot be cut stay whole in their entry.
+
 - `lookup` finds the entry sharing the longest usable prefix with a prompt and
-  returns a private copy holding exactly that prefix;
+  returns a private copy holding exactly that prefix, assembled from its blocks;
 - `insert` commits an entry, dropping entries it makes redundant;
-- a byte budget is enforced by LRU eviction;
+- a byte budget is enforced by LRU eviction, from the least recently used entry's
+  tail inward, block by block: a block other entries still use is never freed,
+  so a shared head outlives the tails that use it (an entry cut back to a block
+  another entry passes through is covered by that entry, and removed);
 - an entry larger than the whole budget is still committed (`commit`): RAM keeps
   the longest prefix of it that fits, where its cache can be cut (never more than
   what the budget holds), and the whole goes to `overflow` (the disk tier) when
@@ -29,6 +36,7 @@ state of an `ArraysCache`, a `CacheList` of those). Two kinds matter here:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 import threading
@@ -50,17 +58,19 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from .paged import BLOCK_TOKENS, Paged, Pool, page, private_copy, release, root_key
+
 # Layer caches that can always drop their newest tokens, whatever they hold.
 _ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache)
 
 
-@dataclass
+@dataclass(eq=False)
 class Entry:
     id: int
     model: str
     tokens: np.ndarray  # int32, exactly the tokens whose KV `cache` holds
-    cache: list[Any]  # mlx-lm cache objects, one per layer
-    nbytes: int
+    state: Paged | None  # its blocks and own layers (None: a whole kept unpaged, in `raw`)
+    nbytes: int  # what it would hold alone, unshared
     exit_path: str  # why it was committed: checkpoint, finish, disconnect_prefill, ...
     # Prefix keys advertised for it: its own chain, plus the keys of entries it
     # superseded (it holds their tokens too, so routing should still find it).
@@ -72,6 +82,24 @@ class Entry:
     # The id of the whole entry this one is a prefix of, when that whole went to the
     # disk tier (over the RAM budget): the disk need not write this part again.
     part_of: int | None = None
+    raw: list[Any] | None = None  # the whole state of an entry handed to the disk whole
+    # Token position -> keys its first tokens are advertised under: what it still
+    # advertises once eviction cuts it shorter.
+    depths: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def cache(self) -> list[Any]:
+        """Its whole state as mlx-lm caches, assembled from its blocks: a private copy
+        (engine thread: it runs MLX)."""
+        return self.raw if self.raw is not None else self.state.assemble()
+
+    def frozen(self) -> "Entry":
+        """A copy holding its state whole and evaluated, for a reader on another thread
+        (the disk writer): MLX graphs run on the engine thread only."""
+        cache = self.cache
+        mx.eval([c.state for c in cache])
+        return dataclasses.replace(self, tokens=self.tokens.copy(), chain=list(self.chain),
+                                   raw=cache, state=None, depths=dict(self.depths))
 
 
 @dataclass
@@ -83,6 +111,8 @@ class Event:
     nbytes: int
     reason: str = ""
     entry: Entry | None = None  # the entry itself, for listeners that persist it (the disk tier)
+    # Reason "trimmed": eviction cut the entry shorter and it stays; what it was before.
+    before: Entry | None = None
 
 
 @dataclass
@@ -148,33 +178,6 @@ def always_trimmable(cache: list[Any]) -> bool:
             return all(map(ok, layer.caches))
         return isinstance(layer, _ALWAYS_TRIMMABLE)
     return all(map(ok, cache))
-
-
-def _fresh(value: Any) -> Any:
-    # A new array object per array: mlx-lm caches assign into their arrays in
-    # place (`keys[..., a:b, :] = new`), which rebinds the array object they
-    # hold; sharing that object with a stored entry would let a user of the copy
-    # overwrite the entry. A whole-array slice is a new object over the same
-    # buffer (no copy); MLX never writes into a buffer another array still uses.
-    if isinstance(value, mx.array):
-        return value[...] if value.ndim else mx.array(value)
-    if isinstance(value, list):
-        return [_fresh(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_fresh(v) for v in value)
-    return value
-
-
-def private_copy(cache: list[Any]) -> list[Any]:
-    """A copy of a per-model cache that shares no array object with `cache`."""
-    def copy_layer(layer: Any) -> Any:
-        if isinstance(layer, CacheList):
-            return CacheList(*map(copy_layer, layer.caches))
-        new = copy.copy(layer)
-        for name, value in vars(layer).items():
-            setattr(new, name, _fresh(value))
-        return new
-    return [copy_layer(layer) for layer in cache]
 
 
 def trimmed_copy(cache: list[Any], excess: int) -> list[Any]:
@@ -250,8 +253,10 @@ class Store:
         self.budget_bytes = budget_bytes
         self.max_entries = max_entries
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # LRU order, oldest first
-        self.nbytes = 0
+        self.pool = Pool()  # the blocks every entry's full-attention layers are kept in
+        self.own_bytes = 0  # what entries hold alone: tails, layers kept whole
         self.evictions = 0
+        self.blocks_evicted = 0
         self.listeners: list[Callable[[Event], None]] = []
         # Where an entry over the budget goes whole (the disk tier: engine thread, it
         # only enqueues): "" when it took the entry, else why not.
@@ -264,6 +269,11 @@ class Store:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: each block once, plus what entries hold alone."""
+        return self.pool.nbytes + self.own_bytes
 
     @_synchronized
     def lookup(self, model: str, tokens: list[int] | np.ndarray, scope: str | None = None) -> Hit:
@@ -280,11 +290,7 @@ class Store:
         n, entry = best
         entry.hits += 1
         self.entries.move_to_end(entry.id)
-        return Hit(n, self._view(entry, n), entry.id)
-
-    @staticmethod
-    def _view(entry: Entry, n: int) -> list[Any]:
-        return trimmed_copy(entry.cache, len(entry.tokens) - n)
+        return Hit(n, entry.state.assemble(n), entry.id)
 
     @_synchronized
     def depth(self, model: str, tokens: list[int] | np.ndarray, scope: str | None = None) -> int:
@@ -336,14 +342,24 @@ class Store:
         done = Commit(len(tokens), nbytes, kept=len(tokens))
         if len(tokens) == 0 or self._refresh_covering(model, tokens, scope, chain or []):
             return done
-        trimmable = can_trim_prompt_cache(cache)
+        depths = {p: list(k) for p, k in (prefix_chains or {}).items() if 0 < p <= len(tokens)}
+        if chain:
+            depths[len(tokens)] = list(chain)
         if nbytes <= self.budget_bytes:
-            done.entry = self._add(Entry(next(self._ids), model, tokens, cache, nbytes, exit_path,
-                                         list(chain or []), scope, trimmable))
+            done.entry = self._add(self._paged(model, tokens, cache, exit_path, list(chain or []),
+                                               scope, depths))
             return done
-        return self._commit_over_budget(done, Entry(
-            next(self._ids), model, tokens, cache, nbytes, exit_path, list(chain or []), scope,
-            trimmable), prefix_chains or {})
+        whole = Entry(next(self._ids), model, tokens, None, nbytes, exit_path, list(chain or []),
+                      scope, can_trim_prompt_cache(cache), raw=cache, depths=depths)
+        return self._commit_over_budget(done, whole, prefix_chains or {})
+
+    def _paged(self, model: str, tokens: np.ndarray, cache: list[Any], exit_path: str,
+               chain: list[int], scope: str | None, depths: dict[int, list[int]],
+               part_of: int | None = None) -> Entry:
+        state = page(cache, tokens, root_key(model, scope), self.pool)
+        self.own_bytes += state.own_bytes
+        return Entry(next(self._ids), model, tokens, state, state.nbytes, exit_path, chain, scope,
+                     can_trim_prompt_cache(cache), part_of=part_of, depths=depths)
 
     def _commit_over_budget(self, done: Commit, whole: Entry, prefix_chains: dict[int, list[int]]) -> Commit:
         """An entry larger than the whole budget: the whole to the overflow (it
@@ -361,9 +377,9 @@ class Store:
             keys = list(prefix_chains[max(known)]) if known else []
             done.kept = n
             if not self._refresh_covering(whole.model, tokens, whole.scope, keys):
-                done.entry = self._add(Entry(
-                    next(self._ids), whole.model, tokens, view, cache_nbytes(view),
-                    whole.exit_path, keys, whole.scope, can_trim_prompt_cache(view),
+                depths = {p: list(k) for p, k in prefix_chains.items() if 0 < p <= n}
+                done.entry = self._add(self._paged(
+                    whole.model, tokens, view, whole.exit_path, keys, whole.scope, depths,
                     part_of=whole.id if done.on_disk else None))
         return done
 
@@ -390,7 +406,7 @@ class Store:
         if covering is None:
             return False
         self.entries.move_to_end(covering.id)
-        self._merge_chain(covering, chain)
+        self._merge_chain(covering, chain, len(tokens))
         return True
 
     @staticmethod
@@ -407,11 +423,13 @@ class Store:
 
     def _add(self, entry: Entry) -> Entry:
         # It inherits the keys of the entries it supersedes, so what routed to them
-        # still finds it.
+        # still finds it (and, cut shorter later, the depths those keys belong to).
         superseded = self._superseded_by(entry)
         entry.chain = self._inherited(entry.chain, superseded)
+        for old in superseded:
+            for p, keys in old.depths.items():
+                entry.depths[p] = list(dict.fromkeys([*entry.depths.get(p, []), *keys]))
         self.entries[entry.id] = entry
-        self.nbytes += entry.nbytes
         self._emit("insert", entry, self._hold(entry.model, entry.chain))
         for old in superseded:
             self._remove(old, "superseded")
@@ -437,13 +455,14 @@ class Store:
     def _is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
         return len(short) <= len(long) and common_prefix(short, long) == len(short)
 
-    def _merge_chain(self, entry: Entry, chain: list[int]) -> None:
+    def _merge_chain(self, entry: Entry, chain: list[int], depth: int) -> None:
         # A covering entry may have been advertised under fewer keys (e.g. a
         # prompt committed before the reply extended it); it holds those tokens too.
         known = set(entry.chain)
         new_keys = [k for k in dict.fromkeys(chain) if k not in known]
         if new_keys:
             entry.chain = entry.chain + new_keys
+            entry.depths[depth] = list(dict.fromkeys([*entry.depths.get(depth, []), *new_keys]))
             added = self._hold(entry.model, new_keys)
             if added:
                 self._emit("insert", entry, added)
@@ -461,19 +480,60 @@ class Store:
 
     def _remove(self, entry: Entry, reason: str) -> None:
         del self.entries[entry.id]
-        self.nbytes -= entry.nbytes
+        if entry.state is not None:
+            self.own_bytes -= entry.state.own_bytes
+            release(entry.state, self.pool)
         if reason == "evicted":
             self.evictions += 1
         self._emit("evict", entry, self._release(entry.model, entry.chain), reason)
 
+    def _over(self) -> bool:
+        return self.nbytes > self.budget_bytes or len(self.entries) > self.max_entries
+
     def _enforce_budget(self, keep: int) -> None:
-        while (self.nbytes > self.budget_bytes or len(self.entries) > self.max_entries) and len(
-            self.entries
-        ) > 1:
+        while self._over() and len(self.entries) > 1:
             oldest = next(iter(self.entries.values()))
             if oldest.id == keep:
                 break
-            self._remove(oldest, "evicted")
+            if len(self.entries) > self.max_entries or not self._cut_back(oldest):
+                self._remove(oldest, "evicted")
+
+    def _cut_back(self, entry: Entry) -> bool:
+        """Free `entry`'s own tokens from its tail inward, a block at a time, until the
+        budget holds or it reaches a block another entry uses (then that entry covers
+        what is left). False when it should go whole (nothing of it stays useful, or its
+        state cannot be cut)."""
+        state = entry.state
+        if state is None or state.whole or not entry.trimmable or not state.slots:
+            return False
+        before = dataclasses.replace(entry, chain=list(entry.chain))
+        while self._over() and state.tokens:
+            if state.tokens > len(state.blocks) * BLOCK_TOKENS:
+                self.own_bytes -= state.drop_tail()
+            elif state.blocks[-1].refs == 1:
+                self.pool.release(state.blocks.pop())
+                state.tokens -= BLOCK_TOKENS
+                self.blocks_evicted += 1
+            else:
+                break
+        if not state.tokens or state.tokens == len(before.tokens) or (
+                state.blocks[-1].refs > 1 and state.tokens == len(state.blocks) * BLOCK_TOKENS):
+            return False  # nothing left, nothing freed, or what is left another entry holds
+        self._emit_trim(entry, before)
+        return True
+
+    def _emit_trim(self, entry: Entry, before: Entry) -> None:
+        n = entry.state.tokens
+        entry.tokens = entry.tokens[:n].copy()
+        entry.nbytes = entry.state.nbytes
+        entry.depths = {p: k for p, k in entry.depths.items() if p <= n}
+        kept = {k for keys in entry.depths.values() for k in keys}
+        entry.chain = [k for k in entry.chain if k in kept]
+        dropped = [k for k in before.chain if k not in kept]
+        event = Event("evict", entry.model, entry.id, self._release(entry.model, dropped),
+                      before.nbytes - entry.nbytes, "trimmed", entry, before)
+        for listener in self.listeners:
+            listener(event)
 
     def _hold(self, model: str, keys: list[int]) -> list[int]:
         refs = self._key_refs.setdefault(model, Counter())
@@ -507,9 +567,19 @@ class Store:
 
     @_synchronized
     def stats(self) -> dict:
+        unshared = sum(e.nbytes for e in self.entries.values())
+        held = self.nbytes
         return {
             "entries": len(self.entries),
-            "bytes": self.nbytes,
+            "bytes": held,
             "budget_bytes": self.budget_bytes,
             "evictions": self.evictions,
+            # Sharing: what the entries would hold as whole states, and how many times
+            # what is held that is (1.0: nothing shared).
+            "bytes_unshared": unshared,
+            "sharing_ratio": round(unshared / held, 3) if held else 1.0,
+            "blocks": len(self.pool.blocks),
+            "block_bytes": self.pool.nbytes,
+            "block_tokens": BLOCK_TOKENS,
+            "blocks_evicted": self.blocks_evicted,
         }

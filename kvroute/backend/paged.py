@@ -1,0 +1,259 @@
+"""Committed caches kept as token blocks, each stored once and shared by content.
+
+A team's conversations share long prefixes (a system prompt, a tool list): kept as
+whole states, that prefix would be held once per conversation. Here the layers that
+hold exactly one key and one value per token (mlx-lm's `KVCache`: full attention)
+are cut into blocks of `BLOCK_TOKENS` tokens. A block is named by a chain key over
+its tokens and its parent's key (the registry's chain idea, core/prefix.py), so two
+entries whose tokens pass through the same block name the same one and the `Pool`
+stores it once, counting the entries that use it. Equal tokens after an equal prefix
+mean equal keys and values (attention is causal), so sharing changes no answer.
+
+What cannot be cut (a rotated sliding window, a recurrent state, a window that has
+not rotated yet) stays whole in the entry, as before; the tokens after the last full
+block (the *tail*) stay in the entry too. A hit assembles a working cache from its
+blocks with one concatenation per layer: one copy, as the private copy was before.
+
+32 tokens a block: a conversation's private part costs at most one partial block
+more than its own tokens (the block where it leaves the shared prefix), and a 32k
+prompt is ~1,000 blocks, whose concatenation on a hit costs less than the copy.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+from mlx_lm.models.cache import CacheList, KVCache, trim_prompt_cache
+
+BLOCK_TOKENS = 32
+
+_H = xxhash.xxh3_64_intdigest
+
+
+def root_key(model: str, scope: str | None) -> int:
+    """The chain's start: blocks are never shared across models or cache scopes."""
+    return _H(f"{model}\0{scope or ''}".encode())
+
+
+def block_keys(root: int, tokens: np.ndarray, count: int) -> list[int]:
+    """Keys of the first `count` full blocks of `tokens`: key_i = xxh3(key_{i-1} || block_i)."""
+    keys, parent = [], root
+    for i in range(count):
+        chunk = np.ascontiguousarray(tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS], dtype=np.int32)
+        parent = _H(parent.to_bytes(8, "little") + chunk.tobytes())
+        keys.append(parent)
+    return keys
+
+
+@dataclass(eq=False)
+class Block:
+    key: int
+    kv: list[tuple[mx.array, mx.array]]  # per paged layer: keys, values [1, heads, BLOCK, dim]
+    nbytes: int
+    refs: int = 0
+
+
+@dataclass
+class Pool:
+    """Every block of one store, by key; a block lives while an entry uses it."""
+
+    blocks: dict[int, Block] = field(default_factory=dict)
+    nbytes: int = 0
+
+    def acquire(self, key: int, make: Any) -> Block:
+        block = self.blocks.get(key)
+        if block is None:
+            kv = make()
+            block = self.blocks[key] = Block(key, kv, sum(k.nbytes + v.nbytes for k, v in kv))
+            self.nbytes += block.nbytes
+        block.refs += 1
+        return block
+
+    def release(self, block: Block) -> int:
+        """Drop one use; the bytes freed (the block's, when it was the last use)."""
+        block.refs -= 1
+        if block.refs > 0:
+            return 0
+        del self.blocks[block.key]
+        self.nbytes -= block.nbytes
+        return block.nbytes
+
+
+class _Slot:
+    """Where a paged layer sits in an entry's skeleton."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _pageable(layer: Any) -> bool:
+    return type(layer) is KVCache and layer.keys is not None
+
+
+def _skeleton(cache: list[Any], paged: list[Any]) -> list[Any]:
+    # The cache with each pageable layer replaced by a _Slot (in `paged`'s order).
+    def walk(layer: Any) -> Any:
+        if isinstance(layer, CacheList):
+            return CacheList(*map(walk, layer.caches))
+        if _pageable(layer):
+            paged.append(layer)
+            return _Slot(len(paged) - 1)
+        return layer
+    return [walk(layer) for layer in cache]
+
+
+def _own(x: mx.array, start: int, stop: int) -> mx.array:
+    # A buffer of its own: a slice would keep the whole committed state alive.
+    return mx.array(x[..., start:stop, :])
+
+
+@dataclass(eq=False)
+class Paged:
+    """One entry's state: shared blocks, then its own tail and whole layers."""
+
+    tokens: int
+    skeleton: list[Any]  # per layer: a _Slot for a paged layer, else the layer whole
+    blocks: list[Block]
+    tail: list[tuple[mx.array, mx.array]]  # per paged layer: the tokens after the blocks
+    own_bytes: int  # tail + whole layers: what this entry holds alone
+
+    @property
+    def whole(self) -> bool:
+        """Whether some layer is kept whole (such an entry is never cut shorter)."""
+        return _any_whole(self.skeleton)
+
+    @property
+    def nbytes(self) -> int:
+        """What it would hold alone: its blocks and its own rest."""
+        return sum(b.nbytes for b in self.blocks) + self.own_bytes
+
+    @property
+    def slots(self) -> int:
+        return len(self.tail)
+
+    def assemble(self, n: int | None = None) -> list[Any]:
+        """A private cache holding the first `n` tokens (all by default); layers kept
+        whole are trimmed by what is left out (only possible where they can be)."""
+        n = self.tokens if n is None else n
+        cut = self.tokens if self.whole else n  # whole layers are trimmed, not cut
+        layers = [self._layer(i, cut) for i in range(self.slots)]
+        out = [_fill(layer, layers) for layer in private_copy(self.skeleton)]
+        if cut > n:
+            trim_prompt_cache(out, cut - n)
+        return out
+
+    def _layer(self, i: int, n: int) -> KVCache:
+        # One concatenation of exactly the parts that hold the first n tokens: the
+        # only copy a hit makes, into arrays no stored block shares.
+        full, rest = divmod(n, BLOCK_TOKENS)
+        parts = [b.kv[i] for b in self.blocks[:full]]
+        if rest:
+            k, v = self.blocks[full].kv[i] if full < len(self.blocks) else self.tail[i]
+            parts.append((k[..., :rest, :], v[..., :rest, :]))
+        layer = KVCache()
+        layer.keys = mx.concatenate([k for k, _ in parts], axis=2)
+        layer.values = mx.concatenate([v for _, v in parts], axis=2)
+        layer.offset = n
+        return layer
+
+    def drop_tail(self) -> int:
+        """Cut the entry back to its last full block; the bytes freed."""
+        freed = sum(k.nbytes + v.nbytes for k, v in self.tail)
+        self.tail = [(_empty(k), _empty(v)) for k, v in self.tail]
+        self.own_bytes -= freed
+        self.tokens = len(self.blocks) * BLOCK_TOKENS
+        return freed
+
+
+def _empty(x: mx.array) -> mx.array:
+    # Not an empty slice of `x`: that would keep its buffer alive.
+    return mx.zeros((*x.shape[:2], 0, x.shape[3]), x.dtype)
+
+
+def _any_whole(skeleton: list[Any]) -> bool:
+    def whole(layer: Any) -> bool:
+        if isinstance(layer, CacheList):
+            return any(map(whole, layer.caches))
+        return not isinstance(layer, _Slot)
+    return any(map(whole, skeleton))
+
+
+def _fill(layer: Any, layers: list[KVCache]) -> Any:
+    if isinstance(layer, CacheList):
+        return CacheList(*(_fill(c, layers) for c in layer.caches))
+    return layers[layer.index] if isinstance(layer, _Slot) else layer
+
+
+def page(cache: list[Any], tokens: np.ndarray, root: int, pool: Pool) -> Paged:
+    """Keep `cache` (holding exactly `tokens`) as blocks in `pool` plus its own rest.
+    Blocks the pool has already are used as they are: only new ones are copied."""
+    paged: list[KVCache] = []
+    skeleton = _skeleton(cache, paged)
+    if not paged:
+        return Paged(len(tokens), skeleton, [], [], sum(c.nbytes for c in cache))
+    n = len(tokens)
+    full = n // BLOCK_TOKENS
+    blocks = []
+    for i, key in enumerate(block_keys(root, tokens, full)):
+        a, b = i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS
+        blocks.append(pool.acquire(key, lambda a=a, b=b: _evaluated(
+            [(_own(c.keys, a, b), _own(c.values, a, b)) for c in paged])))
+    tail = _evaluated([(_own(c.keys, full * BLOCK_TOKENS, n), _own(c.values, full * BLOCK_TOKENS, n))
+                       for c in paged])
+    whole_bytes = sum(c.nbytes for c in _whole_layers(skeleton))
+    own = whole_bytes + sum(k.nbytes + v.nbytes for k, v in tail)
+    return Paged(n, skeleton, blocks, tail, own)
+
+
+def _evaluated(kv: list[tuple[mx.array, mx.array]]) -> list[tuple[mx.array, mx.array]]:
+    mx.eval(kv)
+    return kv
+
+
+def _whole_layers(skeleton: list[Any]) -> list[Any]:
+    out = []
+    for layer in skeleton:
+        if isinstance(layer, CacheList):
+            out.extend(_whole_layers(layer.caches))
+        elif not isinstance(layer, _Slot):
+            out.append(layer)
+    return out
+
+
+def release(state: Paged, pool: Pool) -> int:
+    """Give back every block of an entry; the pool's bytes freed."""
+    freed = sum(pool.release(b) for b in state.blocks)
+    state.blocks = []
+    return freed
+
+
+def _fresh(value: Any) -> Any:
+    # A new array object per array: mlx-lm caches assign into their arrays in
+    # place (`keys[..., a:b, :] = new`), which rebinds the array object they
+    # hold; sharing that object with a stored entry would let a user of the copy
+    # overwrite the entry. A whole-array slice is a new object over the same
+    # buffer (no copy); MLX never writes into a buffer another array still uses.
+    if isinstance(value, mx.array):
+        return value[...] if value.ndim else mx.array(value)
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    return value
+
+
+def private_copy(cache: list[Any]) -> list[Any]:
+    """A copy of a per-model cache that shares no array object with `cache`."""
+    def copy_layer(layer: Any) -> Any:
+        if isinstance(layer, CacheList):
+            return CacheList(*map(copy_layer, layer.caches))
+        new = copy.copy(layer)
+        for name, value in vars(layer).items():
+            setattr(new, name, _fresh(value))
+        return new
+    return [copy_layer(layer) for layer in cache]
