@@ -1,0 +1,107 @@
+"""The paged store end to end: a real backend with the demo model, the official
+`openai` client, conversations that share a long system prompt.
+
+A team's sessions send one long prefix; the backend holds it once (the bytes it
+reports, `/health`'s cache), every repeat is cached to its last token but one and
+answers exactly as a cold prefill, and a budget of two whole conversations keeps
+ten sessions' prefixes cached."""
+
+from __future__ import annotations
+
+import uuid
+
+import openai
+import pytest
+from harness import BackendProcess
+
+SYSTEM = ("You are the release assistant of a small team. Answer in short sentences, cite "
+          "the ticket number when there is one, never invent a version, and keep the tone "
+          "friendly and plain. The team ships every Tuesday and Thursday; hotfixes go out "
+          "when they are ready. ") * 12
+GREEDY = {"max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+
+
+def start(model, tmp_path, name: str, *extra: str) -> BackendProcess:
+    (tmp_path / name).mkdir()
+    proc = BackendProcess(model, model_id="demo", log_dir=tmp_path / name,
+                          extra=["--prefill-step", "64", *extra])
+    proc.start()
+    return proc
+
+
+def client(backend: BackendProcess, scope: str | None = None) -> openai.OpenAI:
+    headers = {"x-kvroute-scope": scope} if scope else None
+    return openai.OpenAI(base_url=backend.url + "/v1", api_key="none", default_headers=headers)
+
+
+def session(i: int) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Developer {i}: which ticket blocks release {i}?"}]
+
+
+def ask(backend: BackendProcess, messages: list[dict], scope: str | None = None):
+    return client(backend, scope).chat.completions.create(model="demo", messages=messages, **GREEDY)
+
+
+def cached(answer) -> int:
+    return answer.usage.prompt_tokens_details.cached_tokens
+
+
+def same_answer(a, b) -> None:
+    assert a.choices[0].message.content == b.choices[0].message.content
+    for x, y in zip(a.choices[0].logprobs.content, b.choices[0].logprobs.content, strict=True):
+        assert x.token == y.token and abs(x.logprob - y.logprob) <= 1e-4
+        for u, v in zip(x.top_logprobs, y.top_logprobs, strict=True):
+            assert u.token == v.token and abs(u.logprob - v.logprob) <= 1e-4
+
+
+def held(backend: BackendProcess) -> dict:
+    return backend.health()["cache"]
+
+
+@pytest.fixture(scope="module")
+def one_conversation_bytes(text_model, tmp_path_factory) -> int:
+    """What one whole conversation (prompt and reply) holds, measured on its own."""
+    proc = start(text_model, tmp_path_factory.mktemp("one"), "one")
+    try:
+        ask(proc, session(0))
+        return held(proc)["bytes"]
+    finally:
+        proc.stop()
+
+
+def test_six_conversations_hold_the_shared_prompt_once(text_model, tmp_path, one_conversation_bytes):
+    backend = start(text_model, tmp_path, "six")
+    try:
+        firsts = [ask(backend, session(i)) for i in range(6)]
+        stats = held(backend)
+        assert stats["entries"] == 6
+        assert stats["bytes"] <= 1.15 * one_conversation_bytes, stats
+        assert stats["bytes_unshared"] >= 5 * one_conversation_bytes and stats["sharing_ratio"] > 4
+        for i, first in enumerate(firsts):
+            repeat = ask(backend, session(i))
+            assert cached(repeat) == first.usage.prompt_tokens - 1
+            same_answer(repeat, first)
+        same_answer(ask(backend, session(3)), ask(backend, session(3), scope=uuid.uuid4().hex))
+    finally:
+        backend.stop()
+
+
+def test_ten_sessions_under_a_budget_of_two_conversations(text_model, tmp_path, one_conversation_bytes):
+    backend = start(text_model, tmp_path, "ten", "--cache-bytes", str(2 * one_conversation_bytes))
+    try:
+        turns, firsts = [session(i) for i in range(10)], []
+        for messages in turns:
+            firsts.append(ask(backend, messages))
+            reply = firsts[-1].choices[0].message.content
+            messages += [{"role": "assistant", "content": reply},
+                         {"role": "user", "content": "And who reviews it?"}]
+        assert held(backend)["bytes"] <= 2 * one_conversation_bytes
+        seconds = [ask(backend, messages) for messages in turns]
+        # Turn 2 finds all of turn 1's prompt (its session's own question too) cached.
+        hits = sum(cached(a) >= f.usage.prompt_tokens - 1 for a, f in zip(seconds, firsts))
+        assert hits / len(seconds) >= 0.9, [(cached(a), f.usage.prompt_tokens)
+                                            for a, f in zip(seconds, firsts)]
+        same_answer(seconds[0], ask(backend, turns[0], scope=uuid.uuid4().hex))
+    finally:
+        backend.stop()
