@@ -191,6 +191,10 @@ def test_dashboard_shows_the_proxy_hit_ratio(stack, tmp_path):
     assert re.fullmatch(r"\d{1,3}\.\d%", text), text
     assert abs(float(text[:-1]) - ratio * 100) <= 0.05 + 1e-9, (text, ratio)
 
+    # Each backend's cache blocks and sharing ratio (these conversations share nothing).
+    assert re.search(r"blocks <b>[1-9][\d,]*</b> · shared <b class=\"ratio\">×1\.\d</b>",
+                     dom.stdout.decode(errors="replace")), dom.stdout[-3000:]
+
     shot = tmp_path / "dashboard.png"
     run = run_chromium(chromium_cmd(chromium, tmp_path / "profile-shot",
                                     "--virtual-time-budget=6000", "--window-size=1400,1000",

@@ -12,7 +12,7 @@ import uuid
 
 import openai
 import pytest
-from harness import BackendProcess
+from harness import BackendProcess, metric_sum, request, wait_until
 
 SYSTEM = ("You are the release assistant of a small team. Answer in short sentences, cite "
           "the ticket number when there is one, never invent a version, and keep the tone "
@@ -78,6 +78,13 @@ def test_six_conversations_hold_the_shared_prompt_once(text_model, tmp_path, one
         assert stats["entries"] == 6
         assert stats["bytes"] <= 1.15 * one_conversation_bytes, stats
         assert stats["bytes_unshared"] >= 5 * one_conversation_bytes and stats["sharing_ratio"] > 4
+        # The same figures in /metrics (gauges set at most every few hundred ms).
+        wait_until(lambda: metric_sum(request(backend.url + "/metrics")[2].decode(),
+                                      "kvroute_backend_cache_bytes_unshared") == stats["bytes_unshared"],
+                   10, what="the gauges")
+        text = request(backend.url + "/metrics")[2].decode()
+        assert metric_sum(text, "kvroute_backend_cache_blocks", tier="ram") == stats["blocks"] > 0
+        assert metric_sum(text, "kvroute_backend_cache_sharing_ratio") == stats["sharing_ratio"]
         for i, first in enumerate(firsts):
             repeat = ask(backend, session(i))
             assert cached(repeat) == first.usage.prompt_tokens - 1

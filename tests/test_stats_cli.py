@@ -21,6 +21,7 @@ def backend(name: str) -> dict:
     return {"id": name, "url": "http://10.0.0.1:8100", "models": ["kvroute-demo"],
             "queue_depth": 3, "waiting": 1, "running": 2, "inflight": 1, "suspect": True,
             "prefill_tps": 5123.0, "cache_bytes": 1 << 30, "cache_budget": 8 << 30,
+            "cache_bytes_unshared": 5 << 30, "cache_blocks": 4096,
             "decoding": 2, "max_batch": 32, "bytes_per_token": 3.5, "mismatch": None,
             "disk_bytes": 3 << 30, "disk_budget": 200 << 30, "restore_tps": 9000.0,
             "ram_hits": 1234, "disk_hits": 56}
@@ -59,3 +60,10 @@ def test_readable_at_100_columns():
     assert "team-alpha" in text and "team-beta" in text and "tokensperminute1" in flat
     assert "3 (4xx 2, 5xx 1)" in text  # every non-2xx, by class
     assert "template drift on kvroute-demo" in text and "token 17" in text
+    assert text.count("x5.0") == len(NAMES)  # each backend's sharing ratio
+
+
+def test_the_fleets_cache_sharing_in_stats():
+    cache = snapshot()["cache"]
+    assert cache == {"bytes": 2 << 30, "bytes_unshared": 10 << 30, "sharing_ratio": 5.0,
+                     "blocks": 8192}

@@ -158,6 +158,8 @@ def _record(state: State) -> BackendRecord:
         models=[c.model_id],
         cache_bytes=stats["bytes"],
         cache_budget=stats["budget_bytes"],
+        cache_bytes_unshared=stats["bytes_unshared"],
+        cache_blocks=stats["blocks"],
         waiting=state.engine.waiting,
         running=state.engine.queue_depth - state.engine.waiting,
         **_disk_record(state),

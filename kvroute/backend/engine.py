@@ -746,6 +746,9 @@ class Engine:
         m.l(m.batch_size).set(sum(j.phase == "decode" for j in self._jobs.values()))
         m.l(m.cache_bytes).set(stats["bytes"])
         m.l(m.cache_entries).set(stats["entries"])
+        m.l(m.cache_unshared).set(stats["bytes_unshared"])
+        m.l(m.cache_sharing).set(stats["sharing_ratio"])
+        m.l(m.cache_blocks, tier="ram").set(stats["blocks"])
         m.l(m.prefill_tps).set(self.prefill_tps)
 
 

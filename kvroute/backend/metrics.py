@@ -56,6 +56,16 @@ class BackendMetrics:
                                          "Byte budget of the prompt-cache store")
         self.cache_entries = self._family(Gauge, "kvroute_backend_cache_entries",
                                           "Entries in the prompt-cache store")
+        self.cache_unshared = self._family(
+            Gauge, "kvroute_backend_cache_bytes_unshared",
+            "Bytes the store's entries would hold as whole states, each its own copy of "
+            "the prefixes they share")
+        self.cache_sharing = self._family(
+            Gauge, "kvroute_backend_cache_sharing_ratio",
+            "Unshared bytes over bytes held: how many times over shared blocks serve (1: none)")
+        self.cache_blocks = self._family(Gauge, "kvroute_backend_cache_blocks",
+                                         "Token blocks of the prompt cache held, by tier",
+                                         ("tier",))
         self.queue_depth = self._family(Gauge, "kvroute_backend_queue_depth",
                                         "Requests admitted but not finished")
         self.batch_size = self._family(Gauge, "kvroute_backend_batch_size",

@@ -62,6 +62,10 @@ class BackendRecord:
     models: list[str] = field(default_factory=list)
     cache_bytes: int = 0
     cache_budget: int = 0
+    # What the store's entries would hold without sharing blocks (>= cache_bytes), and
+    # the blocks it holds: a prefix many conversations share is held once.
+    cache_bytes_unshared: int = 0
+    cache_blocks: int = 0
     waiting: int = 0  # requests accepted, not yet admitted to the engine's batch
     running: int = 0  # requests in the engine's batch: prefilling or decoding
     prefill_tps: float = 0.0  # measured prefill tokens/s

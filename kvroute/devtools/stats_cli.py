@@ -85,7 +85,8 @@ def render(stats: dict, decisions: int = 10) -> Group:
              "prefill\ntok/s")
     for name, b in rows:
         backends.add_row(f"{name}\n{', '.join(b['models'])}", percent(b["hit_ratio"]),
-                         f"{format_bytes(b['cache_bytes'])}/{format_bytes(b['cache_budget'])}\n"
+                         f"{format_bytes(b['cache_bytes'])}/{format_bytes(b['cache_budget'])}"
+                         f"{_shared(b)}\n"
                          f"{_disk(b)}", f"{b.get('ram_hits', 0)}/{b.get('disk_hits', 0)}",
                          f"{b['queue_depth']}/{b['inflight']}", f"{b['prefill_tps']:.0f}")
 
@@ -105,6 +106,12 @@ def render(stats: dict, decisions: int = 10) -> Group:
                        route_cache, f"{cached}\n{_ms(d['ttft_ms'])} ms", str(d["status"]))
     return Group(head, *reasons(stats), models, *teams(stats), *model_states(stats), backends,
                  recent)
+
+
+def _shared(b: dict) -> str:
+    """How many times over the backend's shared blocks serve (x1 is nothing shared)."""
+    held, unshared = b.get("cache_bytes", 0), b.get("cache_bytes_unshared", 0)
+    return f" x{unshared / held:.1f}" if held and unshared > held else ""
 
 
 def non_2xx(statuses: dict) -> str:

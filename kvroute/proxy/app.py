@@ -97,6 +97,7 @@ async def sample_stats(state: State) -> None:
         state.stats.sample(backends)
         for b in backends:
             m.backend_cache_bytes.labels(b["id"]).set(b["cache_bytes"])
+            m.backend_cache_unshared.labels(b["id"]).set(b.get("cache_bytes_unshared", 0))
             m.backend_queue_depth.labels(b["id"]).set(b["queue_depth"])
         await asyncio.sleep(SERIES_PERIOD)
 

@@ -69,6 +69,11 @@ class ProxyMetrics:
             "kvroute_proxy_backend_cache_bytes", "Prompt-cache bytes each backend reports",
             ["backend"], registry=r,
         )
+        self.backend_cache_unshared = Gauge(
+            "kvroute_proxy_backend_cache_bytes_unshared",
+            "What each backend's cache entries would hold without sharing blocks",
+            ["backend"], registry=r,
+        )
         self.backend_queue_depth = Gauge(
             "kvroute_proxy_backend_queue_depth", "Queue depth each backend reports",
             ["backend"], registry=r,

@@ -210,6 +210,7 @@ class Stats:
                               "ttft_ms": m.ttft_summary()}
                        for name, m in self.models.items()},
             "backends": out_backends,
+            "cache": cache_totals(out_backends),
             "series": list(self.series),
             "decisions": list(self.decisions),
             "statuses": dict(self.statuses),
@@ -227,3 +228,14 @@ class Stats:
             total.merge(counts)
         return {**total.as_dict(), "limited": dict(limited),
                 "models": {model: c.as_dict() for model, c in sorted(models.items())}}
+
+
+def cache_totals(backends: list[dict]) -> dict:
+    """The fleet's prompt caches together: bytes held, what they would hold without
+    sharing blocks, and the ratio of the two (1.0: nothing shared)."""
+    held = sum(b.get("cache_bytes", 0) for b in backends)
+    # A backend that reports no sharing (an older one) holds what it would unshared.
+    unshared = sum(max(b.get("cache_bytes_unshared", 0), b.get("cache_bytes", 0)) for b in backends)
+    return {"bytes": held, "bytes_unshared": unshared,
+            "sharing_ratio": round(unshared / held, 3) if held else 1.0,
+            "blocks": sum(b.get("cache_blocks", 0) for b in backends)}
