@@ -1,0 +1,113 @@
+"""Prompt-cache capacity with shared prefixes: a team of agent sessions on one backend.
+
+`sessions` conversations send one long system prompt (the team's agent prompt) and a
+question of their own, then a second turn. Measured on one backend with the demo
+model: the bytes its store holds after turn 1 (and what the entries would hold
+unshared), per conversation, and the turn-2 hit ratio (turns whose turn-1 prompt was
+still cached whole) under a RAM budget of `budget` whole conversations.
+
+`--code DIR` runs the backend from another kvroute checkout (e.g. one before the paged
+store) for a "before" row. Run it from outside a checkout (`-m` puts the working
+folder first on the backend's path), with PYTHONPATH naming this one:
+
+    cd /tmp && PYTHONPATH=~/kvroute python ~/kvroute/bench/bench_sharing.py --sessions 10 \
+        --system-tokens 3000 --budget 2 --code /path/to/older/checkout
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+SENTENCE = ("You are one of the team's coding agents. Follow the plan, cite files by path, keep "
+            "answers short, and never invent an API; the repository uses Python and MLX. ")
+
+
+def ask(backend, messages: list[dict]) -> dict:
+    from harness import post_json
+
+    status, body = post_json(backend.url + "/v1/chat/completions",
+                             {"model": "demo", "messages": messages, "max_tokens": 16,
+                              "temperature": 0})
+    assert status == 200, body
+    return body
+
+
+def run(model: str, code: str | None, args, tmp: Path) -> list[str]:
+    from harness import BackendProcess
+
+    env = {"PYTHONPATH": code} if code else {}
+    system = SENTENCE * max(1, args.system_tokens // 75)  # ~75 demo tokens a sentence
+    sessions = [[{"role": "system", "content": system},
+                 {"role": "user", "content": f"Session {i}: what is step {i} of the plan?"}]
+                for i in range(args.sessions)]
+    # One whole conversation's bytes, alone on a backend, sets the budget.
+    one = BackendProcess(model, "demo", tmp, ["--prefill-step", "256"], env=env, backend_id="one")
+    one.start()
+    try:
+        ask(one, sessions[0])
+        per_conversation = one.health()["cache"]["bytes"]
+    finally:
+        one.stop()
+    budget = args.budget * per_conversation
+    backend = BackendProcess(model, "demo", tmp, ["--prefill-step", "256", "--cache-bytes",
+                                                  str(budget)], env=env, backend_id="team")
+    backend.start()
+    try:
+        firsts = []
+        for messages in sessions:
+            firsts.append(ask(backend, messages))
+            messages += [{"role": "assistant", "content": firsts[-1]["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "And who reviews it?"}]
+        cache = backend.health()["cache"]
+        seconds = [ask(backend, messages) for messages in sessions]
+    finally:
+        backend.stop()
+    hits = sum(s["usage"]["prompt_tokens_details"]["cached_tokens"] >= f["usage"]["prompt_tokens"] - 1
+               for f, s in zip(firsts, seconds))
+    prompt = firsts[0]["usage"]["prompt_tokens"]
+    unshared = cache.get("bytes_unshared", cache["bytes"])
+    return [str(prompt), f"{per_conversation / 1e6:.2f}", f"{budget / 1e6:.2f}",
+            str(cache["entries"]), f"{cache['bytes'] / 1e6:.2f}", f"{unshared / 1e6:.2f}",
+            f"{cache['bytes'] / max(cache['entries'], 1) / 1e6:.3f}",
+            f"{hits / len(sessions):.2f}"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sessions", type=int, default=10)
+    ap.add_argument("--system-tokens", type=int, default=3000, help="about; the demo tokenizer's")
+    ap.add_argument("--budget", type=float, default=2.0, help="RAM budget in whole conversations")
+    ap.add_argument("--code", action="append", default=[],
+                    help="another kvroute checkout to run as a row (repeatable)")
+    args = ap.parse_args()
+    from kvroute.devtools import demo_model
+
+    model = str(demo_model.ensure("text"))
+    console = Console(width=200)
+    console.print(f"python bench/bench_sharing.py --sessions {args.sessions} --system-tokens "
+                  f"{args.system_tokens} --budget {args.budget} · {platform.machine()}, "
+                  f"{os.cpu_count()} cores")
+    table = Table(title=f"{args.sessions} sessions sharing a system prompt, one backend, budget "
+                        f"{args.budget:g} whole conversations")
+    for col in ("code", "prompt tokens", "one conversation MB", "budget MB", "entries after turn 1",
+                "held MB", "unshared MB", "held MB / entry", "turn-2 hit ratio"):
+        table.add_column(col, justify="right")
+    for code in [None, *args.code]:
+        with tempfile.TemporaryDirectory(prefix="kvr-share-") as tmp:
+            table.add_row(code or "this checkout", *run(model, code, args, Path(tmp)))
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
