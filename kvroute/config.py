@@ -157,6 +157,14 @@ def _opt(name: str, type_: Callable, default: Any, help_: str, *, env: bool | st
     return Setting(name, type_, default, help_, flag=flag, env=env or None, **kw)
 
 
+def parse_cache_bits(value: Any) -> int:
+    """`cache_quantization`: 0 (exact), 8 or 4 bits."""
+    bits = int(value)
+    if bits not in (0, 4, 8):
+        raise ValueError("0 (exact), 8 or 4")
+    return bits
+
+
 def _unknown(what: str, name: str, known: set[str]) -> ConfigError:
     close = difflib.get_close_matches(name, sorted(known), n=1)
     hint = f"did you mean {close[0]}?" if close else "known: " + ", ".join(sorted(known))
@@ -203,6 +211,10 @@ BACKEND = [
          "<hostname>-<port>)", flag="--id"),
     _opt("cache_bytes", parse_bytes, 2 << 30, "byte budget of the prompt-cache store, e.g. 512MiB, "
          "8GiB", toml="models.cache_bytes"),
+    _opt("cache_quantization", parse_cache_bits, 0, "store the prompt cache's full-attention "
+         "blocks quantized to 8 or 4 bits (0: exact); more conversations per byte, but a hit "
+         "then answers slightly differently from a cold prefill (docs/CACHING.md)",
+         toml="models.cache_quantization"),
     # The disk tier (docs/SSD_TIER.md). Not `cache_dir`: KVROUTE_CACHE_DIR already names
     # where the demo model is built.
     _opt("disk_cache_dir", str, "", "directory of the disk tier: committed caches also go there "
@@ -423,6 +435,7 @@ class BackendConfig:
     backend_id: str = _BACKEND["backend_id"]  # empty: <hostname>-<port>
     model_id: str = _BACKEND["model_id"]  # the name clients use; empty: the model path's last part
     cache_bytes: int = _BACKEND["cache_bytes"]
+    cache_quantization: int = _BACKEND["cache_quantization"]  # 0: exact; 8, 4: bits a block
     disk_cache_dir: str = _BACKEND["disk_cache_dir"]  # the disk tier's folder; empty: RAM only
     disk_cache_bytes: int = _BACKEND["disk_cache_bytes"]
     disk_fsync: str = _BACKEND["disk_fsync"]  # always or never (docs/SSD_TIER.md, Durability)
@@ -458,6 +471,7 @@ class ModelSpec:
     replicas: int = _MODEL["replicas"]
     # Per-replica backend settings: defaults from the BACKEND table.
     cache_bytes: int = _MODEL["cache_bytes"]
+    cache_quantization: int = _MODEL["cache_quantization"]
     disk_cache_dir: str = _MODEL["disk_cache_dir"]
     disk_cache_bytes: int = _MODEL["disk_cache_bytes"]
     disk_fsync: str = _MODEL["disk_fsync"]

@@ -69,6 +69,20 @@ def test_disk_fsync_is_a_model_setting_with_two_policies(tmp_path):
         config.build(parse(config.SERVE, ["--config", str(path)]), {})
 
 
+def test_cache_quantization_is_a_model_setting_exact_by_default(tmp_path):
+    path = tmp_path / "k.toml"
+    path.write_text('[[models]]\npath = "demo"\ncache_quantization = 8\n')
+    (model,) = config.build(parse(config.SERVE, ["--config", str(path)]), {}).models
+    flags = model.backend_flags()
+    assert flags[flags.index("--cache-quantization") + 1] == "8"
+    assert config.resolve(config.BACKEND, parse(config.BACKEND, []), {})["cache_quantization"] == 0
+    env = {"KVROUTE_CACHE_QUANTIZATION": "4"}
+    assert config.resolve(config.BACKEND, parse(config.BACKEND, []), env)["cache_quantization"] == 4
+    path.write_text('[[models]]\npath = "demo"\ncache_quantization = 5\n')
+    with pytest.raises(ConfigError, match="cache_quantization: invalid value 5 .0 .exact., 8 or 4"):
+        config.build(parse(config.SERVE, ["--config", str(path)]), {})
+
+
 def test_api_keys_from_flag_environment_and_file(tmp_path):
     path = tmp_path / "k.toml"
     path.write_text('[proxy]\napi_keys = ["sk-file:team"]\n')

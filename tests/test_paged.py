@@ -177,3 +177,24 @@ def test_a_hybrid_pages_its_attention_layers_and_keeps_the_rest_whole():
     assert same_cache([kv0, kv1], attention)
     assert rec[0].tolist() == [[5.0, 5.0, 5.0]] and win.offset == len(p)
     assert np.array_equal(np.array(win.keys), np.array(window.keys))
+
+
+@pytest.mark.parametrize("bits, error, smaller", [(8, 0.02, 3.0), (4, 0.25, 5.0)])
+def test_quantized_storage_holds_more_and_stays_close(bits, error, smaller):
+    """Opt-in: blocks stored by mx.quantize, dequantized into the working cache on a
+    hit; the tokens after the last full block stay exact. The deviation this causes in
+    answers is measured per family in BENCHMARKS.md (bench_quantized)."""
+    p = SYSTEM[:10 * BLOCK_TOKENS + 7]
+    exact, quantized = Store(1 << 30), Store(1 << 30, quantization=bits)
+    for store in (exact, quantized):
+        store.insert("m", p, kv_of(p), "finish")
+    assert exact.nbytes >= smaller * quantized.nbytes * 0.9
+    assert quantized.stats()["quantization"] == bits and exact.stats()["quantization"] == 0
+    want, got = kv_of(p), quantized.lookup("m", p + [1]).cache
+    for w, g in zip(want, got, strict=True):
+        assert g.offset == len(p) and g.keys.dtype == w.keys.dtype
+        assert float(mx.abs(g.keys - w.keys).max()) <= error
+        assert float(mx.abs(g.values - w.values).max()) <= error
+        tail = slice(10 * BLOCK_TOKENS, len(p))
+        assert np.array_equal(np.array(g.keys[..., tail, :]), np.array(w.keys[..., tail, :]))
+    assert same_cache(exact.lookup("m", p + [1]).cache, want)  # the default stays exact

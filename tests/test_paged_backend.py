@@ -112,3 +112,20 @@ def test_ten_sessions_under_a_budget_of_two_conversations(text_model, tmp_path, 
         same_answer(seconds[0], ask(backend, turns[0], scope=uuid.uuid4().hex))
     finally:
         backend.stop()
+
+
+def test_quantized_storage_opt_in(text_model, tmp_path, one_conversation_bytes):
+    """`--cache-quantization 8`: the same conversation in fewer bytes, still a hit to the
+    last token but one. The demo model's answers do not move (BENCHMARKS.md measures
+    the deviation per family; the default stays exact)."""
+    backend = start(text_model, tmp_path, "q8", "--cache-quantization", "8")
+    try:
+        first = ask(backend, session(0))
+        stats = held(backend)
+        assert stats["quantization"] == 8
+        assert stats["bytes"] * 1.8 <= one_conversation_bytes, stats
+        repeat = ask(backend, session(0))
+        assert cached(repeat) == first.usage.prompt_tokens - 1
+        assert repeat.choices[0].message.content == first.choices[0].message.content
+    finally:
+        backend.stop()

@@ -78,7 +78,7 @@ def load_state(config: BackendConfig) -> State:
     config.backend_id = config.backend_id or f"{socket.gethostname().split('.')[0]}-{config.port}"
     context = int(model_config.get("max_position_embeddings") or 0) or 32768
     metrics_ = BackendMetrics(config.model_id, config.backend_id)
-    store = Store(config.cache_bytes)
+    store = Store(config.cache_bytes, quantization=config.cache_quantization)
     metrics_.l(metrics_.cache_budget).set(config.cache_bytes)
 
     def count_evictions(event) -> None:

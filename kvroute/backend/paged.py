@@ -53,22 +53,67 @@ def block_keys(root: int, tokens: np.ndarray, count: int) -> list[int]:
 @dataclass(eq=False)
 class Block:
     key: int
-    kv: list[tuple[mx.array, mx.array]]  # per paged layer: keys, values [1, heads, BLOCK, dim]
+    # Per paged layer: keys, values [1, heads, BLOCK, dim]; each a `Quantized` in a pool
+    # that stores blocks quantized.
+    kv: list[tuple[Any, Any]]
     nbytes: int
     refs: int = 0
 
 
+# Quantization groups: 64 values, along the head dimension where it holds whole groups
+# (real models: 64, 128), else across a few tokens' worth of it (tiny test models).
+GROUP = 64
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """One array of a block stored by `mx.quantize` (docs/CACHING.md, Quantized storage)."""
+
+    parts: tuple[mx.array, mx.array, mx.array]  # data, scales, biases
+    shape: tuple[int, ...]
+    dtype: Any
+    bits: int
+
+    @classmethod
+    def of(cls, x: mx.array, bits: int) -> "Quantized":
+        flat = x.reshape(-1, GROUP if x.shape[-1] % GROUP else x.shape[-1])
+        return cls(tuple(mx.quantize(flat, group_size=GROUP, bits=bits)), tuple(x.shape), x.dtype, bits)
+
+    def array(self) -> mx.array:
+        out = mx.dequantize(*self.parts, group_size=GROUP, bits=self.bits)
+        return out.reshape(self.shape).astype(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def quantizable(kv: list[tuple[mx.array, mx.array]]) -> bool:
+    """Whether `mx.quantize` takes a block of these layers (groups of GROUP values)."""
+    return all((k.size // k.shape[0]) % GROUP == 0 and (v.size // v.shape[0]) % GROUP == 0
+               for k, v in kv)
+
+
+def _plain(x: Any) -> mx.array:
+    return x.array() if isinstance(x, Quantized) else x
+
+
 @dataclass
 class Pool:
-    """Every block of one store, by key; a block lives while an entry uses it."""
+    """Every block of one store, by key; a block lives while an entry uses it. With
+    `bits` (8 or 4) blocks are stored quantized: opt-in, answers then deviate."""
 
     blocks: dict[int, Block] = field(default_factory=dict)
     nbytes: int = 0
+    bits: int = 0
 
     def acquire(self, key: int, make: Any) -> Block:
         block = self.blocks.get(key)
         if block is None:
             kv = make()
+            if self.bits and quantizable(kv):
+                kv = [(Quantized.of(k, self.bits), Quantized.of(v, self.bits)) for k, v in kv]
+                mx.eval([q.parts for pair in kv for q in pair])
             block = self.blocks[key] = Block(key, kv, sum(k.nbytes + v.nbytes for k, v in kv))
             self.nbytes += block.nbytes
         block.refs += 1
@@ -151,9 +196,9 @@ class Paged:
         # One concatenation of exactly the parts that hold the first n tokens: the
         # only copy a hit makes, into arrays no stored block shares.
         full, rest = divmod(n, BLOCK_TOKENS)
-        parts = [b.kv[i] for b in self.blocks[:full]]
+        parts = [tuple(map(_plain, b.kv[i])) for b in self.blocks[:full]]
         if rest:
-            k, v = self.blocks[full].kv[i] if full < len(self.blocks) else self.tail[i]
+            k, v = map(_plain, self.blocks[full].kv[i] if full < len(self.blocks) else self.tail[i])
             parts.append((k[..., :rest, :], v[..., :rest, :]))
         layer = KVCache()
         layer.keys = mx.concatenate([k for k, _ in parts], axis=2)

@@ -249,11 +249,13 @@ def _synchronized(method: Callable) -> Callable:
 
 
 class Store:
-    def __init__(self, budget_bytes: int, max_entries: int = 256):
+    def __init__(self, budget_bytes: int, max_entries: int = 256, quantization: int = 0):
         self.budget_bytes = budget_bytes
         self.max_entries = max_entries
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # LRU order, oldest first
-        self.pool = Pool()  # the blocks every entry's full-attention layers are kept in
+        # The blocks every entry's full-attention layers are kept in; quantized to
+        # `quantization` bits (8, 4) when set: opt-in, a hit is then not exact.
+        self.pool = Pool(bits=quantization)
         self.own_bytes = 0  # what entries hold alone: tails, layers kept whole
         self.evictions = 0
         self.blocks_evicted = 0
@@ -581,5 +583,6 @@ class Store:
             "blocks": len(self.pool.blocks),
             "block_bytes": self.pool.nbytes,
             "block_tokens": BLOCK_TOKENS,
+            "quantization": self.pool.bits,
             "blocks_evicted": self.blocks_evicted,
         }
