@@ -176,7 +176,8 @@ def test_a_flipped_token_id_in_a_header_is_never_used(text_model, tmp_path):
     altered = [honest[0], {"role": "user", "content": "Ticket 8 blocks the Thursday release; who owns it?"}]
     prompt = chat(first, honest)["usage"]["prompt_tokens"]
     chat(first, altered, scope="probe")  # its file tells the backend's own token ids
-    wait_until(lambda: written(first, 2), 60, what="both on disk")
+    # Both on disk, and the prompts' own records replaced by their finished turns.
+    wait_until(lambda: written(first, 2) and len(records(disk)) == 2, 60, what="both on disk")
     kill(first)
     metas = {path: _header(path) for path in records(disk)}
     (probe,) = [m["tokens"] for m in metas.values() if m["scope"] == "probe"]

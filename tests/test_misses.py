@@ -100,7 +100,7 @@ def test_evicted_from_ram_and_from_the_disk_tier(tmp_path):
         store.insert("m", tokens(100), make_cache(100), "finish")
         wait_until(lambda: len(tier.index) == 1, 30, what="the first written")
         store.insert("m", tokens(100, 1000), make_cache(100), "finish")  # evicts it from RAM
-        wait_until(lambda: [r.tokens[0] for r in tier.index.values()][-1] == 1000, 30,
+        wait_until(lambda: [r.tokens[0] for r in tier.index.values()][-1:] == [1000], 30,
                    what="the second written")
         assert len(tier.index) == disk_files
         # Still on disk: a restore serves it (or a prefill chosen over it), nothing lost.

@@ -198,3 +198,14 @@ def test_quantized_storage_holds_more_and_stays_close(bits, error, smaller):
         tail = slice(10 * BLOCK_TOKENS, len(p))
         assert np.array_equal(np.array(g.keys[..., tail, :]), np.array(w.keys[..., tail, :]))
     assert same_cache(exact.lookup("m", p + [1]).cache, want)  # the default stays exact
+
+
+def test_a_state_with_fewer_blocks_than_its_tokens_fill_reads_the_rest_from_its_tail():
+    """A disk record kept whole (over the RAM budget) has no blocks: its layers hold
+    every token, and any prefix of it comes from them."""
+    from kvroute.backend.paged import from_disk
+
+    p = SYSTEM[:100]
+    state = from_disk(kv_of(p), [], len(p))
+    for n in (5, 32, 70, 100):
+        assert same_cache(state.assemble(n), kv_of(p[:n]))

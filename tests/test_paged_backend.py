@@ -129,3 +129,36 @@ def test_quantized_storage_opt_in(text_model, tmp_path, one_conversation_bytes):
         assert repeat.choices[0].message.content == first.choices[0].message.content
     finally:
         backend.stop()
+
+
+def test_a_restart_restores_the_shared_prompt_once(text_model, tmp_path):
+    """Three sessions of one long system prompt on disk; after a SIGKILL and a restart,
+    each one's next turn is cached and exact, and the shared prompt's blocks were
+    written once and read back at most once."""
+    from test_disk_tier import kill
+
+    disk = tmp_path / "disk"
+    first = start(text_model, tmp_path, "before", "--disk-cache-dir", str(disk))
+    sessions = [session(i) for i in range(3)]
+    try:
+        answers = [ask(first, m) for m in sessions]
+        wait_until(lambda: first.health()["disk"]["entries"] == 3
+                   and first.health()["disk"]["write_queue"] == 0, 60, what="three on disk")
+        written = first.health()["disk"]
+        shared = answers[0].usage.prompt_tokens // 32  # about the prompt's blocks
+        assert written["blocks"] < 1.5 * shared, written  # not three copies of them
+    finally:
+        kill(first)
+    again = start(text_model, tmp_path, "after", "--disk-cache-dir", str(disk))
+    try:
+        for messages, answer in zip(sessions, answers):
+            follow = messages + [{"role": "assistant", "content": answer.choices[0].message.content},
+                                 {"role": "user", "content": "And who reviews it?"}]
+            hit = ask(again, follow)
+            assert cached(hit) >= answer.usage.prompt_tokens - 1
+            same_answer(hit, ask(again, follow, scope=uuid.uuid4().hex))
+        assert again.health()["disk"]["block_reads"] <= written["blocks"] < 1.5 * shared
+        assert metric_sum(request(again.url + "/metrics")[2].decode(),
+                          "kvroute_backend_cache_hits_total", tier="disk") >= 2
+    finally:
+        again.stop()

@@ -52,9 +52,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import diskfile
+from . import diskfile, paged
+from .diskblocks import Blocks
 from .diskfile import BadRecord, Record
-from .store import Entry, Event, Hit, common_prefix, held_tokens, trimmed_copy, usable_prefix
+from .paged import Block, Paged
+from .store import Entry, Event, Hit, common_prefix, usable_prefix
 
 log = logging.getLogger("kvroute.backend.disk")
 
@@ -64,11 +66,16 @@ class Restored:
     """A state read from disk for one request; the engine makes its private view."""
 
     tokens: int  # the prompt's tokens it serves
-    cache: list[Any]  # shared by every request that hit the same file: never handed out
-    held: int  # tokens the cache holds (>= tokens)
+    state: Paged  # shared by every request that hit the same file: never handed out
+    held: int  # tokens the state holds (>= tokens)
 
     def hit(self) -> Hit:
-        return Hit(self.tokens, trimmed_copy(self.cache, self.held - self.tokens), None)
+        return Hit(self.tokens, self.state.assemble(self.tokens), None)
+
+    @property
+    def cache(self) -> list[Any]:
+        """All it holds, as a private copy (engine thread)."""
+        return self.state.assemble()
 
 
 @dataclass
@@ -91,10 +98,11 @@ class DiskTier:
         self.enabled = False
         self.listeners: list[Callable[[DiskEvent], None]] = []
         self.index: OrderedDict[str, Record] = OrderedDict()  # LRU order, oldest first
-        self.nbytes = 0
+        self.nbytes = 0  # the records' files (their shared blocks: `blocks.nbytes`)
+        self.lock = threading.RLock()
+        self.blocks = Blocks(self.directory, fingerprint, fsync, self.lock)
         self.restore_bps = 0.0  # measured restore bandwidth, bytes/s (moving average)
         self.restore_tps = 0.0  # the same in tokens/s, for the proxy's TTFT estimate
-        self.lock = threading.RLock()
         self._by_entry: dict[int, str] = {}  # store entry id -> file name
         self._seen: set[int] = set()  # store entry ids queued or written
         self._wholes: list[list] = []  # queued ["whole", entry] items, not yet written
@@ -130,15 +138,23 @@ class DiskTier:
                         self.directory, exc.strerror or exc)
             self.metrics.l(self.metrics.disk_enabled).set(0)
             return False
+        try:
+            self.blocks.open()
+        except OSError as exc:  # a read-only folder without blocks/: records whole only
+            log.debug("disk cache: no block folder (%s)", exc)
         self._index_directory()
+        orphans = self.blocks.drop_unlisted()
+        if orphans:
+            log.info("disk cache: removed %d blocks no record lists (an interrupted write)", orphans)
         self.enabled = True
         self.metrics.l(self.metrics.disk_enabled).set(1)
         self.metrics.l(self.metrics.disk_budget).set(self.budget_bytes)
         self._writer.start()
         self._enforce_budget(0)
         self._update_gauges()
-        log.info("disk cache %s: %d entries, %.1f MB (budget %.1f MB)", self.directory,
-                 len(self.index), self.nbytes / 1e6, self.budget_bytes / 1e6)
+        log.info("disk cache %s: %d entries, %d blocks, %.1f MB (budget %.1f MB)", self.directory,
+                 len(self.index), len(self.blocks.files), self.held_bytes / 1e6,
+                 self.budget_bytes / 1e6)
         return True
 
     def _lock(self) -> int:
@@ -195,6 +211,11 @@ class DiskTier:
                     continue
                 found.append((mtime, record))
         for _, record in sorted(found, key=lambda f: f[0]):
+            missing = self.blocks.missing(record.blocks)
+            if missing:
+                self._drop(self.directory / record.name, "partial",
+                           f"{len(missing)} of its blocks are missing")
+                continue
             self._add(record)
 
     def _drop(self, path: Path, reason: str, detail: str) -> None:
@@ -234,7 +255,7 @@ class DiskTier:
                 self._pending_bytes += entry.nbytes
             # Whole and evaluated here: the store keeps it as shared blocks, and the
             # writer thread runs no MLX graph.
-            self._queue.put(("write", entry.frozen()))
+            self._queue.put(("write", entry.for_disk()))
         elif event.kind == "evict" and event.reason != "trimmed":  # a cut entry's file stays whole
             # Gone from RAM: no more events for it (its file stays, unless superseded).
             self._seen.discard(entry.id)
@@ -336,13 +357,20 @@ class DiskTier:
             "model": entry.model, "tokens": entry.tokens.tolist(), "scope": entry.scope,
             "chain": chain, "trimmable": entry.trimmable,
             "exit_path": entry.exit_path, "created": entry.created,
+            "blocks": [f"{b.key:016x}" for b in entry.shared],
         }
         stem = f"{time.time_ns():x}-{os.getpid()}-{next(self._names)}"
+        keys = [b.key for b in entry.shared]
+        held = False
         try:
             if shutil.disk_usage(self.directory).free < entry.nbytes:
                 raise OSError(errno.ENOSPC, "no space left on the device")
+            held = self._write_blocks(entry.shared)
             name, size = diskfile.write(self.directory, stem, entry.cache, meta, self.fsync)
         except (OSError, RuntimeError) as exc:  # MLX reports a failed write as RuntimeError
+            if held:
+                with self.lock:
+                    self.blocks.release(keys)
             code = exc.errno if isinstance(exc, OSError) else _probe_errno(self.directory)
             reason = errno.errorcode.get(code or 0, "EIO")
             if not self._failing:
@@ -359,18 +387,34 @@ class DiskTier:
             self._failing = False
             self.writable = True
         record = Record(name, entry.tokens, entry.scope, chain, entry.trimmable,
-                        entry.exit_path, size, 0, "", entry.created, entry.model)
+                        entry.exit_path, size, 0, "", entry.created, entry.model, blocks=keys)
         with self.lock:
-            self._add(record)
-            if entry.id in self._seen:  # still in RAM: a later supersede removes the file
+            self._add(record, blocks_held=True)
+            # Still in RAM, or superseded while it was being written (its "drop" is
+            # queued behind this write): the supersede removes the file.
+            if entry.id in self._seen or entry.id in self._superseded:
                 self._by_entry[entry.id] = name
         self.metrics.l(self.metrics.disk_writes, result="ok").inc()
         self._enforce_budget(0)
         self._update_gauges()
         return True
 
-    def _add(self, record: Record) -> None:
+    def _write_blocks(self, blocks: list[Block]) -> bool:
+        """Write the blocks not on disk yet (a block already there is not written again)
+        and count the record's use of all of them before its file exists, so no
+        eviction meanwhile removes one it lists. True when counted."""
+        new = list({b.key: b for b in blocks if b.key not in self.blocks.files}.values())
+        if new:
+            self.blocks.write(new)
         with self.lock:
+            if not self.blocks.hold([b.key for b in blocks]):
+                raise OSError(errno.ENOENT, "a block went missing while its record was written")
+        return True
+
+    def _add(self, record: Record, blocks_held: bool = False) -> None:
+        with self.lock:
+            if not blocks_held:
+                self.blocks.hold(record.blocks)
             self.index[record.name] = record
             self.nbytes += record.size
             refs = self._key_refs.setdefault(record.model, Counter())
@@ -384,6 +428,7 @@ class DiskTier:
             if record is None:
                 return
             self.nbytes -= record.size
+            self.blocks.release(record.blocks)
             refs = self._key_refs.get(record.model, Counter())
             released = []
             for k in dict.fromkeys(record.chain):
@@ -396,8 +441,13 @@ class DiskTier:
             self._unlink(self.directory / name)
         self._update_gauges()
 
+    @property
+    def held_bytes(self) -> int:
+        """Its records' files and their shared blocks, each block once."""
+        return self.nbytes + self.blocks.nbytes
+
     def _enforce_budget(self, incoming: int) -> None:
-        while self.index and self.nbytes + incoming > self.budget_bytes:
+        while self.index and self.held_bytes + incoming > self.budget_bytes:
             self._remove(next(iter(self.index)))
             self.metrics.l(self.metrics.disk_evictions).inc()
 
@@ -440,22 +490,19 @@ class DiskTier:
             fut = asyncio.get_running_loop().run_in_executor(self._readers, self._load, record)
             self._reads[record.name] = fut
             fut.add_done_callback(lambda _: self._reads.pop(record.name, None))
-        cache = await asyncio.shield(fut)  # one client leaving never cancels a shared read
-        if cache is None:
+        state = await asyncio.shield(fut)  # one client leaving never cancels a shared read
+        if state is None:
             return None
-        return Restored(n, cache, len(record.tokens))
+        return Restored(n, state, len(record.tokens))
 
     def _load(self, record: Record) -> list[Any] | None:
         path = self.directory / record.name
-        t0 = time.perf_counter()
+        t0, blocks_read = time.perf_counter(), self.blocks.read_bytes
         try:
             if record.data_offset == 0:  # written by this process: read its header now
                 record = self._with_header(record, path)
             cache = diskfile.load(path, record, self.read_parallel)
-            held = held_tokens(cache)
-            if held is not None and held != len(record.tokens):
-                raise BadRecord("corrupt", f"state holds {held} tokens, the record lists "
-                                f"{len(record.tokens)}")
+            state = self._state(record, cache)
         except BadRecord as exc:
             self._remove(record.name, unlink=False)
             self._drop(path, exc.reason, str(exc))
@@ -465,13 +512,14 @@ class DiskTier:
             self._drop(path, "unloadable", repr(exc))
             return None
         seconds = time.perf_counter() - t0
-        rate = record.size / max(seconds, 1e-6)
+        read = record.size + self.blocks.read_bytes - blocks_read  # blocks held already: not read
+        rate = read / max(seconds, 1e-6)
         self.restore_bps = rate if not self.restore_bps else 0.7 * self.restore_bps + 0.3 * rate
         tps = len(record.tokens) / max(seconds, 1e-6)
         self.restore_tps = tps if not self.restore_tps else 0.7 * self.restore_tps + 0.3 * tps
         m = self.metrics
         m.l(m.disk_restore_seconds).observe(seconds)
-        m.l(m.disk_restore_bytes).inc(record.size)
+        m.l(m.disk_restore_bytes).inc(read)
         m.l(m.disk_restore_bps).set(self.restore_bps)
         with self.lock:
             if record.name in self.index:
@@ -481,7 +529,21 @@ class DiskTier:
             os.utime(path)  # LRU order survives a restart
         except OSError:
             pass
-        return cache
+        return state
+
+    def _state(self, record: Record, cache: list[Any]) -> Paged:
+        """A record's layers and its shared blocks as one state (reader thread). Its
+        block list must be the chain of its own tokens: a header that lists other
+        blocks is as damaged as a flipped token id."""
+        root = paged.root_key(record.model, record.scope)
+        if record.blocks != paged.block_keys(root, record.tokens, len(record.blocks)):
+            raise BadRecord("corrupt", "its blocks are not the chain of its tokens")
+        blocks = [self.blocks.load(k, lambda key, kv, size: Block(key, kv, size))
+                  for k in record.blocks]
+        try:
+            return paged.from_disk(cache, blocks, len(record.tokens))
+        except ValueError as exc:
+            raise BadRecord("corrupt", str(exc))
 
     def _folder_writable(self) -> bool:
         probe = self.directory / ".probe"
@@ -517,7 +579,8 @@ class DiskTier:
             "skipped_files": len(self._stuck),
             "directory": str(self.directory),
             "entries": len(self.index),
-            "bytes": self.nbytes,
+            "bytes": self.held_bytes,
+            **self.blocks.stats(),
             "budget_bytes": self.budget_bytes,
             "write_queue": self._queue.qsize(),
             "restore_bytes_per_s": round(self.restore_bps),
@@ -526,7 +589,8 @@ class DiskTier:
 
     def _update_gauges(self) -> None:
         m = self.metrics
-        m.l(m.disk_bytes).set(self.nbytes)
+        m.l(m.disk_bytes).set(self.held_bytes)
+        m.l(m.cache_blocks, tier="disk").set(len(self.blocks.files))
         m.l(m.disk_entries).set(len(self.index))
 
 
@@ -571,4 +635,5 @@ def open_disk_tier(model: str, directory: str, budget_bytes: int, ram_budget: in
         return None
     store.listeners.append(tier.on_store_event)
     store.overflow = tier.take
+    tier.blocks.in_ram = store.pool.blocks.get
     return tier

@@ -5,7 +5,9 @@ format, so any layer cache mlx-lm can save round-trips, windows and recurrent
 states included). Its string metadata carries one more key, `kvroute`: a JSON
 object with the exact token ids the state holds, the model fingerprint, the
 format version, the cache scope, the advertised prefix chain, whether the entry
-can be trimmed. The file's name ends with two checksums: one of its header (the
+can be trimmed, and the chain keys of the shared blocks (diskblocks.py) that hold
+its first tokens' full-attention KV (its own full-attention layers then hold only
+the tokens after them). The file's name ends with two checksums: one of its header (the
 8-byte length and the JSON header: metadata, token ids, tensor table) and one of
 the whole file, header included, so a flipped token id in the header is as damaged
 as a flipped tensor byte.
@@ -66,6 +68,9 @@ class Record:
     created: float = 0.0
     model: str = ""
     hits: int = field(default=0, compare=False)
+    # Chain keys of the shared blocks (diskblocks.py) holding its first tokens' full-
+    # attention KV, in order; its own file holds the rest. Empty: the file holds all.
+    blocks: list[int] = field(default_factory=list)
 
 
 def fingerprint(model_path: str | Path) -> str:
@@ -200,8 +205,9 @@ def read_header(path: Path, expect_fingerprint: str) -> Record:
             checksum=checksum,
             created=float(meta["created"]),
             model=str(meta["model"]),
+            blocks=[int(k, 16) for k in meta.get("blocks", [])],
         )
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, AttributeError):
         raise BadRecord("corrupt", "metadata incomplete")
 
 
@@ -293,6 +299,13 @@ def from_bytes(blob: bytearray, data_offset: int) -> list[Any]:
 
     header = orjson.loads(memoryview(blob)[8:data_offset])
     metadata = header.pop("__metadata__", {})
+    return _rebuild(cache_mod, arrays_from_bytes(blob, header, data_offset), metadata, mx)
+
+
+def arrays_from_bytes(blob: bytearray, header: dict, data_offset: int) -> dict[str, Any]:
+    """The tensors of a safetensors file's bytes (its header without `__metadata__`)."""
+    import mlx.core as mx
+
     arrays = {}
     try:
         for name, t in header.items():
@@ -305,7 +318,7 @@ def from_bytes(blob: bytearray, data_offset: int) -> list[Any]:
             arrays[name] = arr.view(mx.bfloat16) if kind == "bfloat16" else arr
     except (KeyError, TypeError, ValueError) as exc:
         raise BadRecord("corrupt", f"tensor table: {exc}")
-    return _rebuild(cache_mod, arrays, metadata, mx)
+    return arrays
 
 
 def _rebuild(cache_mod: Any, arrays: dict, metadata: dict, mx: Any) -> list[Any]:

@@ -98,6 +98,8 @@ class BackendMetrics:
             self.commits_refused.labels(**self._labels, reason=reason)
         for whole in ("disk", "dropped"):
             self.commits_over_budget.labels(**self._labels, whole=whole)
+        for tier in ("ram", "disk"):
+            self.cache_blocks.labels(**self._labels, tier=tier)
         for reason in BACKEND_REASONS:
             self.cache_reasons.labels(**self._labels, reason=reason)
             self.seconds_lost.labels(**self._labels, reason=reason)

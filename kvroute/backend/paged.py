@@ -195,7 +195,8 @@ class Paged:
     def _layer(self, i: int, n: int) -> KVCache:
         # One concatenation of exactly the parts that hold the first n tokens: the
         # only copy a hit makes, into arrays no stored block shares.
-        full, rest = divmod(n, BLOCK_TOKENS)
+        full = min(n // BLOCK_TOKENS, len(self.blocks))  # the tail follows the last block
+        rest = n - full * BLOCK_TOKENS
         parts = [tuple(map(_plain, b.kv[i])) for b in self.blocks[:full]]
         if rest:
             k, v = map(_plain, self.blocks[full].kv[i] if full < len(self.blocks) else self.tail[i])
@@ -213,6 +214,44 @@ class Paged:
         self.own_bytes -= freed
         self.tokens = len(self.blocks) * BLOCK_TOKENS
         return freed
+
+
+def for_disk(state: Paged) -> tuple[list[Any], list[Block]] | None:
+    """What the disk tier writes for an entry, without running MLX (the writer thread
+    reads these evaluated arrays): its layers with each paged one holding the tokens
+    after its blocks, and those blocks. At least one token stays in the record (a
+    block's worth when it ends on a block). None where blocks are stored quantized."""
+    blocks = list(state.blocks)
+    tail = state.tail
+    if state.slots and state.tokens == len(blocks) * BLOCK_TOKENS:
+        tail, blocks = blocks[-1].kv, blocks[:-1]
+    if any(isinstance(x, Quantized) for b in blocks for pair in b.kv for x in pair) or any(
+            isinstance(x, Quantized) for pair in tail for x in pair):
+        return None
+    layers = []
+    for k, v in tail:
+        layer = KVCache()
+        layer.keys, layer.values, layer.offset = k, v, k.shape[2]
+        layers.append(layer)
+    return [_fill(layer, layers) for layer in state.skeleton], blocks
+
+
+def from_disk(cache: list[Any], blocks: list[Block], tokens: int) -> Paged:
+    """A restored record as a Paged state (its paged layers: every plain `KVCache`),
+    so the engine assembles its private view as from RAM."""
+    paged: list[KVCache] = []
+    skeleton = _skeleton(cache, paged)
+    tail = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in paged]
+    held = len(blocks) * BLOCK_TOKENS + (paged[0].offset if paged else 0)
+    if paged and (held != tokens or any(c.offset != paged[0].offset for c in paged)):
+        raise ValueError(f"the record's blocks and layers hold {held} tokens, it lists {tokens}")
+    if not paged and blocks:
+        raise ValueError("a record lists blocks but has no layer to put them in")
+    whole = _whole_layers(skeleton)
+    if any(isinstance(getattr(c, "offset", None), int) and c.offset != tokens for c in whole):
+        raise ValueError(f"a layer of the record does not hold its {tokens} tokens")
+    own = sum(c.nbytes for c in whole) + sum(k.nbytes + v.nbytes for k, v in tail)
+    return Paged(tokens, skeleton, blocks, tail, own)
 
 
 def _empty(x: mx.array) -> mx.array:

@@ -58,7 +58,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from .paged import BLOCK_TOKENS, Paged, Pool, page, private_copy, release, root_key
+from .paged import BLOCK_TOKENS, Paged, Pool, for_disk, page, private_copy, release, root_key
 
 # Layer caches that can always drop their newest tokens, whatever they hold.
 _ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache)
@@ -86,6 +86,9 @@ class Entry:
     # Token position -> keys its first tokens are advertised under: what it still
     # advertises once eviction cuts it shorter.
     depths: dict[int, list[int]] = field(default_factory=dict)
+    # For the disk writer (`for_disk`): the blocks its first tokens are in, written
+    # apart and once; `raw` then holds the rest of its state.
+    shared: list[Any] = field(default_factory=list)
 
     @property
     def cache(self) -> list[Any]:
@@ -93,13 +96,22 @@ class Entry:
         (engine thread: it runs MLX)."""
         return self.raw if self.raw is not None else self.state.assemble()
 
-    def frozen(self) -> "Entry":
-        """A copy holding its state whole and evaluated, for a reader on another thread
-        (the disk writer): MLX graphs run on the engine thread only."""
-        cache = self.cache
-        mx.eval([c.state for c in cache])
+    def for_disk(self) -> "Entry":
+        """A copy for the disk writer (another thread: it runs no MLX graph): its shared
+        blocks in `shared`, the rest of its state in `raw` (paged.for_disk); where blocks
+        are stored quantized, its whole state assembled and evaluated here."""
+        shared: list[Any] = []
+        if self.raw is not None:
+            cache = self.raw
+        else:
+            parts = for_disk(self.state)
+            if parts is None:
+                cache = self.cache
+                mx.eval([c.state for c in cache])
+            else:
+                cache, shared = parts
         return dataclasses.replace(self, tokens=self.tokens.copy(), chain=list(self.chain),
-                                   raw=cache, state=None, depths=dict(self.depths))
+                                   raw=cache, state=None, depths=dict(self.depths), shared=shared)
 
 
 @dataclass

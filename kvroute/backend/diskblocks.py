@@ -1,0 +1,229 @@
+"""The disk tier's shared blocks: each 32-token block of full-attention KV (paged.py)
+in a file of its own under `blocks/`, written once however many records use it.
+
+A record (diskfile.py) lists the chain keys of the blocks that precede its own
+tokens; the key names the block's file, `<key>.<header xxh3>.<file xxh3>.kvb.safetensors`,
+so a block already on disk is never written again, and a restart that restores
+conversations sharing a prefix reads that prefix once (blocks being read or held by
+a restored state are shared, `loaded`). The header carries the format version, the
+model fingerprint and the key; the checksums in the name cover the header and the
+whole file, as a record's do. A block is written (to a temporary name, fsynced
+under the tier's policy, renamed) before the record that lists it, so a crash leaves
+at most blocks no record lists; a restart removes those. A block file that is
+missing or damaged fails the record that lists it, which is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import xxhash
+
+from . import diskfile
+from .diskfile import BadRecord
+
+log = logging.getLogger("kvroute.backend.disk")
+
+FOLDER = "blocks"
+SUFFIX = ".kvb.safetensors"
+VERSION = 1
+
+
+@dataclass
+class BlockFile:
+    name: str
+    size: int
+    refs: int = 0  # records that list it
+
+
+class Blocks:
+    """The block files of one disk tier; the tier's lock guards `files` and refs."""
+
+    def __init__(self, directory: Path, fingerprint: str, fsync: bool, lock: Any = None):
+        self.directory = directory / FOLDER
+        self.fingerprint = fingerprint
+        self.fsync = fsync
+        self.files: dict[int, BlockFile] = {}
+        self.nbytes = 0
+        self.reads = 0  # block files read (a shared prefix restored once counts once)
+        self.read_bytes = 0
+        # Blocks read back and still held by a restored state: the next restore of a
+        # record listing them shares them instead of reading them again.
+        self.loaded: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._load_lock = threading.Lock()
+        self.lock = lock or threading.RLock()  # the tier's: guards `files` and refs
+        # A block the RAM store holds, by key (its pool's dict lookup): the same KV, not
+        # read again. Blocks are immutable, so a reader thread may take one.
+        self.in_ram: Any = lambda key: None
+
+    def open(self) -> None:
+        """Index the folder by its file names (headers are checked when read)."""
+        self.directory.mkdir(mode=0o700, exist_ok=True)
+        for path in self.directory.iterdir():
+            key = _key_of(path.name)
+            if key is None:
+                _unlink(path)  # a half write (temporary name) or a stray file
+                continue
+            self.files[key] = BlockFile(path.name, path.stat().st_size)
+            self.nbytes += self.files[key].size
+
+    def drop_unlisted(self) -> int:
+        """Remove the blocks no record lists (a crash between a block and its record)."""
+        orphans = [k for k, f in self.files.items() if f.refs == 0]
+        for key in orphans:
+            self._delete(key)
+        return len(orphans)
+
+    def hold(self, keys: list[int]) -> bool:
+        """Count a record's use of its blocks; False (nothing counted) when one is missing."""
+        if any(k not in self.files for k in keys):
+            return False
+        for k in keys:
+            self.files[k].refs += 1
+        return True
+
+    def release(self, keys: list[int]) -> None:
+        for k in keys:
+            f = self.files.get(k)
+            if f is not None:
+                f.refs -= 1
+                if f.refs <= 0:
+                    self._delete(k)
+
+    def _delete(self, key: int) -> None:
+        f = self.files.pop(key)
+        self.nbytes -= f.size
+        _unlink(self.directory / f.name)
+
+    def missing(self, keys: list[int]) -> list[int]:
+        return [k for k in keys if k not in self.files]
+
+    def write(self, blocks: list[Any]) -> int:
+        """Write blocks (writer thread; their arrays are evaluated): each to a temporary
+        name, all fsynced at once (one drive flush's wait, not one each), then renamed
+        into place and the folder fsynced. Returns the bytes written."""
+        import mlx.core as mx
+
+        tmps = []
+        try:
+            for block in blocks:
+                stem = f"{block.key:016x}"
+                tmp = self.directory / (stem + diskfile.TMP_SUFFIX)
+                tmps.append(tmp)
+                arrays = {f"{kind}{i}": a for i, pair in enumerate(block.kv) for kind, a in zip("kv", pair)}
+                meta = {"kvroute_block": orjson.dumps({"version": VERSION, "fingerprint": self.fingerprint,
+                                                       "key": stem}).decode()}
+                mx.save_safetensors(str(tmp), arrays, meta)
+            if self.fsync:
+                with ThreadPoolExecutor(min(8, len(tmps))) as pool:
+                    list(pool.map(_fsync_file, tmps))
+            written = 0
+            for block, tmp in zip(blocks, tmps):
+                blob = tmp.read_bytes()  # just written: from the page cache
+                offset = 8 + struct.unpack("<Q", blob[:8])[0]
+                name = f"{block.key:016x}.{_digest(blob[:offset])}.{_digest(blob)}{SUFFIX}"
+                os.replace(tmp, self.directory / name)
+                with self.lock:
+                    self.files[block.key] = BlockFile(name, len(blob))
+                    self.nbytes += len(blob)
+                written += len(blob)
+        except BaseException:
+            for tmp in tmps:
+                _unlink(tmp)
+            raise
+        if self.fsync:
+            diskfile._fsync_dir(self.directory)
+        return written
+
+    def load(self, key: int, make: Any) -> Any:
+        """A block's arrays as `make(key, kv, nbytes)` builds them, shared with any state
+        still holding them (reader threads)."""
+        with self._load_lock:
+            block = self.loaded.get(key)
+        if block is None:
+            block = self.in_ram(key)
+        if block is not None:
+            return block
+        f = self.files.get(key)
+        if f is None:
+            raise BadRecord("corrupt", f"block {key:016x} is missing")
+        try:
+            kv, size = self._read(key, self.directory / f.name)
+        except BadRecord:
+            with self.lock:  # never read again; records listing it fail when read
+                if self.files.get(key) is f:
+                    self._delete(key)
+            raise
+        with self._load_lock:
+            block = self.loaded.get(key)
+            if block is None:
+                block = make(key, kv, size)
+                self.loaded[key] = block
+                self.reads += 1
+                self.read_bytes += size
+        return block
+
+    def _read(self, key: int, path: Path) -> tuple[list[tuple[Any, Any]], int]:
+        try:
+            blob = path.read_bytes()
+        except OSError as exc:
+            raise BadRecord("unreadable", str(exc))
+        header_sum, file_sum = _digests(path.name)
+        if len(blob) < 8:
+            raise BadRecord("truncated", "block shorter than a header")
+        offset = 8 + struct.unpack("<Q", blob[:8])[0]
+        if offset > len(blob) or _digest(blob[:offset]) != header_sum or _digest(blob) != file_sum:
+            raise BadRecord("corrupt", f"block {key:016x} does not match its checksums")
+        header = orjson.loads(blob[8:offset])
+        try:
+            meta = orjson.loads(header.pop("__metadata__")["kvroute_block"])
+        except (KeyError, TypeError, ValueError):
+            raise BadRecord("foreign", "not a kvroute block")
+        if meta.get("fingerprint") != self.fingerprint or meta.get("key") != f"{key:016x}":
+            raise BadRecord("foreign", f"block {key:016x} written for other weights or key")
+        arrays = diskfile.arrays_from_bytes(bytearray(blob), header, offset)
+        pairs = len(arrays) // 2
+        return [(arrays[f"k{i}"], arrays[f"v{i}"]) for i in range(pairs)], len(blob)
+
+    def stats(self) -> dict:
+        return {"blocks": len(self.files), "block_bytes": self.nbytes, "block_reads": self.reads}
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _digest(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_64(data).hexdigest()
+
+
+def _digests(name: str) -> tuple[str, str]:
+    parts = name.removesuffix(SUFFIX).split(".")
+    return (parts[1], parts[2]) if len(parts) == 3 else ("", "")
+
+
+def _key_of(name: str) -> int | None:
+    if not name.endswith(SUFFIX):
+        return None
+    parts = name.removesuffix(SUFFIX).split(".")
+    try:
+        return int(parts[0], 16) if len(parts) == 3 else None
+    except ValueError:
+        return None
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:  # a read-only folder: the file stays, unlisted
+        log.debug("disk cache: cannot remove %s (%s)", path.name, exc)

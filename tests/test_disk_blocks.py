@@ -1,0 +1,151 @@
+"""The disk tier by blocks: real caches, real files, the real paged store.
+
+Conversations that share a prefix share its blocks on disk too: a block already
+there is not written again, a restart reads a shared prefix once however many
+conversations restore it, and a record whose blocks are damaged, missing or not
+its own is never used."""
+
+from pathlib import Path
+
+import orjson
+from harness import wait_until
+from test_disk import FP, make_tier, restore
+from test_paged import SYSTEM, kv_of, same_cache
+
+from kvroute.backend import diskblocks, diskfile
+from kvroute.backend.paged import BLOCK_TOKENS, block_keys, root_key
+from kvroute.backend.store import Store
+
+HEAD = SYSTEM[: 8 * BLOCK_TOKENS]  # eight shared blocks
+
+
+def conversation(i: int) -> list[int]:
+    return HEAD + [4000 + 100 * i + j for j in range(2 * BLOCK_TOKENS + 5)]  # two blocks + 5
+
+
+def block_files(folder: Path) -> list[Path]:
+    return sorted((folder / diskblocks.FOLDER).glob("*" + diskblocks.SUFFIX))
+
+
+def records(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*" + diskfile.SUFFIX))
+
+
+def write_three(folder: Path):
+    tier, metrics = make_tier(folder)
+    store = Store(budget_bytes=1 << 30)
+    store.listeners.append(tier.on_store_event)
+    for i in range(3):
+        store.insert("m", conversation(i), kv_of(conversation(i)), "finish", chain=[i])
+        wait_until(lambda: len(tier.index) == i + 1 and tier.stats()["write_queue"] == 0, 30,
+                   what=f"conversation {i} on disk")
+    return tier, store
+
+
+def test_a_block_already_on_disk_is_not_written_again(tmp_path):
+    tier, _ = write_three(tmp_path)
+    # The head's 8 blocks once, each conversation's 2 own (its last 5 tokens stay in
+    # its record, with one block's worth kept in the record only when it ends on one).
+    assert len(block_files(tmp_path)) == 8 + 3 * 2 == tier.stats()["blocks"]
+    assert tier.stats()["bytes"] == tier.nbytes + tier.blocks.nbytes
+    unshared = 3 * sum(c.nbytes for c in kv_of(conversation(0)))  # three whole copies
+    assert tier.stats()["bytes"] < 0.6 * unshared
+    for path in records(tmp_path):
+        meta = orjson.loads(orjson.loads(path.read_bytes()[8:8 + int.from_bytes(
+            path.read_bytes()[:8], "little")])["__metadata__"]["0.kvroute"])
+        assert len(meta["blocks"]) == 10
+    tier.close()
+
+
+def test_a_restart_restores_a_shared_prefix_once(tmp_path):
+    write_three(tmp_path)[0].close()
+    again, _ = make_tier(tmp_path)
+    assert len(again.index) == 3 and again.stats()["blocks"] == 14
+    held = [restore(again, conversation(i) + [1]) for i in range(3)]
+    for i, found in enumerate(held):
+        assert found.tokens == len(conversation(i))
+        assert same_cache(found.cache, kv_of(conversation(i)))
+    # 14 block files read for three conversations of 10 blocks each: the head once.
+    assert again.stats()["block_reads"] == 14
+    again.close()
+
+
+def test_evicting_a_record_keeps_the_blocks_others_list(tmp_path):
+    tier, _ = write_three(tmp_path)
+    first = next(iter(tier.index))
+    tier._remove(first)
+    assert len(block_files(tmp_path)) == 8 + 2 * 2  # its own two went with it
+    for i in (1, 2):
+        assert restore(tier, conversation(i) + [1]).tokens == len(conversation(i))
+    tier.close()
+
+
+def test_a_missing_or_damaged_block_drops_the_records_that_list_it(tmp_path):
+    write_three(tmp_path)[0].close()
+    import numpy as np
+
+    first_key = block_keys(root_key("m", None), np.asarray(HEAD, dtype=np.int32), 1)[0]
+    (head_block,) = [p for p in block_files(tmp_path) if p.name.startswith(f"{first_key:016x}.")]
+    data = bytearray(head_block.read_bytes())
+    data[-3] ^= 0xFF
+    head_block.write_bytes(bytes(data))
+    again, metrics = make_tier(tmp_path)
+    assert restore(again, conversation(0) + [1]) is None  # never served from damaged bytes
+    assert len(again.index) == 2  # that record is dropped; the others fail when read
+    assert restore(again, conversation(1) + [1]) is None
+    again.close()
+    # A record whose blocks are gone at start is dropped as partial; unlisted blocks go too.
+    for path in block_files(tmp_path):
+        path.unlink()
+    third, metrics = make_tier(tmp_path)
+    assert len(third.index) == 0 and not records(tmp_path)
+    assert metrics.disk_dropped.labels(model="m", backend="b", reason="partial")._value.get() >= 1
+    third.close()
+
+
+def test_a_record_that_lists_blocks_of_other_tokens_is_never_used(tmp_path):
+    """A header whose block list is not the chain of its own tokens (as if edited to
+    point at another conversation's blocks, checksums made to match) is corrupt."""
+    write_three(tmp_path)[0].close()
+    paths = records(tmp_path)
+    metas = []
+    for path in paths:
+        blob = path.read_bytes()
+        n = int.from_bytes(blob[:8], "little")
+        metas.append((path, blob, n, orjson.loads(blob[8:8 + n])))
+    (path, blob, n, header), other = metas[0], metas[1][3]
+    meta = orjson.loads(header["__metadata__"]["0.kvroute"])
+    meta["blocks"] = orjson.loads(other["__metadata__"]["0.kvroute"])["blocks"]
+    header["__metadata__"]["0.kvroute"] = orjson.dumps(meta).decode()
+    raw = orjson.dumps(header)
+    new = len(raw).to_bytes(8, "little") + raw + blob[8 + n:]
+    stem = path.name.split(".")[0]
+    digest = diskfile._digest
+    path.unlink()
+    (tmp_path / f"{stem}.{digest(new[:8 + len(raw)])}.{digest(new)}{diskfile.SUFFIX}").write_bytes(new)
+    again, metrics = make_tier(tmp_path)
+    assert len(again.index) == 3
+    tokens = orjson.loads(header["__metadata__"]["0.kvroute"])["tokens"]
+    assert restore(again, tokens + [1]) is None
+    assert metrics.disk_dropped.labels(model="m", backend="b", reason="corrupt")._value.get() == 1
+    again.close()
+
+
+def test_foreign_blocks_are_never_read(tmp_path):
+    write_three(tmp_path)[0].close()
+    other, _ = make_tier(tmp_path, fingerprint="e" * 32)  # other weights: records foreign
+    assert len(other.index) == 0 and other.stats()["blocks"] == 0  # its blocks unlisted: gone
+    other.close()
+    assert FP != "e" * 32
+
+
+def test_a_restored_prefix_the_ram_store_holds_is_not_read_again(tmp_path):
+    write_three(tmp_path)[0].close()
+    again, _ = make_tier(tmp_path)
+    store = Store(budget_bytes=1 << 30)
+    again.blocks.in_ram = store.pool.blocks.get  # as open_disk_tier wires them
+    store.insert("m", HEAD + [7], kv_of(HEAD + [7]), "finish")  # the head, already in RAM
+    found = restore(again, conversation(1) + [1])
+    assert same_cache(found.cache, kv_of(conversation(1)))
+    assert again.stats()["block_reads"] == 2  # its own two blocks only
+    again.close()
