@@ -4,7 +4,9 @@
 question of their own, then a second turn. Measured on one backend with the demo
 model: the bytes its store holds after turn 1 (and what the entries would hold
 unshared), per conversation, and the turn-2 hit ratio (turns whose turn-1 prompt was
-still cached whole) under a RAM budget of `budget` whole conversations.
+still cached whole) under a RAM budget of `budget` whole conversations. With `--disk`
+the backend has a disk tier too: its bytes after turn 1, and the hit ratio then
+counts restores.
 
 `--code DIR` runs the backend from another kvroute checkout (e.g. one before the paged
 store) for a "before" row. Run it from outside a checkout (`-m` puts the working
@@ -21,6 +23,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -44,7 +47,7 @@ def ask(backend, messages: list[dict]) -> dict:
 
 
 def run(model: str, code: str | None, args, tmp: Path) -> list[str]:
-    from harness import BackendProcess
+    from harness import BackendProcess, wait_until
 
     env = {"PYTHONPATH": code} if code else {}
     system = SENTENCE * max(1, args.system_tokens // 75)  # ~75 demo tokens a sentence
@@ -60,8 +63,10 @@ def run(model: str, code: str | None, args, tmp: Path) -> list[str]:
     finally:
         one.stop()
     budget = args.budget * per_conversation
+    disk_flags = ["--disk-cache-dir", str(tmp / "disk")] if args.disk else []
     backend = BackendProcess(model, "demo", tmp, ["--prefill-step", "256", "--cache-bytes",
-                                                  str(budget)], env=env, backend_id="team")
+                                                  str(budget), *disk_flags], env=env,
+                             backend_id="team")
     backend.start()
     try:
         firsts = []
@@ -70,6 +75,11 @@ def run(model: str, code: str | None, args, tmp: Path) -> list[str]:
             messages += [{"role": "assistant", "content": firsts[-1]["choices"][0]["message"]["content"]},
                          {"role": "user", "content": "And who reviews it?"}]
         cache = backend.health()["cache"]
+        disk = {"bytes": 0}
+        if args.disk:
+            wait_until(lambda: backend.health()["disk"]["write_queue"] == 0, 60, what="disk writes")
+            time.sleep(1)  # the last write leaves the queue before its file is in place
+            disk = backend.health()["disk"]
         seconds = [ask(backend, messages) for messages in sessions]
     finally:
         backend.stop()
@@ -80,7 +90,7 @@ def run(model: str, code: str | None, args, tmp: Path) -> list[str]:
     return [str(prompt), f"{per_conversation / 1e6:.2f}", f"{budget / 1e6:.2f}",
             str(cache["entries"]), f"{cache['bytes'] / 1e6:.2f}", f"{unshared / 1e6:.2f}",
             f"{cache['bytes'] / max(cache['entries'], 1) / 1e6:.3f}",
-            f"{hits / len(sessions):.2f}"]
+            f"{hits / len(sessions):.2f}", f"{disk['bytes'] / 1e6:.2f}"]
 
 
 def main() -> None:
@@ -88,6 +98,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=10)
     ap.add_argument("--system-tokens", type=int, default=3000, help="about; the demo tokenizer's")
     ap.add_argument("--budget", type=float, default=2.0, help="RAM budget in whole conversations")
+    ap.add_argument("--disk", action="store_true", help="give the backend a disk tier")
     ap.add_argument("--code", action="append", default=[],
                     help="another kvroute checkout to run as a row (repeatable)")
     args = ap.parse_args()
@@ -96,12 +107,13 @@ def main() -> None:
     model = str(demo_model.ensure("text"))
     console = Console(width=200)
     console.print(f"python bench/bench_sharing.py --sessions {args.sessions} --system-tokens "
-                  f"{args.system_tokens} --budget {args.budget} · {platform.machine()}, "
+                  f"{args.system_tokens} --budget {args.budget}{' --disk' if args.disk else ''} · "
+                  f"{platform.machine()}, "
                   f"{os.cpu_count()} cores")
     table = Table(title=f"{args.sessions} sessions sharing a system prompt, one backend, budget "
                         f"{args.budget:g} whole conversations")
     for col in ("code", "prompt tokens", "one conversation MB", "budget MB", "entries after turn 1",
-                "held MB", "unshared MB", "held MB / entry", "turn-2 hit ratio"):
+                "held MB", "unshared MB", "held MB / entry", "turn-2 hit ratio", "disk MB"):
         table.add_column(col, justify="right")
     for code in [None, *args.code]:
         with tempfile.TemporaryDirectory(prefix="kvr-share-") as tmp:
