@@ -90,7 +90,7 @@ def run(model: str, code: str | None, args, tmp: Path) -> list[str]:
     return [str(prompt), f"{per_conversation / 1e6:.2f}", f"{budget / 1e6:.2f}",
             str(cache["entries"]), f"{cache['bytes'] / 1e6:.2f}", f"{unshared / 1e6:.2f}",
             f"{cache['bytes'] / max(cache['entries'], 1) / 1e6:.3f}",
-            f"{hits / len(sessions):.2f}", f"{disk['bytes'] / 1e6:.2f}"]
+            f"{hits / len(sessions):.2f}", f"{disk['bytes'] / 1e6:.2f}" if args.disk else "—"]
 
 
 def main() -> None:
