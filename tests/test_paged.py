@@ -209,3 +209,35 @@ def test_a_state_with_fewer_blocks_than_its_tokens_fill_reads_the_rest_from_its_
     state = from_disk(kv_of(p), [], len(p))
     for n in (5, 32, 70, 100):
         assert same_cache(state.assemble(n), kv_of(p[:n]))
+
+
+def test_random_workload_keeps_the_books_and_every_entry_exact():
+    """Conversations branching from shared heads, committed, extended and looked up at
+    random under a tight budget: the bytes held are the blocks once plus what entries
+    hold alone, every block is counted by exactly the entries that hold it, the budget
+    holds, and every entry still assembles exactly its own tokens' KV."""
+    rng = np.random.default_rng(7)
+    heads = [SYSTEM[:k] for k in (40, 100, 170)]
+    store = Store(budget_bytes=one_bytes(600))
+    convs: list[list[int]] = []
+    for step in range(60):
+        if convs and rng.random() < 0.5:
+            c = convs[rng.integers(len(convs))]
+            c += [int(t) for t in rng.integers(600, 900, rng.integers(1, 40))]
+        else:
+            convs.append(list(heads[rng.integers(3)]) + [int(t) for t in rng.integers(600, 900, 5)])
+            c = convs[-1]
+        store.insert("m", c, kv_of(c), "finish")
+        if rng.random() < 0.3:
+            store.lookup("m", convs[rng.integers(len(convs))] + [1])
+        refs: dict[int, int] = {}
+        for e in store.entries.values():
+            for b in e.state.blocks:
+                refs[b.key] = refs.get(b.key, 0) + 1
+        assert refs == {k: b.refs for k, b in store.pool.blocks.items()}
+        assert store.nbytes == store.pool.nbytes + sum(e.state.own_bytes for e in store.entries.values())
+        assert store.nbytes <= store.budget_bytes or len(store) == 1
+    stats = store.stats()
+    assert stats["blocks_evicted"] > 0 and stats["sharing_ratio"] > 1  # it did both
+    for e in store.entries.values():
+        assert same_cache(e.cache, kv_of(e.tokens.tolist()))
