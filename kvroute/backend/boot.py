@@ -102,6 +102,8 @@ def load_state(config: BackendConfig) -> State:
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
     disk = open_disk_tier(config.model, config.disk_cache_dir, config.disk_cache_bytes,
                           config.cache_bytes, store, metrics_, fsync=config.disk_fsync == "always")
+    if disk is not None:
+        disk.busy = lambda: engine.queue_depth > 0
     engine.misses = Misses(store, metrics_, disk, template_opening(tokenizer))
     template = Template(tokenizer, secret=config.secret, block_bytes=config.block_bytes,
                         checkpointing=engine.checkpointing)
