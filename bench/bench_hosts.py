@@ -23,7 +23,7 @@ on later turns; then the routing reasons, the requests per backend and, with 2 h
 the share of turns served by a backend on the other host than the proxy that took
 them.
 
-    python bench/bench_hosts.py [--conversations 16] [--groups 4] [--turns 5] [--repeat 1]
+    python -m bench.bench_hosts [--conversations 16] [--groups 4] [--turns 5] [--repeat 1]
         [--show-misses]
 """
 
@@ -45,13 +45,10 @@ import openai
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from harness import get_json, metric_sum, request  # noqa: E402
-from netns import Machines, machines, unavailable  # noqa: E402
-
-from kvroute.devtools import demo_model  # noqa: E402
+from bench.command import command_line
+from kvroute.devtools import demo_model
+from tests.harness import get_json, metric_sum, request
+from tests.harness.netns import Machines, machines, unavailable
 
 LAYOUTS = {"2 hosts x 2": {"hosta": 2, "hostb": 2}, "1 host x 4": {"solo": 4}}
 TOPICS = ["the harbour", "the orchard", "the library", "the workshop", "the station", "the market"]
@@ -244,7 +241,7 @@ def main() -> int:
     console.print("| " + " | ".join(HEADERS) + " |\n|" + "---|" * len(HEADERS))
     for run in runs:
         console.print("| " + " | ".join(row(run)) + " |", soft_wrap=True)
-    console.print(f"command: python {' '.join(sys.argv)}")
+    console.print(f"command: {command_line()}")
     console.print(f"machine: {platform.machine()} {platform.system()} {platform.release()}, "
                   f"{os.cpu_count()} cores, python {platform.python_version()}, "
                   f"load average {os.getloadavg()[0]:.1f} at the end; started {started}")

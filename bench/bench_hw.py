@@ -18,10 +18,10 @@ Three parts, one after the other on the same machine and model:
 Ratios are kvroute / raw (time) or kvroute / reference (throughput). Prompts are
 random words of the model's tokenizer; a random-weight model never emits EOS.
 
-    python bench/models.py /tmp/m7b                    # a 7B-class random model (GPU)
-    python bench/bench_hw.py --model /tmp/m7b --out BENCH.md
-    python bench/models.py /tmp/mcpu --preset cpu      # CPU: a smaller one
-    python bench/bench_hw.py --model /tmp/mcpu --sizes 1024,2048,4096 --turn2 4000
+    python -m bench.models /tmp/m7b                    # a 7B-class random model (GPU)
+    python -m bench.bench_hw --model /tmp/m7b --out BENCH.md
+    python -m bench.models /tmp/mcpu --preset cpu      # CPU: a smaller one
+    python -m bench.bench_hw --model /tmp/mcpu --sizes 1024,2048,4096 --turn2 4000
 """
 
 from __future__ import annotations
@@ -41,13 +41,10 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from harness import metric_sum, request  # noqa: E402
-from kvroute.core import accel  # noqa: E402
-from kvroute.serve.redis_server import RedisServer, free_port  # noqa: E402
+from bench.command import command_line
+from kvroute.core import accel
+from kvroute.serve.redis_server import RedisServer, free_port
+from tests.harness import ROOT, metric_sum, request
 
 SECRET = "bench-hw"
 
@@ -135,11 +132,11 @@ def raw_main(args) -> None:
 
 
 def run_raw(args) -> dict:
-    cmd = [sys.executable, __file__, "--raw-child", "--model", args.model,
+    cmd = [sys.executable, "-m", "bench.bench_hw", "--raw-child", "--model", args.model,
            "--sizes", ",".join(map(str, args.sizes)), "--turn2", str(args.turn2),
            "--repeat", str(args.repeat), "--decode", str(args.decode),
            "--raw-prefill-step", str(args.raw_prefill_step)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RAW ")]
     if proc.returncode or not line:
         raise RuntimeError(f"raw mlx-lm run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -460,7 +457,7 @@ def report(args, raw: dict, ref: dict | None, kv: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="model directory (bench/models.py makes one)")
+    ap.add_argument("--model", required=True, help="model directory (python -m bench.models makes one)")
     ap.add_argument("--sizes", default="4096,16384,32768", help="cold prompt sizes (tokens)")
     ap.add_argument("--turn2", type=int, default=31000, help="cached prompt of the second turn")
     ap.add_argument("--repeat", type=int, default=2)
@@ -490,7 +487,7 @@ def main() -> None:
     print("mlx-lm server:", json.dumps(ref), flush=True)
     kv = run_kvroute(args, tok, logs)
     print("kvroute:", json.dumps(kv, default=str), flush=True)
-    text = (f"command: python {' '.join(sys.argv)}\n"
+    text = (f"command: {command_line()}\n"
             f"machine: {platform.machine()} {platform.system()} {platform.release()}, "
             f"python {platform.python_version()}; took {time.perf_counter() - t0:.0f}s\n\n"
             + report(args, raw, ref, kv))

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from harness import BackendProcess  # noqa: E402
-
-from kvroute.devtools import demo_model  # noqa: E402
+from kvroute.devtools import demo_model
+from tests.harness import BackendProcess
 
 
 @pytest.fixture(scope="session")

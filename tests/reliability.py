@@ -22,7 +22,7 @@ The backends' /debug/cache needs the launcher's internal token: it is read from
 the backend process's environment (KVROUTE_INTERNAL_TOKEN, read with psutil),
 which the same user may read; nothing else is started outside `kvroute serve`.
 
-    python bench/reliability.py [--quick | --soak SECONDS] [--markdown FILE]
+    python -m bench.reliability [--quick | --soak SECONDS] [--markdown FILE]
 
 This module lives in the test suite because tests/test_reliability.py runs its quick
 variant with these same checks; bench/reliability.py is the command that runs it. It is
@@ -53,7 +53,7 @@ import aiohttp
 import orjson
 import psutil
 
-from harness import ServeProcess, get_json, request, wait_until
+from tests.harness import ServeProcess, get_json, request, wait_until
 
 from kvroute.devtools.demo_model import DEMO_REPLY
 from kvroute.serve.redis_server import RedisServer
@@ -1055,6 +1055,6 @@ def main() -> int:
     report = run(profile, workdir, log=lambda m: console.print(m, highlight=False))
     print_report(report, console)
     if args.markdown:
-        command = "python bench/reliability.py " + " ".join(sys.argv[1:])
+        command = "python -m bench.reliability " + " ".join(sys.argv[1:])
         Path(args.markdown).write_text(markdown(report, command.strip()) + "\n")
     return 0 if report.ok else 1

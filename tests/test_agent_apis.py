@@ -17,8 +17,8 @@ import anthropic
 import openai
 import pytest
 import redis as redis_py
-import harness
-from harness import BackendProcess, ProxyProcess, get_json, request
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, get_json, request
 
 from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
 

@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 import redis as redis_sync
-from harness import BackendProcess, post_json, wait_until
+from tests.harness import BackendProcess, post_json, wait_until
 
 from kvroute.devtools.demo_model import DEMO_REPLY
 from kvroute.core.prefix import chat_chain, common_prefix, make_salt

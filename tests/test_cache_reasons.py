@@ -30,9 +30,9 @@ from pathlib import Path
 import openai
 import pytest
 import redis as redis_py
-from harness import (BackendProcess, ProxyProcess, SSEStream, get_json, metric_sum, post_json,
+from tests.harness import (BackendProcess, ProxyProcess, SSEStream, get_json, metric_sum, post_json,
                      request, start_all, wait_until)
-from test_dashboard import CHROMIUM, chromium_cmd, run_chromium
+from tests.test_dashboard import CHROMIUM, chromium_cmd, run_chromium
 
 from kvroute.core import redis_keys as keys
 from kvroute.core.misses import REASONS

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from harness import BackendProcess, free_port, metric_sum, request, terminate, wait_until
+from tests.harness import BackendProcess, free_port, metric_sum, request, terminate, wait_until
 
 from kvroute.serve.redis_server import RedisServer
 

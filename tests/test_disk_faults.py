@@ -18,9 +18,9 @@ from pathlib import Path
 import orjson
 import pytest
 import xxhash
-from harness import BackendProcess, post_json, small_tmpfs, wait_until
-from test_disk_tier import GREEDY, chat, kill, metric, next_turn, start, written
-from test_families import assert_same_answer, cached, conversation
+from tests.harness import BackendProcess, post_json, small_tmpfs, wait_until
+from tests.test_disk_tier import GREEDY, chat, kill, metric, next_turn, start, written
+from tests.test_families import assert_same_answer, cached, conversation
 
 from kvroute.backend import diskfile
 

@@ -11,8 +11,8 @@ import signal
 import uuid
 
 import pytest
-from harness import BackendProcess, metric_sum, post_json, request, small_tmpfs, wait_until
-from test_families import assert_same_answer, cached, conversation
+from tests.harness import BackendProcess, metric_sum, post_json, request, small_tmpfs, wait_until
+from tests.test_families import assert_same_answer, cached, conversation
 
 from kvroute.devtools import arch_models
 
@@ -150,7 +150,7 @@ def test_proxy_routes_turn2_back_to_the_restarted_backend(text_model, tmp_path):
     """Turn 1 through the proxy; SIGKILL the backend that served it; restart it on the
     same directory: it re-advertises its disk tier before it reports ready, and
     turn 2 goes back to it (a disk hit) and finds turn 1 cached."""
-    from test_proxy import KEY, SECRET, TOKEN, ProxyProcess
+    from tests.test_proxy import KEY, SECRET, TOKEN, ProxyProcess
 
     from kvroute.serve.redis_server import RedisServer
 

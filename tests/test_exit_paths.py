@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from harness import SSEStream, post_json, wait_until
+from tests.harness import SSEStream, post_json, wait_until
 
 from kvroute.devtools.demo_model import DEMO_REPLY
 

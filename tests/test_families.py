@@ -20,7 +20,7 @@ import math
 import uuid
 
 import pytest
-from harness import BackendProcess, SSEStream, post_json, wait_until
+from tests.harness import BackendProcess, SSEStream, post_json, wait_until
 
 from kvroute.devtools import arch_models
 from kvroute.devtools.demo_model import DEMO_TOOL_REPLY

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 import schemathesis
-from harness import BackendProcess, free_port, get_json, request, wait_until
+from tests.harness import BackendProcess, free_port, get_json, request, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error

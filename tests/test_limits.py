@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import redis as redis_py
-from harness import wait_until
+from tests.harness import wait_until
 
 from kvroute import config
 from kvroute.api.errors import APIError

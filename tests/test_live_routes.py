@@ -15,8 +15,8 @@ import uuid
 import openai
 import pytest
 
-import harness
-from harness import BackendProcess, ProxyProcess, metric_sum, request
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, metric_sum, request
 
 SECRET = "live-routes-secret"
 TOKEN = "live-routes-token"

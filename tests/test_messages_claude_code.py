@@ -28,8 +28,8 @@ from pathlib import Path
 
 import anthropic
 import pytest
-import harness
-from harness import BackendProcess, ProxyProcess, request
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, request
 
 from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL, MAX_POSITIONS
 

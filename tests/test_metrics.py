@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import openai
 import pytest
-from harness import BackendProcess, free_port, request, wait_until
+from tests.harness import BackendProcess, free_port, request, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.core.misses import REASONS

@@ -20,7 +20,7 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from harness import ServeProcess, SSEStream, get_json, request, wait_until
+from tests.harness import ServeProcess, SSEStream, get_json, request, wait_until
 
 DEMO = {"path": "demo", "cache_bytes": "32MiB"}
 

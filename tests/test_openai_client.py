@@ -7,7 +7,7 @@ import pytest
 
 from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
 
-from test_exit_paths import TOOLS, conversation
+from tests.test_exit_paths import TOOLS, conversation
 
 
 def client(backend) -> openai.OpenAI:

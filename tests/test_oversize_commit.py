@@ -16,11 +16,11 @@ import uuid
 import mlx.core as mx
 import pytest
 import redis as redis_py
-from harness import BackendProcess, wait_until
-from test_disk import make_cache, make_tier, restore, same_state
-from test_disk_tier import chat, metric, next_turn, written
-from test_families import assert_entries_consistent, assert_same_answer, cached, conversation
-from test_store import make_window_cache, tokens
+from tests.harness import BackendProcess, wait_until
+from tests.test_disk import make_cache, make_tier, restore, same_state
+from tests.test_disk_tier import chat, metric, next_turn, written
+from tests.test_families import assert_entries_consistent, assert_same_answer, cached, conversation
+from tests.test_store import make_window_cache, tokens
 
 from kvroute.backend.kv_budget import describe_budgets, kv_rate
 from kvroute.backend.store import Store, cache_nbytes, prefix_cache

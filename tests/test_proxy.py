@@ -15,8 +15,8 @@ from pathlib import Path
 
 import openai
 import pytest
-import harness
-from harness import BackendProcess, SSEStream, request, wait_until
+from tests import harness
+from tests.harness import BackendProcess, SSEStream, request, wait_until
 
 from kvroute.devtools.demo_model import DEMO_REPLY
 

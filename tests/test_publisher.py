@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 from kvroute.backend.publisher import Publisher
 from kvroute.backend.store import Store
 from kvroute.core.registry import BackendRecord, Registry
-from test_registry import MODEL, chain_of, conv, poll, record, run, server  # noqa: F401
+from tests.test_registry import MODEL, chain_of, conv, poll, record, run, server  # noqa: F401
 
 _TOKENS = 8
 

@@ -28,13 +28,13 @@ from pathlib import Path
 import orjson
 import pytest
 from aiohttp import web
-from harness import SSEStream, free_port, get_json, request, wait_until
+from tests.harness import SSEStream, free_port, get_json, request, wait_until
 
 from kvroute.core.prefix import DEFAULT_BLOCK_BYTES, chat_chain, fingerprint, make_salt
 from kvroute.serve.redis_server import RedisServer
 from kvroute.core.registry import BackendRecord, Registry, new_instance_id
 
-import reliability as rel
+from tests import reliability as rel
 
 SOAK = os.environ.get("KVROUTE_SOAK", "") not in ("", "0")
 # Soak: 200 clients in three rounds, SIGSTOP 15 s, Redis unreachable 30 s.

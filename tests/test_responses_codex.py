@@ -24,8 +24,8 @@ from openai.types.responses import (Response, ResponseCustomToolCall, ResponseFu
 from openai.types.responses.response_output_item import LocalShellCall
 from pydantic import TypeAdapter
 
-import harness
-from harness import BackendProcess, ProxyProcess, get_json, request
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, get_json, request
 
 from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
 from kvroute.proxy.agents import responses as responses_api

@@ -17,8 +17,8 @@ import openai
 import pytest
 import redis
 from tokenizers import Tokenizer
-import harness
-from harness import BackendProcess, ProxyProcess, SSEStream, request, wait_until
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, SSEStream, request, wait_until
 
 SECRET = "routing-secret"
 TOKEN = "routing-token"

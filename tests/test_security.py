@@ -11,7 +11,7 @@ from unittest import mock
 
 import openai
 import pytest
-from harness import BackendProcess, free_port, request, wait_until
+from tests.harness import BackendProcess, free_port, request, wait_until
 
 from kvroute.serve.redis_server import RedisServer
 from kvroute.proxy.auth import check_api_key

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from harness import free_port, get_json, request, wait_until
+from tests.harness import free_port, get_json, request, wait_until
 
 from kvroute.serve.redis_server import RedisServer
 

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-import harness
-from harness import ProxyProcess, request
+from tests import harness
+from tests.harness import ProxyProcess, request
 
 TENANT, UNSCOPED, OPERATOR = "sk-tenant", "sk-plain", "sk-ops"
 

@@ -19,8 +19,8 @@ import uuid
 import openai
 import pytest
 
-import harness
-from harness import BackendProcess, ProxyProcess, request, wait_until
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, request, wait_until
 
 SECRET = "tools-secret"
 TOKEN = "tools-token"
