@@ -249,35 +249,33 @@ def test_sigterm_during_a_load_leaves_no_process(dep):
     stream.close()
 
 
-def test_a_proxy_wakes_a_model_on_another_machine(tmp_path, model_cache):
+def test_a_proxy_wakes_a_model_on_another_machine(tmp_path, model_cache, redis_db):
     """Two `kvroute serve` on one Redis: machine a serves `here`, machine b may load
     `there`. A request to a's proxy for `there` is loaded by b and answered."""
-    from kvroute.serve.redis_server import RedisServer
+    redis = redis_db
+    machines = []
+    try:
+        for machine, alias, preload in (("a", "here", True), ("b", "there", False)):
+            machines.append(ServeProcess(
+                {"machine": machine, "secret": "shared-secret", "internal_token": "shared-token",
+                 "redis": {"url": redis.url},
+                 "models": [{**DEMO, "alias": alias, "preload": preload}]},
+                tmp_path, name=machine, env={"KVROUTE_CACHE_DIR": str(model_cache)}))
+        url = machines[0].url
 
-    with RedisServer() as redis:
-        machines = []
-        try:
-            for machine, alias, preload in (("a", "here", True), ("b", "there", False)):
-                machines.append(ServeProcess(
-                    {"machine": machine, "secret": "shared-secret", "internal_token": "shared-token",
-                     "redis": {"url": redis.url},
-                     "models": [{**DEMO, "alias": alias, "preload": preload}]},
-                    tmp_path, name=machine, env={"KVROUTE_CACHE_DIR": str(model_cache)}))
-            url = machines[0].url
+        def listed():
+            models = {m["id"]: m["state"] for m in get_json(url + "/v1/models")["data"]}
+            return models == {"here": "loaded", "there": "unloaded"}
 
-            def listed():
-                models = {m["id"]: m["state"] for m in get_json(url + "/v1/models")["data"]}
-                return models == {"here": "loaded", "there": "unloaded"}
-
-            machines[0].wait_ready(listed, 120, what="a's model loaded and b's listed, unloaded")
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                                   timeout=180)
-            raw = client.chat.completions.with_raw_response.create(
-                model="there", messages=MESSAGES, max_tokens=8)
-            assert raw.headers["x-kvroute-backend"] == "b-there-1"
-            assert raw.parse().choices[0].finish_reason in ("stop", "length")
-            states = {m["model"]: m for m in get_json(url + "/stats")["model_states"]}
-            assert states["there"]["machine"] == "b" and states["there"]["loads"] == 1
-        finally:
-            for m in machines:
-                m.stop()
+        machines[0].wait_ready(listed, 120, what="a's model loaded and b's listed, unloaded")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=180)
+        raw = client.chat.completions.with_raw_response.create(
+            model="there", messages=MESSAGES, max_tokens=8)
+        assert raw.headers["x-kvroute-backend"] == "b-there-1"
+        assert raw.parse().choices[0].finish_reason in ("stop", "length")
+        states = {m["model"]: m for m in get_json(url + "/stats")["model_states"]}
+        assert states["there"]["machine"] == "b" and states["there"]["loads"] == 1
+    finally:
+        for m in machines:
+            m.stop()

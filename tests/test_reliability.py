@@ -31,7 +31,6 @@ from aiohttp import web
 from tests.harness import SSEStream, free_port, get_json, request, wait_until
 
 from kvroute.core.prefix import DEFAULT_BLOCK_BYTES, chat_chain, fingerprint, make_salt
-from kvroute.serve.redis_server import RedisServer
 from kvroute.core.registry import BackendRecord, Registry, new_instance_id
 
 from tests import reliability as rel
@@ -237,9 +236,9 @@ class Proxy:
 
 
 @pytest.fixture
-def fakes(tmp_path):
+def fakes(tmp_path, redis_db):
     """Redis, two fake backends (heartbeats not started) and a proxy process."""
-    redis = RedisServer().start()
+    redis = redis_db
     beats = Heartbeats(redis.url)
     backends = {bid: FakeBackend(bid) for bid in ("b1", "b2")}
     proxy = Proxy(redis.url, tmp_path)
@@ -248,7 +247,6 @@ def fakes(tmp_path):
     beats.close()
     for b in backends.values():
         b.close()
-    redis.close()
 
 
 def _conversation() -> dict:

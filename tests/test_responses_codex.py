@@ -40,7 +40,7 @@ EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
 @pytest.fixture(scope="module")
-def fleet(text_model, tool_model, tmp_path_factory):
+def fleet(text_model, tool_model, tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("codex")
     common = ["--secret", SECRET, "--internal-token", TOKEN]
 
@@ -54,7 +54,7 @@ def fleet(text_model, tool_model, tmp_path_factory):
         return [ProxyProcess(redis_url, logs, [*common, "--api-key", f"{KEY}:team-a",
                                                "--api-key", f"{OTHER_KEY}:team-b"])]
 
-    with harness.fleet(backends, proxies) as f:
+    with harness.fleet(backends, proxies, redis_server.database()) as f:
         yield f["proxies"][0].url
 
 

@@ -26,7 +26,7 @@ MODEL, ODD = "routing-model", "odd-model"
 
 
 @pytest.fixture(scope="module")
-def fleet(text_model, tmp_path_factory):
+def fleet(text_model, tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("routing")
 
     def backends(redis_url: str) -> list[BackendProcess]:
@@ -46,7 +46,7 @@ def fleet(text_model, tmp_path_factory):
         return [ProxyProcess(redis_url, logs, ["--secret", SECRET, "--internal-token", TOKEN])
                 for _ in range(2)]
 
-    with harness.fleet(backends, proxies) as f:
+    with harness.fleet(backends, proxies, redis_server.database()) as f:
         yield f
 
 

@@ -28,7 +28,7 @@ MODEL = "tools-model"
 
 
 @pytest.fixture(scope="module")
-def fleet(text_model, tmp_path_factory):
+def fleet(text_model, tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("tools-spread")
 
     def backends(redis_url: str) -> list[BackendProcess]:
@@ -41,7 +41,7 @@ def fleet(text_model, tmp_path_factory):
         return [ProxyProcess(redis_url, logs, ["--secret", SECRET, "--internal-token", TOKEN])
                 for _ in range(2)]
 
-    with harness.fleet(backends, proxies) as f:
+    with harness.fleet(backends, proxies, redis_server.database()) as f:
         yield f
 
 

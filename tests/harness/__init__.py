@@ -3,7 +3,7 @@ Tests and benchmarks import it as `from tests.harness import ...`.
 
     paths       ROOT, the repository
     polling     wait_until
-    redis       RedisServer, free_port
+    redis       RedisServer, free_port; SharedRedis (one per session) and its Database
     http        request, post_json, get_json, SSEStream, metric_sum
     chat        chat (the official client) and its Reply, client, tool, TOOLS
     processes   BackendProcess, ProxyProcess, ServeProcess, fleet, start_all, terminate, toml_text
@@ -18,9 +18,9 @@ from tests.harness.paths import ROOT
 from tests.harness.polling import wait_until
 from tests.harness.processes import (BackendProcess, ProxyProcess, ServeProcess, fleet, start_all,
                                      terminate, toml_text)
-from tests.harness.redis import RedisServer, free_port
+from tests.harness.redis import Database, RedisServer, SharedRedis, free_port
 
-__all__ = ["ROOT", "TOOLS", "BackendProcess", "ProxyProcess", "RedisServer", "Reply", "SSEStream",
-           "ServeProcess", "chat", "client", "fleet", "free_port", "get_json", "metric_sum",
+__all__ = ["ROOT", "TOOLS", "BackendProcess", "Database", "ProxyProcess", "RedisServer", "Reply",
+           "SSEStream", "ServeProcess", "SharedRedis", "chat", "client", "fleet", "free_port", "get_json", "metric_sum",
            "post_json", "request", "small_tmpfs", "start_all", "terminate", "tool", "toml_text",
            "wait_until"]

@@ -3,6 +3,7 @@ and the tool list tests send with it."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -58,12 +59,17 @@ def chat(server: Any, messages: list[dict], model: str | None = None, *, key: st
          scope: str | None = None, headers: dict | None = None, timeout: float = 60.0,
          **params: Any) -> Reply:
     """One chat completion; `params` are the request's other fields (max_tokens, tools,
-    stream, ...). `model` defaults to the server's own (a backend's model id); `scope`
-    sets the cache-scope header. A non-2xx answer raises the client's error."""
-    model = model or server.model_id
-    extra = {**({SCOPE_HEADER: scope} if scope else {}), **(headers or {})}
-    raw = client(server, key, timeout).chat.completions.with_raw_response.create(
-        model=model, messages=messages, extra_headers=extra or None, **params)
+    stream, kvroute_fault, ...). `model` defaults to the server's own (a backend's model
+    id); `key` is the API key; `scope` sets the cache-scope header. A non-2xx answer
+    raises the client's error, which carries the error body."""
+    completions = client(server, key, timeout).chat.completions
+    # Fields the client has no parameter for (kvroute_fault) go in the body as they are.
+    known = inspect.signature(completions.create).parameters
+    extra_body = {k: params.pop(k) for k in list(params) if k not in known}
+    extra_headers = {**({SCOPE_HEADER: scope} if scope else {}), **(headers or {})}
+    raw = completions.with_raw_response.create(
+        model=model or server.model_id, messages=messages, extra_headers=extra_headers or None,
+        extra_body=extra_body or None, **params)
     parsed = raw.parse()
     if params.get("stream"):
         return Reply(raw.headers, chunks=list(parsed))

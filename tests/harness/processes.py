@@ -144,11 +144,14 @@ class ProxyProcess:
 
 @contextlib.contextmanager
 def fleet(backends: Callable[[str], list[BackendProcess]],
-          proxies: Callable[[str], list[ProxyProcess]]) -> Iterator[dict]:
-    """A redis-server, the backends that advertise to it and the proxies that route over
-    them, each given the Redis URL. Yields {"redis", "backends" (by id), "proxies"}; a
-    test may swap a backend in that dict, and the one there at the end is stopped."""
-    redis = RedisServer().start()
+          proxies: Callable[[str], list[ProxyProcess]], redis: Any = None) -> Iterator[dict]:
+    """The backends that advertise to a Redis and the proxies that route over them,
+    each given its URL. `redis` (anything with a `url`: the session's database) is
+    shared; without it the fleet starts a redis-server of its own, which its tests may
+    stop or pause. Yields {"redis", "backends" (by id), "proxies"}; a test may swap a
+    backend in that dict, and the one there at the end is stopped."""
+    own = redis is None
+    redis = RedisServer().start() if own else redis
     running: dict = {"redis": redis, "backends": {}, "proxies": []}
     try:
         running["backends"] = {b.backend_id: b for b in backends(redis.url)}
@@ -161,7 +164,8 @@ def fleet(backends: Callable[[str], list[BackendProcess]],
         # Every process is stopped even when stopping one fails: a fleet left running
         # would slow down (and share ports with) every test after it.
         with contextlib.ExitStack() as stack:
-            stack.callback(redis.close)
+            if own:
+                stack.callback(redis.close)
             for proc in [*running["backends"].values(), *running["proxies"]]:
                 stack.callback(proc.stop)
 
