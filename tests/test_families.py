@@ -118,7 +118,8 @@ def test_disconnect_mid_prefill_resumes_exactly(family):
     stream = SSEStream(family.url + "/v1/chat/completions",
                        {"model": family.model_id, "messages": messages, "max_tokens": 4,
                         "kvroute_fault": "slow_prefill:0.05"})
-    header = chat(family, messages[:1] + [{"role": "user", "content": "hi"}], scope="probe", max_tokens=1).body
+    header = chat(family, messages[:1] + [{"role": "user", "content": "hi"}], scope="probe",
+                  max_tokens=1).body
 
     def past_header():
         jobs = family.health()["engine"]["jobs"]

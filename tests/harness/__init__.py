@@ -21,6 +21,6 @@ from tests.harness.processes import (BackendProcess, ProxyProcess, ServeProcess,
 from tests.harness.redis import Database, RedisServer, SharedRedis, free_port
 
 __all__ = ["ROOT", "TOOLS", "BackendProcess", "Database", "ProxyProcess", "RedisServer", "Reply",
-           "SSEStream", "ServeProcess", "SharedRedis", "chat", "client", "fleet", "free_port", "get_json", "metric_sum",
-           "post_json", "request", "small_tmpfs", "start_all", "terminate", "tool", "toml_text",
-           "wait_until"]
+           "SSEStream", "ServeProcess", "SharedRedis", "chat", "client", "fleet", "free_port",
+           "get_json", "metric_sum", "post_json", "request", "small_tmpfs", "start_all",
+           "terminate", "tool", "toml_text", "wait_until"]
