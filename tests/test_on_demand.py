@@ -123,7 +123,7 @@ def test_concurrent_requests_for_a_cold_model_share_one_load(dep):
     stream = SSEStream(dep.url + "/v1/chat/completions",
                        {"model": "m3", "messages": MESSAGES, "max_tokens": 8}, timeout=180)
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
-        answers = list(pool.map(dep.chat, ["m3"] * 5))
+        answers = list(pool.map(dep.finish_of, ["m3"] * 5))
     assert all(a in ("stop", "length") for a in answers)
     # The stream started during the load: keep-alive comments, then the answer.
     assert stream.status == 200
