@@ -204,7 +204,7 @@ def test_publisher_stop_when_redis_is_down_does_not_hang(own_server):
     run(main())
 
 
-# -- regressions found by bench/reliability.py --------------------------------------------
+# -- regressions found by bench.reliability -----------------------------------------------
 
 
 def test_regression_eviction_while_redis_is_unreachable_is_withdrawn(own_server):

@@ -529,7 +529,7 @@ def test_redis_holds_no_prompt_text(server):
     run(main())
 
 
-# -- regressions found by bench/reliability.py --------------------------------------------
+# -- regressions found by bench.reliability -----------------------------------------------
 
 
 def test_regression_withdrawn_keys_leave_the_backend_index(server):

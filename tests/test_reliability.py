@@ -1,4 +1,4 @@
-"""Reliability under load and faults (the quick variant of bench/reliability.py), and
+"""Reliability under load and faults (the quick variant of `python -m bench.reliability`), and
 regression tests for the bugs its runs found.
 
 The first part runs `kvroute serve` (2 demo backends, the proxy) against an external
@@ -33,7 +33,7 @@ from tests.harness import SSEStream, free_port, get_json, request, wait_until
 from kvroute.core.prefix import DEFAULT_BLOCK_BYTES, chat_chain, fingerprint, make_salt
 from kvroute.core.registry import BackendRecord, Registry, new_instance_id
 
-from tests import reliability as rel
+from bench import reliability as rel
 
 SOAK = os.environ.get("KVROUTE_SOAK", "") not in ("", "0")
 # Soak: 200 clients in three rounds, SIGSTOP 15 s, Redis unreachable 30 s.
