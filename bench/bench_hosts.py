@@ -3,7 +3,7 @@
 Each host is a network namespace of this machine (its own address, ports and
 processes) running its own `kvroute serve` with the demo model, behind one
 three-master Redis Cluster on the bridge between them: the set-up of
-tests/test_two_hosts.py (tests/netns.py). Needs root and iproute2.
+tests/test_two_hosts.py (tests/harness/netns.py). Needs root and iproute2.
 
 The same workload runs on both layouts: C conversations in G groups (a group's
 conversations share a long system prompt, as a team's do), T turns each. Turns go in

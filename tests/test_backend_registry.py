@@ -157,6 +157,7 @@ def wait_listed(url: str, backend_id: str, timeout: float = 5.0) -> PrefixMatch:
 
 @pytest.fixture(scope="module")
 def shared_redis():
+    """This module's own redis-server: its tests pause, stop and restart it."""
     with RedisServer() as server:
         yield server
 
@@ -169,12 +170,6 @@ def shared_backend(text_model, tmp_path_factory, shared_redis):
                          shared_redis.url, "shared-b1")
     yield proc
     proc.stop()
-
-
-@pytest.fixture
-def own_redis():
-    with RedisServer() as server:
-        yield server
 
 
 @pytest.fixture
@@ -219,8 +214,8 @@ def test_follow_up_turn_is_advertised_at_full_depth(shared_backend, shared_redis
 # 2. Eviction withdraws keys
 
 
-def test_eviction_withdraws_the_evicted_conversation(text_model, log_dir, own_redis):
-    url = own_redis.url
+def test_eviction_withdraws_the_evicted_conversation(text_model, log_dir, redis_db):
+    url = redis_db.url
     # Room for one finished demo-model conversation (~80 KB of KV), not two.
     b = start_backend(text_model, log_dir, url, "evict-b1", "--cache-bytes", "120KB")
     try:
@@ -257,8 +252,8 @@ def test_eviction_withdraws_the_evicted_conversation(text_model, log_dir, own_re
 # 3. A killed backend is forgotten; its successor inherits nothing
 
 
-def test_killed_backend_is_forgotten_and_restart_inherits_nothing(text_model, log_dir, own_redis):
-    url = own_redis.url
+def test_killed_backend_is_forgotten_and_restart_inherits_nothing(text_model, log_dir, redis_db):
+    url = redis_db.url
     old = start_backend(text_model, log_dir, url, "crashy-b1")
     try:
         msgs = conversation("crash")
@@ -438,8 +433,8 @@ def test_redis_holds_no_prompt_text(shared_backend, shared_redis):
 # 7. Clean shutdown withdraws at once
 
 
-def test_clean_shutdown_withdraws_immediately(text_model, log_dir, own_redis):
-    url = own_redis.url
+def test_clean_shutdown_withdraws_immediately(text_model, log_dir, redis_db):
+    url = redis_db.url
     b = start_backend(text_model, log_dir, url, "graceful-b1")
     try:
         msgs = conversation("shutdown")
