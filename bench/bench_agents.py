@@ -600,7 +600,7 @@ def warm_up(backends: list[BackendProcess]) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_agents", description=__doc__.split("\n\n")[0])
     ap.add_argument("--policies", default="cache-aware,round-robin")
     ap.add_argument("--backends", type=int, default=2)
     ap.add_argument("--sessions", type=int, default=4, help="concurrent sessions, shapes cycled")

@@ -204,7 +204,7 @@ class Fleet:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_capacity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="0.25,0.5,1", help="conversations started per second")
     ap.add_argument("--proxies", default="1,2,4")
     ap.add_argument("--policies", default="cache-aware,round-robin,least-loaded")

@@ -172,7 +172,7 @@ def disk_table(args, tmp: Path) -> Table:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_cold_start", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a local model directory (default: the demo model)")
     ap.add_argument("--large", action="store_true", help="also a larger random-weight qwen3")
     ap.add_argument("--large-only", action="store_true", help="only the larger model")

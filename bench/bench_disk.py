@@ -266,7 +266,7 @@ def _metric(backend, prefix: str, label: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_disk", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("restore")
     r.add_argument("--shape", choices=sorted(SHAPES), default="100m")

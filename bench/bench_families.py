@@ -54,7 +54,7 @@ def measure(backend: BackendProcess, size: int, repeat: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_families", description=__doc__.splitlines()[0])
     ap.add_argument("--arches", default=",".join(arch_models.ARCHES))
     ap.add_argument("--sizes", default="1024,4096")
     ap.add_argument("--repeat", type=int, default=3)

@@ -229,7 +229,7 @@ def decode_rates(console: Console, model_dir: Path, steps: int, repeat: int) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_grammar", description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", type=int, default=150_000,
                     help="size of the locally trained large tokenizer (0: skip it)")
     ap.add_argument("--repeat", type=int, default=5, help="passes for the steady state")

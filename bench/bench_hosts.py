@@ -193,7 +193,7 @@ HEADERS = ["layout", "requests", "errors", "hit ratio", "hit ratio (turns>=1)", 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_hosts", description=__doc__.split("\n\n")[0])
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--turns", type=int, default=5)

@@ -456,7 +456,7 @@ def report(args, raw: dict, ref: dict | None, kv: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_hw", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="model directory (python -m bench.models makes one)")
     ap.add_argument("--sizes", default="4096,16384,32768", help="cold prompt sizes (tokens)")
     ap.add_argument("--turn2", type=int, default=31000, help="cached prompt of the second turn")

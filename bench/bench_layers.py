@@ -282,7 +282,7 @@ def profiled(engine: Engine, what: str, run, top: int = 25) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_layers", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="model directory (python -m bench.models makes one)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens decoded per sequence")
     ap.add_argument("--streams", type=int, default=8, help="sequences of the batched runs")

@@ -254,7 +254,8 @@ def print_bursts(rows: list[tuple]) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.bench_lookup", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", type=int, default=16)
     p.add_argument("--iterations", type=int, default=3000, help="lookups per case")
     p.add_argument("--noise-chains", type=int, default=100, help="background chains per backend")

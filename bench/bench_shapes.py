@@ -41,7 +41,7 @@ def timed(fn) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_shapes", description=__doc__.splitlines()[0])
     ap.add_argument("model", help="model directory (python -m bench.models makes one)")
     ap.add_argument("--decode", action="store_true", help="time decode attention only")
     ap.add_argument("--batches", default="1,8", help="with --decode: rows of the batch")

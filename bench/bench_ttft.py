@@ -59,7 +59,7 @@ def ttft(backend: BackendProcess, prompt: str) -> tuple[float, int, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_ttft", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model path (default: the demo model)")
     ap.add_argument("--sizes", default="256,1024,2048")
     ap.add_argument("--repeat", type=int, default=5)

@@ -91,7 +91,7 @@ CASES = [
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_validation", description=__doc__.splitlines()[0])
     ap.add_argument("--number", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()

@@ -42,7 +42,7 @@ DTYPES = {"7b": "bfloat16", "cpu": "float32"}  # MLX's CPU matmuls are fast in f
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(prog="python -m bench.models")
     p.add_argument("out")
     p.add_argument("--preset", choices=sorted(PRESETS), default="7b")
     for name in PRESETS["7b"]:
