@@ -23,9 +23,9 @@ Every prompt is a length no process has seen (sizes shift by a few tokens per re
 per part): what a user's prompts are, and what a warmed-up server has not compiled yet.
 Prompts are random words of the model's tokenizer; a random-weight model never stops.
 
-    python bench/models.py /tmp/m7b                        # a 7B-class random model (GPU)
+    python -m bench.models /tmp/m7b                        # a 7B-class random model (GPU)
     python -m bench.bench_hw --model /tmp/m7b --out BENCH.md
-    python bench/models.py /tmp/mcpu --preset cpu          # CPU: a smaller one
+    python -m bench.models /tmp/mcpu --preset cpu          # CPU: a smaller one
     python -m bench.bench_hw --model /tmp/mcpu --sizes 900,1900,3900 --turn2 3900 \\
         --restore 2000 --decode 48 --agent-system 600 --cache-bytes 2GiB
 
@@ -53,6 +53,8 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+
+from bench.command import command_line
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("raw", "mlx-server", "kvroute", "no-disk")
@@ -563,7 +565,8 @@ def report(args, got: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="model directory (bench/models.py makes one)")
+    ap.add_argument("--model", required=True,
+                    help="model directory (python -m bench.models makes one)")
     ap.add_argument("--parts", default=",".join(PARTS), help="which parts to run, in order")
     ap.add_argument("--sizes", default="3900,15700,31300", help="cold prompt sizes (tokens)")
     ap.add_argument("--turn2", type=int, default=31300, help="turn 1's size before turn 2")
@@ -605,7 +608,7 @@ def main() -> None:
         print(f"{part}:", json.dumps(got, default=str), flush=True)
     found = {p: json.loads((results / f"{p}.json").read_text()) for p in PARTS
              if (results / f"{p}.json").exists()}
-    text = (f"command: python -m bench.bench_hw {' '.join(sys.argv[1:])}\n"
+    text = (f"command: {command_line()}\n"
             f"machine: {platform.machine()} {platform.system()} {platform.release()}, "
             f"python {platform.python_version()}; {time.strftime('%Y-%m-%d')}; "
             f"this call took {time.perf_counter() - t0:.0f}s\n\n" + report(args, found))

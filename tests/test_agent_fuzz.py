@@ -23,7 +23,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fuzz import (  # noqa: F401  (servers and alive_after_each_test are fixtures)
+from tests.test_fuzz import (  # noqa: F401  (servers and alive_after_each_test are fixtures)
     CONTEXT, DELETE, FUZZ, MAX_BODY, MODEL, _padded, alive_after_each_test, any_json,
     anthropic_envelope, big_ints, bodies, dumps, envelope, json_values, maybe, name_text,
     numbers, odd_text, post, raw_bodies, servers, text, token_counts, valid_bodies)
@@ -299,7 +299,7 @@ def test_oversized_body_and_wrong_method_keep_the_envelope(servers, path):
         assert envelope(data)["code"] == "request_too_large"
     else:
         assert anthropic_envelope(data)["type"] == "request_too_large"
-    from harness import request
+    from tests.harness import request
     status, headers, data = request(servers.proxy_url + path, "DELETE")
     assert status == 405 and "POST" in {k.lower(): v for k, v in headers.items()}["allow"]
     check(path, status, {}, data)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import post_json, request
+from tests.harness import post_json, request
 
-from test_exit_paths import conversation
+from tests.test_exit_paths import conversation
 
 
 def envelope(status, data) -> dict:

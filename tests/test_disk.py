@@ -9,15 +9,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from harness import small_tmpfs, wait_until
+from tests.harness import small_tmpfs, wait_until
 from mlx_lm.models.cache import RotatingKVCache
 
 from kvroute.backend import diskfile
 from kvroute.backend.disk import DiskTier
 from kvroute.backend.metrics import BackendMetrics
 from kvroute.backend.store import Store, held_tokens
-from test_store import make_cache as lazy_cache
-from test_store import tokens
+from tests.test_store import make_cache as lazy_cache
+from tests.test_store import tokens
 
 FP = "f" * 32
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 import schemathesis
-from harness import BackendProcess, free_port, get_json, request, wait_until
+from tests.harness import BackendProcess, free_port, get_json, request, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
@@ -53,7 +53,6 @@ from schemathesis.specs.openapi.checks import (
 
 from kvroute.api import openapi
 from kvroute.api.chat import ChatCompletionBody
-from kvroute.serve.redis_server import RedisServer
 
 MODEL = "demo"
 SECRET = "f"
@@ -83,9 +82,9 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def servers(text_model, tmp_path_factory):
+def servers(text_model, tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("fuzz")
-    redis = RedisServer().start()
+    redis = redis_server.database()
     backend = BackendProcess(
         text_model, MODEL, logs,
         extra=["--redis-url", redis.url, "--secret", SECRET, "--max-body-bytes", "256KiB",
@@ -123,7 +122,6 @@ def servers(text_model, tmp_path_factory):
                 proxy.kill()
                 proxy.wait(5)
         backend.stop()
-        redis.stop()
 
 
 def assert_alive(servers: Servers) -> None:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import anthropic
 import pytest
-import harness
-from harness import BackendProcess, ProxyProcess, request
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, request
 
 from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL, MAX_POSITIONS
 
@@ -54,7 +54,7 @@ def strict_copy(model: Path, into: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(text_model, tool_model, tmp_path_factory):
+def fleet(text_model, tool_model, tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("claude-code")
     strict = strict_copy(text_model, tmp_path_factory.mktemp("strict"))
 
@@ -67,7 +67,7 @@ def fleet(text_model, tool_model, tmp_path_factory):
     def proxies(redis_url: str) -> list[ProxyProcess]:
         return [ProxyProcess(redis_url, logs, ["--api-key", f"{KEY}:claude-code"])]
 
-    with harness.fleet(backends, proxies) as f:
+    with harness.fleet(backends, proxies, redis_server.database()) as f:
         yield {**f, "proxy": f["proxies"][0]}
 
 

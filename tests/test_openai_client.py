@@ -7,7 +7,8 @@ import pytest
 
 from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
 
-from test_exit_paths import TOOLS, conversation
+from tests.harness import TOOLS
+from tests.test_exit_paths import conversation
 
 
 def client(backend) -> openai.OpenAI:

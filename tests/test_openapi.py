@@ -22,7 +22,7 @@ from typing import Any
 
 import jsonschema_rs
 import pytest
-from harness import post_json
+from tests.harness import post_json
 
 from kvroute import config
 from kvroute.api import openapi

@@ -13,9 +13,8 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from harness import free_port, get_json, request, wait_until
+from tests.harness import free_port, get_json, request, wait_until
 
-from kvroute.serve.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,9 +129,8 @@ def serve_cmd(config: Path) -> list[str]:
     return [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config)]
 
 
-def test_two_models_supervision_and_clean_shutdown(tmp_path, model_cache):
-    redis = RedisServer()
-    redis.start()
+def test_two_models_supervision_and_clean_shutdown(tmp_path, model_cache, redis_db):
+    redis = redis_db
     port = free_port()
     log = tmp_path / "serve.log"
     proc = start_serve(serve_cmd(write_config(tmp_path, redis.url, port)),
@@ -189,7 +187,6 @@ def test_two_models_supervision_and_clean_shutdown(tmp_path, model_cache):
     except TimeoutError:
         raise AssertionError(f"left in Redis: {list(r.scan_iter('kvr:*'))}\n{log.read_text()[-3000:]}")
     r.close()
-    redis.stop()
 
 
 def test_config_over_memory_is_refused_with_the_numbers(tmp_path, model_cache):
