@@ -379,7 +379,8 @@ class Stack:
             f'secret = "bench-hw"\n\n[proxy]\nport = {self.port}\n\n'
             f'[backends]\nport_base = {free_port()}\n\n'
             f'[[models]]\npath = "{args.model}"\nalias = "m"\nreplicas = {args.replicas}\n'
-            f'cache_bytes = "{args.cache_bytes}"\nmax_batch = {args.max_batch}\n'
+            f'cache_bytes = "{args.cache_bytes}"\n'
+            + (f"max_batch = {args.max_batch}\n" if args.max_batch else "")
             + (f"max_prompt_tokens = {args.max_prompt_tokens}\n" if args.max_prompt_tokens else "")
             + disk
             + (f"prefill_step = {args.prefill_step}\n" if args.prefill_step else ""))
@@ -576,7 +577,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=256, help="tokens per decode stream")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--cache-bytes", default="16GiB")
-    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=0, help="kvroute's (0: its default)")
     ap.add_argument("--max-prompt-tokens", type=int, default=0, help="kvroute's (0: its default)")
     ap.add_argument("--prefill-step", type=int, default=0, help="kvroute's (0: by platform)")
     ap.add_argument("--raw-prefill-step", type=int, default=2048)
