@@ -67,7 +67,7 @@ def _check_model_path(path: str) -> None:
 
 def replica_cost(spec: ModelSpec, path: str) -> capacity.Cost:
     return capacity.replica_cost(path, spec.cache_bytes, spec.max_batch, spec.max_prompt_tokens,
-                                 spec.default_max_tokens)
+                                 spec.default_max_tokens, spec.max_running_tokens)
 
 
 def disk_dir(spec: ModelSpec, name: str) -> str:
