@@ -489,6 +489,8 @@ class ModelSpec:
     pin: bool = _MODEL["pin"]
     preload: bool = _MODEL["preload"]
     idle_unload: float = _MODEL["idle_unload"]  # seconds; 0: never
+    # disk_cache_bytes set in the file: kept, not bounded by the volume's free space
+    disk_budget_set: bool = field(default=False, repr=False)
 
     @classmethod
     def make(cls, raw: Mapping[str, Any], where: str = "[[models]]") -> "ModelSpec":
@@ -499,7 +501,9 @@ class ModelSpec:
         unknown = set(raw) - set(by_key)
         if unknown:
             raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
-        return cls(**{by_key[k].name: by_key[k].convert(v, f"{where} {k}") for k, v in raw.items()})
+        spec = cls(**{by_key[k].name: by_key[k].convert(v, f"{where} {k}") for k, v in raw.items()})
+        spec.disk_budget_set = "disk_cache_bytes" in raw
+        return spec
 
     def __post_init__(self) -> None:
         if not self.alias:

@@ -172,3 +172,42 @@ def test_a_burst_beyond_the_running_budget_queues_and_all_complete(text_model, t
         assert engine["running_tokens"] == 0 and engine["queued"] == 0
     finally:
         proc.stop()
+
+
+def test_default_disk_tiers_take_at_most_half_their_volumes_free_space(tmp_path):
+    from harness import small_tmpfs
+
+    from kvroute.config import ModelSpec
+    from kvroute.core import disk_space
+    from kvroute.serve.launcher import disk_budgets
+
+    MiB = 1 << 20
+    with small_tmpfs(tmp_path / "vol", "64m") as vol:
+        # What a tier already holds counts as room: a restart keeps its budget.
+        (vol / "a-1").mkdir()
+        (vol / "a-1" / "old.kvr").write_bytes(b"\1" * 8 * MiB)
+        a = ModelSpec.make({"path": "demo", "alias": "a", "disk_cache_dir": str(vol)})
+        b = ModelSpec.make({"path": "demo", "alias": "b", "disk_cache_dir": str(vol),
+                            "disk_cache_bytes": "40MiB"})
+        elsewhere = ModelSpec.make({"path": "demo", "alias": "c",
+                                    "disk_cache_dir": str(tmp_path / "other"),
+                                    "disk_cache_bytes": "0"})
+        budgets, lines = disk_budgets([(a, "a-1"), (a, "a-2"), (b, "b-1"), (elsewhere, "c-1")])
+        # 56 MiB free + 8 held, half of it among the three tiers on the volume.
+        share = 64 * MiB // 2 // 3
+        assert abs(budgets["a-1"] - share) < MiB and budgets["a-1"] == budgets["a-2"]
+        assert budgets["b-1"] == 40 * MiB  # set by the user: kept
+        assert "c-1" not in budgets  # no tier
+        assert lines[0].startswith(f"disk tier of a: {budgets['a-1'] / MiB:.1f} MiB per backend "
+                                   f"on {vol} (free 56.0 MiB; at most half of it, shared by 3 "
+                                   "backends)"), lines
+        assert lines[1] == f"disk tier of b: 40.0 MiB per backend on {vol} (free 56.0 MiB)"
+        line, over = disk_space.describe(vol / "b-1", 40 * MiB, 0)
+        assert line == f"disk tier: 40.0 MiB on {vol / 'b-1'} (free 56.0 MiB, held 0 B)"
+        assert not over and disk_space.describe(vol / "b-1", 60 * MiB, 0)[1]
+    # The default 32 GiB where the drive has room for it.
+    big = ModelSpec.make({"path": "demo", "disk_cache_dir": str(tmp_path)})
+    if disk_space.free_bytes(tmp_path) > 130 << 30:
+        assert disk_budgets([(big, "x-1")])[0]["x-1"] == 32 * GiB
+    else:
+        assert disk_budgets([(big, "x-1")])[0]["x-1"] <= disk_space.free_bytes(tmp_path) // 2

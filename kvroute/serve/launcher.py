@@ -27,7 +27,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from kvroute.core import accel, redis_client
+from kvroute.core import accel, disk_space, redis_client
 from . import capacity
 from kvroute.devtools import demo_model
 from .capacity import weights_bytes
@@ -35,6 +35,7 @@ from kvroute.config import DEMO, ConfigError, ModelSpec, ServeConfig, limit_vari
 from .loader import Loader, Slot
 from .processes import Child
 from kvroute.api.lifecycle import health_body, health_pid
+from kvroute.core.sizes import format_bytes
 from .redis_server import RedisServer
 STOP_GRACE = 7.0  # seconds children get to exit before SIGKILL (the whole stop stays < 10 s)
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan"]
@@ -80,6 +81,24 @@ def disk_dir(spec: ModelSpec, name: str) -> str:
     return str(base / name)
 
 
+def disk_budgets(backends: list[tuple[ModelSpec, str]]) -> tuple[dict[str, int], list[str]]:
+    """Each backend's disk-tier budget by name (`disk_space.bound`: a default one at
+    most its share of half its volume's free space), and a line per model saying so."""
+    tiers = [(spec, name, disk_dir(spec, name)) for spec, name in backends]
+    tiers = [t for t in tiers if t[2]]
+    bounded = disk_space.bound([disk_space.Tier(folder, spec.disk_cache_bytes,
+                                                spec.disk_budget_set)
+                                for spec, _, folder in tiers])
+    budgets, lines = {}, {}
+    for (spec, name, folder), b in zip(tiers, bounded):
+        budgets[name] = b.budget
+        lines.setdefault(spec.alias, (
+            f"disk tier of {spec.alias}: {format_bytes(b.budget)} per backend on "
+            f"{Path(folder).parent} (free {format_bytes(b.free)}"
+            + (f"; at most half of it, shared by {b.sharing} backends)" if b.bounded else ")")))
+    return budgets, list(lines.values())
+
+
 # -- child processes ----------------------------------------------------------------
 
 
@@ -113,6 +132,7 @@ class Launcher:
         self.proxy: Child | None = None
         self.loader: Loader | None = None
         self.initial: list[Slot] = []
+        self.disk_notes: list[str] = []
 
     # -- start ------------------------------------------------------------------
 
@@ -131,7 +151,7 @@ class Launcher:
                  for spec in self.config.models if weights_bytes(self.paths[spec.alias]) is None]
         self._plan(accel.probe())
         self.initial, more = self.loader.initial()
-        return notes + more
+        return notes + self.disk_notes + more
 
     def _common(self) -> list[str]:
         c = self.config
@@ -150,18 +170,22 @@ class Launcher:
                 spec.memory_limit = spec.memory_limit or min(mine)
         taken: set[int] = {c.port}
         slots, i = [], 0
+        names = {spec.alias: [f"{c.machine + '-' if c.machine else ''}{spec.alias}-{r + 1}"
+                              for r in range(spec.replicas)] for spec in c.models}
+        disk, self.disk_notes = disk_budgets(
+            [(spec, name) for spec in c.models for name in names[spec.alias]])
         for spec, cost in zip(c.models, costs):
             children = []
-            for r in range(spec.replicas):
+            for name in names[spec.alias]:
                 port = first_free_port(c.backend_port_base, taken)
                 taken.add(port)
-                name = f"{c.machine + '-' if c.machine else ''}{spec.alias}-{r + 1}"
                 args = [
                     "backend", "--model", self.paths[spec.alias], "--model-id", spec.alias,
                     "--host", c.backend_host, "--port", str(port), "--id", name,
                     "--advertise-url", f"http://{c.backend_host}:{port}",
                     *spec.backend_flags(), *self._common(),
                     "--disk-cache-dir", disk_dir(spec, name),
+                    "--disk-cache-bytes", str(disk.get(name, 0)),
                 ]
                 children.append(Child(name, args, f"http://{c.backend_host}:{port}",
                                       COLORS[i % len(COLORS)], wanted=False))
