@@ -332,3 +332,62 @@ def test_a_backend_holds_its_port_from_start_to_serving():
     finally:
         for sock in socks:
             sock.close()
+
+
+def test_a_model_is_loaded_once_one_replica_answers_and_loading_before(tmp_path, model_cache):
+    """/v1/models says `loading` while no backend of a model answers /health (a request
+    meanwhile waits, then is answered), and `loaded` as soon as one replica does, while
+    the other is still starting. The replicas are held back with SIGSTOP: slow starts."""
+    import threading
+
+    from harness import ServeProcess
+
+    serve = ServeProcess({"models": [{"path": "demo", "alias": "d", "replicas": 2,
+                                      "cache_bytes": "32MiB", "disk_cache_bytes": "0"}]},
+                         tmp_path, env={"KVROUTE_CACHE_DIR": str(model_cache)})
+    stopped: dict[str, psutil.Process] = {}
+    try:
+        def replicas() -> bool:
+            for p in psutil.Process(serve.proc.pid).children():
+                try:
+                    cmd = p.cmdline()
+                except psutil.Error:  # gone already (a short-lived helper)
+                    continue
+                if "backend" in cmd and "--id" in cmd and cmd[cmd.index("--id") + 1] not in stopped:
+                    p.send_signal(signal.SIGSTOP)
+                    stopped[cmd[cmd.index("--id") + 1]] = p
+            return len(stopped) == 2
+
+        serve.wait_ready(replicas, 60, interval=0.01, what="both replicas to start")
+
+        def state() -> str | None:
+            try:
+                return {m["id"]: m for m in get_json(serve.url + "/v1/models")["data"]}["d"]["state"]
+            except (OSError, KeyError):
+                return None
+
+        serve.wait_ready(state, 60, what="the proxy to list d")
+        assert state() == "loading"
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        answers = []
+        early = threading.Thread(target=lambda: answers.append(client.chat.completions.create(
+            model="d", messages=[{"role": "user", "content": "Hello there."}], max_tokens=4)))
+        early.start()
+        time.sleep(0.5)  # it is held: nothing can answer it yet
+        assert not answers and state() == "loading"
+        stopped["d-1"].send_signal(signal.SIGCONT)
+        serve.wait_ready(lambda: state() == "loaded", 60, what="d to be loaded")
+        early.join(60)
+        assert answers and answers[0].choices[0].finish_reason in ("stop", "length")
+        # d-2 is still stopped: one replica is enough to be loaded and to serve.
+        assert stopped["d-2"].status() == psutil.STATUS_STOPPED
+        assert client.chat.completions.create(
+            model="d", messages=[{"role": "user", "content": "Hi."}], max_tokens=4).choices
+    finally:
+        for p in stopped.values():
+            try:
+                p.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+        serve.stop()

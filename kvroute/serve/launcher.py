@@ -252,12 +252,15 @@ class Launcher:
         self.console.print(f"[{child.color}]{child.name:>14}[/] │ {line}", markup=True,
                            highlight=False, soft_wrap=True)
 
-    async def wait_healthy(self, children: list[Child], timeout: float) -> None:
-        """Until every child answers /health; RuntimeError, with the child's last log
-        lines, when one exits or the timeout passes (or the deployment stops)."""
+    async def wait_healthy(self, children: list[Child], timeout: float,
+                           enough: int | None = None) -> None:
+        """Until every child (or `enough` of them) answers /health; RuntimeError, with
+        the child's last log lines, when one exits or the timeout passes (or the
+        deployment stops) before that."""
         deadline = time.monotonic() + timeout
         pending = list(children)
-        while pending:
+        need = len(children) if enough is None else min(enough, len(children))
+        while True:
             for child in list(pending):
                 if child.proc.returncode is not None:
                     await asyncio.gather(*child.pumps, return_exceptions=True)
@@ -267,13 +270,14 @@ class Launcher:
                                        f"starting" + (f": {last}" if last else ""))
                 if await asyncio.to_thread(_healthy, child):
                     pending.remove(child)
-            if pending:
-                if self.stopping.is_set():
-                    raise RuntimeError("stopping")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"not healthy after {timeout:.0f}s: "
-                                       + ", ".join(c.name for c in pending))
-                await asyncio.sleep(0.1)
+            if len(children) - len(pending) >= need:
+                return
+            if self.stopping.is_set():
+                raise RuntimeError("stopping")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not healthy after {timeout:.0f}s: "
+                                   + ", ".join(c.name for c in pending))
+            await asyncio.sleep(0.1)
 
     async def start(self) -> None:
         if not self.redis_url:
@@ -287,11 +291,21 @@ class Launcher:
             for child in [*first, self.proxy]:
                 child.wanted = True
                 await self.spawn(child)
-            await self.wait_healthy([*first, self.proxy], self.config.ready_timeout)
-        for slot in self.initial:
-            await self.loader.started(slot, time.monotonic() - t0)
+            ups = [asyncio.create_task(self._first_up(slot, t0)) for slot in self.initial]
+            try:
+                await self.wait_healthy([*first, self.proxy], self.config.ready_timeout)
+                await asyncio.gather(*ups)
+            finally:
+                for up in ups:
+                    up.cancel()
         await self.loader.publish()
         self.print_ready()
+
+    async def _first_up(self, slot: Slot, t0: float) -> None:
+        """A model serves once one replica answers /health (its record is in Redis by
+        then): published `loaded` at that moment, not when its slowest replica is."""
+        await self.wait_healthy(slot.children, self.config.ready_timeout, enough=1)
+        await self.loader.started(slot, time.monotonic() - t0)
 
     def print_ready(self) -> None:
         c = self.config

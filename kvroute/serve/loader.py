@@ -199,7 +199,9 @@ class Loader:
                 child.wanted = True
                 self.launcher.repick_port(child)
                 await self.launcher.spawn(child)
-            await self.launcher.wait_healthy(slot.children, self.config.load_timeout)
+            # Loaded once one replica answers: the proxies route to it while the others
+            # finish starting (each is watched, restarted should it exit).
+            await self.launcher.wait_healthy(slot.children, self.config.load_timeout, enough=1)
         except asyncio.CancelledError:
             await self.launcher.stop_children(slot.children)
             raise
