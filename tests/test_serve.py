@@ -362,7 +362,8 @@ def test_a_model_is_loaded_once_one_replica_answers_and_loading_before(tmp_path,
 
         def state() -> str | None:
             try:
-                return {m["id"]: m for m in get_json(serve.url + "/v1/models")["data"]}["d"]["state"]
+                listed = get_json(serve.url + "/v1/models")["data"]
+                return {m["id"]: m for m in listed}["d"]["state"]
             except (OSError, KeyError):
                 return None
 
@@ -391,3 +392,31 @@ def test_a_model_is_loaded_once_one_replica_answers_and_loading_before(tmp_path,
             except psutil.NoSuchProcess:
                 pass
         serve.stop()
+
+
+def test_the_memory_check_counts_the_running_budget_the_serve_flag_sets(tmp_path, model_cache):
+    """The demo model's full batch (32 x 8,192 tokens of KV) does not fit a 700 MiB
+    budget; with --max-running-tokens 16384 the KV term is 16 MiB, and serve starts."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--port", str(port), "--replicas", "1",
+           "--cache-bytes", "32MiB", "--memory-budget", "700MiB",
+           "--backend-port-base", str(free_port())]
+    env = {**os.environ, "KVROUTE_CACHE_DIR": str(model_cache), "COLUMNS": "200"}
+    out = subprocess.run([*cmd, "--max-running-tokens", "0"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 2 and "KV (32 x 8192 tokens x 1.0 KiB)" in out.stderr, out.stderr
+    assert "max_running_tokens" in out.stderr  # the refusal names what to lower
+    log = tmp_path / "serve.log"
+    proc = start_serve([*cmd, "--max-running-tokens", "16384"],
+                       {"KVROUTE_CACHE_DIR": str(model_cache)}, log)
+    try:
+        health = wait_proxy(port, 1, proc, log)
+        backend = get_json(health["backends"][0]["url"] + "/health")
+        assert backend["engine"]["max_running_tokens"] == 16384
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0)
+        assert client.chat.completions.create(
+            model="kvroute-demo", messages=[{"role": "user", "content": "Hi."}],
+            max_tokens=4).choices
+    finally:
+        stop(proc)

@@ -122,7 +122,8 @@ class Loader:
                 "these models do not fit in memory:\n" + "\n".join(lines) + "\n" + "\n".join(
                     f"  total {s.alias}: {format_bytes(s.bytes)} > {format_bytes(self.budget)} "
                     f"({self.budget_source})" for s in too_big)
-                + "\nLower replicas, cache_bytes, max_batch or max_prompt_tokens, or use "
+                + "\nLower replicas, cache_bytes, max_running_tokens, max_batch or "
+                "max_prompt_tokens, or use "
                 "smaller models.")
 
     async def start(self, url: str) -> None:
