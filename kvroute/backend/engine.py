@@ -361,8 +361,14 @@ class Engine:
         self._admit_or_fail(job)
 
     def _release_held(self) -> None:
-        while self._held and self._fits(self._held[0]) and not self._long_prefill():
+        while self._held and self._may_release(self._held[0]):
             self._admit_or_fail(self._held.popleft())
+
+    def _may_release(self, job: Job) -> bool:
+        # A short prompt waits only for room in the running budget; a long one also
+        # for the long prefill running now (serial_prefill).
+        long_ = self.serial_prefill and len(job.prompt) > self.prefill_step
+        return self._fits(job) and not (long_ and self._long_prefill())
 
     # -- the running-token budget ------------------------------------------------
     # A sequence's KV grows up to its prompt plus its completion cap. Admitting only
