@@ -6,8 +6,7 @@ runs at once and the process overhead. The running KV is what the engine admits:
 sequences join while their prompts and completion caps fit `max_running_tokens`
 (one always runs alone, however long), and never more than max_batch x context; at
 the model's bytes per token, an upper bound (sliding-window and recurrent layers
-need less). Refusals carry the
-arithmetic, so a user sees which term to lower.
+need less). Refusals carry the arithmetic, so a user sees which term to lower.
 """
 
 from __future__ import annotations
