@@ -151,7 +151,14 @@ class Launcher:
                  for spec in self.config.models if weights_bytes(self.paths[spec.alias]) is None]
         self._plan(accel.probe())
         self.initial, more = self.loader.initial()
-        return notes + self.disk_notes + more
+        return notes + [self._memory_note()] + self.disk_notes + more
+
+    def _memory_note(self) -> str:
+        """What the memory check counted, term by term: the figure to change is in it."""
+        loader = self.loader
+        lines = [capacity.line(s.alias, s.spec.replicas, s.cost) for s in loader.slots.values()]
+        return (f"memory budget {format_bytes(loader.budget)} ({loader.budget_source}); "
+                "each model:\n" + "\n".join(lines))
 
     def _common(self) -> list[str]:
         c = self.config
