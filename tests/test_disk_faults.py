@@ -133,6 +133,10 @@ def test_read_only_folder_at_start_serves_its_whole_files(text_model, tmp_path):
         backend = None
         try:
             first = start(text_model, "demo", mount / "cache", tmp_path)
+            # The start-up line says the budget, the folder and the free space, and
+            # warns that this default budget is more than the drive can give.
+            assert f"disk tier: 32.0 GiB on {mount / 'cache'} (free 16.0 MiB" in first.log()
+            assert "is more than" in first.log() and "lower --disk-cache-bytes" in first.log()
             messages = conversation()
             turn1 = chat(first, messages, **GREEDY).body
             wait_until(lambda: written(first), 60, what="turn 1 on disk")

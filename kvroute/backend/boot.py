@@ -97,6 +97,7 @@ def load_state(config: BackendConfig) -> State:
         or (config.long_prefill == "auto" and device.kind != "cpu"),
         max_batch=config.max_batch,
         max_queue=config.max_queue,
+        max_running_tokens=config.max_running_tokens,
         keep_buffers=device.kind != "cpu" and "cache_limit" in limits,
     )
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)

@@ -57,6 +57,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvroute.core import disk_space
+from kvroute.core.sizes import format_bytes
+
 from . import diskfile
 from .diskfile import BadRecord, Record
 from .store import Entry, Event, Hit, common_prefix, held_tokens, trimmed_copy, usable_prefix
@@ -151,8 +154,13 @@ class DiskTier:
         self._writer.start()
         self._enforce_budget(0)
         self._update_gauges()
-        log.info("disk cache %s: %d entries, %.1f MB (budget %.1f MB)", self.directory,
-                 len(self.index), self.nbytes / 1e6, self.budget_bytes / 1e6)
+        line, over = disk_space.describe(self.directory, self.budget_bytes, self.nbytes)
+        log.info("%s; %d entries", line, len(self.index))
+        if over:
+            log.warning("the disk tier's budget (%s) is more than %s can give (its free space "
+                        "and what the tier holds): writes will fail once the drive is full; "
+                        "lower --disk-cache-bytes", format_bytes(self.budget_bytes),
+                        self.directory)
         return True
 
     def _lock(self) -> int:

@@ -70,6 +70,7 @@ class Engine:
         serial_prefill: bool = False,
         max_batch: int = 32,
         max_queue: int = 64,
+        max_running_tokens: int = 0,
         keep_buffers: bool | None = None,
     ):
         self.model = model
@@ -81,6 +82,8 @@ class Engine:
         self.serial_prefill = serial_prefill
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.max_running_tokens = max_running_tokens  # 0: only max_batch bounds the batch
+        self.peak_running_tokens = 0
         self.prefill_tps = 0.0
         self.decode_steps_per_s = 0.0  # batch steps/s: each decoding sequence gains a token
         self.reply_tokens = 0.0  # mean tokens of a finished reply
@@ -106,7 +109,9 @@ class Engine:
             keep_buffer_cache()
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[int, Job] = {}
-        self._held: collections.deque[Job] = collections.deque()  # long prompts waiting their turn
+        # Requests waiting their turn: long prompts behind a long prefill, and any
+        # request beyond the running-token budget.
+        self._held: collections.deque[Job] = collections.deque()
         # Events of one loop turn, handed to the event loop in one call: one wake-up
         # per decode step instead of one per token of every sequence in the batch.
         self._outbox: list[tuple[Job, Any]] = []
@@ -167,6 +172,9 @@ class Engine:
             "prefilling": sum(j.phase == "prefill" for j in jobs),
             "decoding": sum(j.phase == "decode" for j in jobs),
             "peak_batch": self.peak_batch,
+            "running_tokens": sum(self._need(j) for j in jobs),
+            "max_running_tokens": self.max_running_tokens,
+            "peak_running_tokens": self.peak_running_tokens,
             "prefill_tps": round(self.prefill_tps, 1),
             "jobs": [
                 {"phase": j.phase, "processed": j.processed, "prompt": len(j.prompt),
@@ -344,16 +352,44 @@ class Engine:
 
     def _route(self, job: Job) -> None:
         job.outbox = self._outbox
-        if (self.serial_prefill and len(job.prompt) > self.prefill_step
-                and (self._held or self._long_prefill())
-                and self._uncached(job) > self.prefill_step):
+        if ((self._held and not self._fits(self._held[0])) or not self._fits(job)
+                or (self.serial_prefill and len(job.prompt) > self.prefill_step
+                    and (self._held or self._long_prefill())
+                    and self._uncached(job) > self.prefill_step)):
             self._held.append(job)
             return
         self._admit_or_fail(job)
 
     def _release_held(self) -> None:
-        while self._held and not self._long_prefill():
+        while self._held and self._may_release(self._held[0]):
             self._admit_or_fail(self._held.popleft())
+
+    def _may_release(self, job: Job) -> bool:
+        # A short prompt waits only for room in the running budget; a long one also
+        # for the long prefill running now (serial_prefill).
+        long_ = self.serial_prefill and len(job.prompt) > self.prefill_step
+        return self._fits(job) and not (long_ and self._long_prefill())
+
+    # -- the running-token budget ------------------------------------------------
+    # A sequence's KV grows up to its prompt plus its completion cap. Admitting only
+    # while the running sequences' sum stays within max_running_tokens bounds the KV
+    # the batch can reach (what `kvroute serve`'s memory check counts): a burst waits
+    # in arrival order (a later small request never passes a waiting large one, which
+    # would then wait forever) instead of growing past the memory the check reserved.
+    # One request always runs alone, whatever it needs: the prompt limits bound it.
+
+    @staticmethod
+    def _need(job: Job) -> int:
+        return len(job.prompt) + job.max_tokens
+
+    @property
+    def running_tokens(self) -> int:
+        return sum(self._need(j) for j in self._jobs.values())
+
+    def _fits(self, job: Job) -> bool:
+        if self.max_running_tokens <= 0 or not self._jobs or job.cancelled:
+            return True
+        return self.running_tokens + self._need(job) <= self.max_running_tokens
 
     def _admit_or_fail(self, job: Job) -> None:
         try:
@@ -404,6 +440,7 @@ class Engine:
         job.phase = "prefill"
         self._faults = self._faults or bool(job.fault)
         self._jobs[job.uid] = job
+        self.peak_running_tokens = max(self.peak_running_tokens, self.running_tokens)
         if not job.readmitted:
             job.cached_tokens = hit.tokens
             if self.misses is not None:
