@@ -141,7 +141,7 @@ def test_a_burst_beyond_the_running_budget_queues_and_all_complete(text_model, t
 
     from openai import OpenAI
 
-    from harness import BackendProcess, wait_until
+    from tests.harness import BackendProcess, wait_until
 
     messages = [{"role": "user", "content": "Count the apples in the basket, please."}]
     proc = BackendProcess(text_model, "demo", tmp_path, extra=[
@@ -175,7 +175,7 @@ def test_a_burst_beyond_the_running_budget_queues_and_all_complete(text_model, t
 
 
 def test_default_disk_tiers_take_at_most_half_their_volumes_free_space(tmp_path):
-    from harness import small_tmpfs
+    from tests.harness import small_tmpfs
 
     from kvroute.config import ModelSpec
     from kvroute.core import disk_space

@@ -337,7 +337,7 @@ def test_a_model_is_loaded_once_one_replica_answers_and_loading_before(tmp_path,
     the other is still starting. The replicas are held back with SIGSTOP: slow starts."""
     import threading
 
-    from harness import ServeProcess
+    from tests.harness import ServeProcess
 
     serve = ServeProcess({"models": [{"path": "demo", "alias": "d", "replicas": 2,
                                       "cache_bytes": "32MiB", "disk_cache_bytes": "0"}]},
