@@ -176,8 +176,11 @@ async def _cleanup(app: web.Application) -> None:
     await state.limits.close()
 
 
-async def serve(config: ProxyConfig) -> None:
-    runner = await start_site(create_app(config), config.host, config.port)
+async def serve(config: ProxyConfig, socks: list | None = None) -> None:
+    """Serve until stopped, on `socks` (bound by the caller before the event loop runs,
+    so a port that cannot be had fails before any background task exists) or on
+    config's host and port."""
+    runner = await start_site(create_app(config), config.host, config.port, socks)
     log.info("proxy on http://%s:%d (policy %s, registry %s)", config.host, config.port,
              config.policy, config.redis_url)
     await wait_for_stop()
