@@ -30,6 +30,7 @@ from .chunks import ChatBuilder, CompletionBuilder
 from .debug import describe_entries
 from .disk import DiskTier
 from .engine import Engine
+from .grammar import Grammar, GrammarError, Grammars, GrammarSpec
 from .jobs import Delta, Finish, Job
 from .metrics import BackendMetrics
 from .misses import view_headers
@@ -58,6 +59,8 @@ class State:
     disk: DiskTier | None = None
     disk_publisher: Publisher | None = None  # keeps the disk tier's key sets in Redis
     device: dict = field(default_factory=dict)  # accelerator, memory limits, warm-up seconds
+    grammars: Grammars | None = None  # compiled grammars; None: the tokenizer has none
+    grammars_missing: str = ""  # why not, for the 400 a constrained request gets
 
 
 def _state(request: web.Request) -> State:
@@ -124,6 +127,8 @@ async def _generate(
         scope=scope,
         fault=req.fault if state.config.enable_faults else None,
     )
+    if isinstance(req, ChatRequest) and req.grammar is not None:
+        job.grammar = await _compile(state, req.grammar)
     if state.disk is not None:
         job.restored = await state.disk.prefetch(
             state.config.model_id, job.prompt, scope,
@@ -138,6 +143,18 @@ async def _generate(
         # Runs on normal completion, on errors, and when aiohttp cancels the
         # handler because the client went away: the engine then frees the slot.
         job.cancel()
+
+
+async def _compile(state: State, spec: GrammarSpec) -> Grammar:
+    """The grammar of `spec`, compiled off the event loop (once per spec: the cache)."""
+    if state.grammars is None:
+        param = "tool_choice" if spec.kind == "tool_call" else "response_format"
+        raise bad_request(f"Constrained decoding is not available for this model: "
+                          f"{state.grammars_missing}", param, "unsupported_parameter")
+    try:
+        return await asyncio.to_thread(state.grammars.compile, spec)
+    except GrammarError as e:
+        raise bad_request(str(e), e.param, "invalid_value") from None
 
 
 def _budget(state: State, prompt: list[int], requested: int | None, prompt_param: str) -> int:

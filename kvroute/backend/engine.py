@@ -44,6 +44,7 @@ from kvroute.core.sizes import format_bytes
 
 from . import faults
 from .attention import avoid_cudnn_plans, fast, new_cache
+from .grammar import MaskBatch
 from .jobs import Delta, Finish, Job
 from .kv_budget import REFUSALS, Warnings, describe_budgets, kv_rate, probe_tokens
 from .metrics import BackendMetrics
@@ -120,6 +121,7 @@ class Engine:
         self._faults = False  # any job with a test fault admitted: look for delays
         self._warnings = Warnings(log)
         self._kv_rate: tuple[float, int] | None = None
+        self._masks: MaskBatch | None = None  # constrained rows' masks, filled together
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
         self._gen = self._new_generator()
 
@@ -178,6 +180,7 @@ class Engine:
     # -- the engine thread ---------------------------------------------------------
 
     def _new_generator(self) -> BatchGenerator:
+        self._masks = None  # rows a failed step queued are gone with the old generator
         eos = [[t] for t in sorted(self.tokenizer.eos_token_ids)]
         gen = BatchGenerator(
             self.model,
@@ -382,6 +385,13 @@ class Engine:
         job.aligned = set(self._alignments(hit.tokens, commits, len(job.prompt) - 1))
         job.boundaries = sorted({*commits, *job.aligned})
         sampler = make_sampler(job.params)
+        processors = make_processors(job.params) + faults.logits_processors(job.fault, self.tokenizer)
+        if job.grammar is not None:
+            # Last of the row's processors, so the mask is applied to the final logits
+            # (in its sampler, after the whole batch's masks were filled at once).
+            matcher = job.grammar.matcher(self._mask_batch(job.grammar.vocab_size))
+            processors.append(matcher)
+            sampler = matcher.sampler(sampler)
         cache = fast(hit.cache) if hit.cache is not None else new_cache(self.model)
         (job.uid,) = self._gen.insert_segments(
             [self._segments(job.prompt, hit.tokens, job.boundaries)],
@@ -389,8 +399,7 @@ class Engine:
             caches=[cache],
             all_tokens=[list(job.prompt[: hit.tokens])],
             samplers=[sampler] if sampler else None,
-            logits_processors=[make_processors(job.params)
-                               + faults.logits_processors(job.fault, self.tokenizer)],
+            logits_processors=[processors],
         )
         tok = self.tokenizer
         job.detokenizer = tok.detokenizer
@@ -417,6 +426,11 @@ class Engine:
                 self.metrics.l(self.metrics.hits, tier=tier).inc()
                 self.metrics.l(self.metrics.tier_tokens, tier=tier).inc(hit.tokens)
         self._update_gauges()
+
+    def _mask_batch(self, vocab_size: int) -> MaskBatch:
+        if self._masks is None or self._masks.words != (vocab_size + 31) // 32:
+            self._masks = MaskBatch(vocab_size)
+        return self._masks
 
     @staticmethod
     def _disk_hit(job: Job, hit: Any) -> tuple[Any, str]:

@@ -53,6 +53,7 @@ class Job:
     cancelled: bool = False
     restored: Any = None  # a disk tier state for this prompt (backend/disk.py Restored)
     miss: Any = None  # why its prompt missed the cache, at admission (backend/misses.py View)
+    grammar: Any = None  # what the answer must be: a compiled backend/grammar.py Grammar
     # Engine-side state.
     uid: int | None = None
     phase: str = "queued"  # queued, prefill, decode, done
