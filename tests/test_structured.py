@@ -1,0 +1,411 @@
+"""Structured outputs and forced tool choice end to end, through the proxy, with the
+libraries applications use: the OpenAI SDK's `parse()` (chat and Responses), LangChain's
+`with_structured_output` in its three methods, the Anthropic SDK's forced tool use.
+
+Real parts only: a redis-server on a free port, one `kvroute backend` with the tiny demo
+model (random-weight-like bigram output: only the grammar makes it valid JSON, which is
+the point), one proxy, real HTTP. Schemas bound their strings, numbers and arrays, so
+that a model that never chooses to stop still completes them within max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from typing import Annotated, Literal
+
+import anthropic
+import harness
+import jsonschema_rs
+import openai
+import pydantic
+import pytest
+from harness import BackendProcess, ProxyProcess, post_json
+
+from kvroute.devtools.demo_model import DEMO_REPLY
+
+SECRET, TOKEN, KEY = "structured-secret", "structured-token", "sk-structured"
+MODEL = "demo-structured"
+MAX = 400  # tokens: bounded schemas finish well within (whitespace runs are bounded too)
+
+
+@pytest.fixture(scope="module")
+def fleet(text_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("structured")
+
+    def backends(redis_url: str) -> list[BackendProcess]:
+        return [BackendProcess(text_model, MODEL, logs, backend_id="structured-1",
+                               extra=["--redis-url", redis_url, "--secret", SECRET,
+                                      "--internal-token", TOKEN])]
+
+    def proxies(redis_url: str) -> list[ProxyProcess]:
+        return [ProxyProcess(redis_url, logs, ["--secret", SECRET, "--internal-token", TOKEN,
+                                               "--api-key", f"{KEY}:team"])]
+
+    with harness.fleet(backends, proxies) as f:
+        yield f["proxies"][0]
+
+
+@pytest.fixture
+def client(fleet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def ask(text: str = "Tell me about someone.") -> list[dict]:
+    # A nonce keeps each test's prompt its own in the cache.
+    return [{"role": "system", "content": f"{uuid.uuid4().hex}: answer in JSON."},
+            {"role": "user", "content": text}]
+
+
+Short = Annotated[str, pydantic.Field(max_length=12)]
+
+
+class Person(pydantic.BaseModel):
+    name: Short
+    age: int = pydantic.Field(ge=0, le=120)
+    role: Literal["admin", "user", "guest"]
+    tags: list[Annotated[str, pydantic.Field(max_length=8)]] = pydantic.Field(max_length=3)
+
+
+class Pet(pydantic.BaseModel):
+    kind: Literal["cat", "dog"]
+    owner: Person | None
+
+
+def valid(schema: dict, text: str) -> dict:
+    value = json.loads(text)
+    jsonschema_rs.validator_for(schema).validate(value)
+    return value
+
+
+# -- chat: response_format ----------------------------------------------------------------
+
+
+def test_sdk_parse_returns_the_model(client):
+    r = client.chat.completions.parse(model=MODEL, messages=ask(), response_format=Pet,
+                                      max_tokens=MAX)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Pet)
+    assert Pet.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_sdk_parse_streaming(client):
+    with client.chat.completions.stream(model=MODEL, messages=ask(), response_format=Person,
+                                        max_tokens=MAX) as stream:
+        deltas = [e for e in stream if e.type == "content.delta"]
+        final = stream.get_final_completion()
+    assert len(deltas) > 1  # streamed token by token, not held back
+    assert final.choices[0].finish_reason == "stop"
+    assert isinstance(final.choices[0].message.parsed, Person)
+
+
+def test_free_rows_share_the_batch_unchanged(client):
+    """Constrained and free requests decode together; a free row's answer is the one it
+    gets alone (masks are per row)."""
+    results: dict = {}
+
+    def constrained(i: int) -> None:
+        results[i] = client.chat.completions.parse(model=MODEL, messages=ask(),
+                                                   response_format=Person, max_tokens=MAX)
+
+    def free(i: int) -> None:
+        results[i] = client.chat.completions.create(model=MODEL, messages=ask("Hi"),
+                                                    max_tokens=60)
+
+    threads = [threading.Thread(target=f, args=(i,))
+               for i, f in enumerate([constrained, free, constrained, free])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 4
+    assert all(isinstance(results[i].choices[0].message.parsed, Person) for i in (0, 2))
+    assert all(results[i].choices[0].message.content == DEMO_REPLY for i in (1, 3))
+
+
+@pytest.fixture(scope="module")
+def close_bias(text_model) -> dict[str, int]:
+    """logit_bias toward closing an object at once: any JSON object is valid, and the demo
+    model, which never chooses to stop, would otherwise open a key (its `{"` token) and
+    write it forever."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(text_model / "tokenizer.json"))
+    texts = {i: tok.decode([i]) for i in range(tok.get_vocab_size())}
+    return {**{str(i): -100 for i, t in texts.items() if t.startswith("{") and t != "{"},
+            **{str(i): 100 for i, t in texts.items() if t == "}"}}
+
+
+def test_json_object(client, close_bias):
+    r = client.chat.completions.create(model=MODEL, messages=ask(), max_tokens=MAX,
+                                       response_format={"type": "json_object"},
+                                       logit_bias=close_bias)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+SUITE = {
+    "nested_objects": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10},
+                       "address": {"type": "object", "properties": {
+                           "city": {"type": "string", "maxLength": 10},
+                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                           "required": ["city", "zip"], "additionalProperties": False}},
+        "required": ["name", "address"], "additionalProperties": False},
+    "arrays": {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                "minItems": 1, "maxItems": 3},
+                       "scores": {"type": "array", "maxItems": 4,
+                                  "items": {"type": "integer", "minimum": 0, "maximum": 100}}},
+        "required": ["tags", "scores"], "additionalProperties": False},
+    "enums_and_const": {
+        "type": "object",
+        "properties": {"status": {"enum": ["active", "inactive", "pending"]},
+                       "level": {"type": "integer", "enum": [1, 2, 3]},
+                       "kind": {"const": "person"}},
+        "required": ["status", "level", "kind"], "additionalProperties": False},
+    "anyOf": {
+        "type": "object",
+        "properties": {"value": {"anyOf": [{"type": "string", "maxLength": 8},
+                                           {"type": "integer", "minimum": -5, "maximum": 5},
+                                           {"type": "null"}]}},
+        "required": ["value"], "additionalProperties": False},
+    "optional_properties": {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 999},
+                       "note": {"type": "string", "maxLength": 10},
+                       "flag": {"type": "boolean"}},
+        "required": ["id"], "additionalProperties": False},
+    "refs": {
+        "$defs": {"Item": {"type": "object", "properties": {
+            "sku": {"type": "string", "maxLength": 6},
+            "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["sku", "qty"], "additionalProperties": False}},
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"},
+                                 "maxItems": 2}},
+        "required": ["items"], "additionalProperties": False},
+    # Formats of bounded length: a time's or date-time's fraction of a second has no
+    # bound, and the demo model, once at a digit, counts on forever.
+    "string_formats": {
+        "type": "object",
+        "properties": {"day": {"type": "string", "format": "date"},
+                       "id": {"type": "string", "format": "uuid"}},
+        "required": ["day", "id"], "additionalProperties": False},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("name", list(SUITE))
+def test_schema_suite(client, name, stream):
+    schema = SUITE[name]
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+    if stream:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ask(), max_tokens=MAX,
+                                                     response_format=fmt, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        r = client.chat.completions.create(model=MODEL, messages=ask(), max_tokens=MAX,
+                                           response_format=fmt)
+        text, reason = r.choices[0].message.content, r.choices[0].finish_reason
+    assert reason == "stop", text
+    valid(schema, text)
+
+
+def test_max_tokens_cuts_with_length(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask(), max_tokens=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "p",
+                                                                "schema": SUITE["refs"]}})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5
+
+
+def test_a_schema_the_library_cannot_enforce_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=ask(), max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": {
+                "type": "object", "properties": {"a": {"type": "string", "format": "ipv5"}}}}})
+    error = e.value.body
+    assert error["param"] == "response_format" and "ipv5" in error["message"], error
+
+
+def test_turn_two_after_a_constrained_turn_is_cached(client):
+    messages = ask()
+    raw = client.chat.completions.with_raw_response.parse(
+        model=MODEL, messages=messages, response_format=Person, max_tokens=MAX)
+    r1 = raw.parse()
+    assert isinstance(r1.choices[0].message.parsed, Person)
+    turn2 = [*messages, {"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "And another one?"}]
+    raw = client.chat.completions.with_raw_response.parse(
+        model=MODEL, messages=turn2, response_format=Person, max_tokens=MAX)
+    r2 = raw.parse()
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    # The first turn's prompt came from the cache, and its reply as far as the reply's
+    # tokens are the ones its text tokenizes to again (the grammar may have led the demo
+    # model to spell a piece in other tokens than the tokenizer would).
+    assert cached > r1.usage.prompt_tokens, (r1.usage, r2.usage)
+    assert raw.headers["x-kvroute-route-reason"] == "cache-hit"
+    assert isinstance(r2.choices[0].message.parsed, Person)
+
+
+# -- chat: forced tool choice -----------------------------------------------------------------
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                      "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "description": "Adds", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def _check_calls(calls, names: set[str]) -> None:
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.function.name in names
+        valid(SCHEMAS[call.function.name], call.function.arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("choice", ["required", "get_weather", "add"])
+def test_forced_tool_choice_is_a_valid_call(client, choice, stream):
+    tool_choice = choice if choice == "required" else {"type": "function",
+                                                       "function": {"name": choice}}
+    names = set(SCHEMAS) if choice == "required" else {choice}
+    for _ in range(3):  # a new conversation each time: always valid, not once
+        kw = dict(model=MODEL, messages=ask("What now?"), max_tokens=MAX, tools=TOOLS,
+                  tool_choice=tool_choice, parallel_tool_calls=False)
+        if stream:
+            with client.chat.completions.stream(**kw) as s:
+                final = s.get_final_completion()
+        else:
+            final = client.chat.completions.create(**kw)
+        assert final.choices[0].finish_reason == "tool_calls"
+        _check_calls(final.choices[0].message.tool_calls, names)
+        assert len(final.choices[0].message.tool_calls) == 1
+
+
+def test_a_named_tool_that_is_not_given_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ask(), tools=TOOLS, max_tokens=5,
+                                       tool_choice={"type": "function",
+                                                    "function": {"name": "nope"}})
+    assert e.value.body["param"] == "tool_choice"
+
+
+# -- LangChain ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_structured_output(fleet, method):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=fleet.url + "/v1", api_key=KEY, max_tokens=MAX,
+                     max_retries=0)
+    # strict: the tool's schema then refuses other properties, as Person does (without it,
+    # an extra property is valid, and the demo model writes its name forever).
+    out = llm.with_structured_output(Person, method=method, strict=True).invoke(ask())
+    assert isinstance(out, Person)
+
+
+def test_langchain_json_mode(fleet, close_bias):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=fleet.url + "/v1", api_key=KEY, max_tokens=MAX,
+                     max_retries=0, logit_bias={int(t): b for t, b in close_bias.items()})
+    out = llm.with_structured_output(None, method="json_mode").invoke(ask())
+    assert isinstance(out, dict)
+
+
+# -- the agent APIs -----------------------------------------------------------------------------
+
+
+def test_responses_parse_and_forced_tool(client):
+    r = client.responses.parse(model=MODEL, input="Someone?", text_format=Person,
+                               max_output_tokens=MAX)
+    assert r.status == "completed" and isinstance(r.output_parsed, Person)
+    assert r.text.format.type == "json_schema"
+    tools = [{"type": "function", "name": t["function"]["name"],
+              "parameters": t["function"]["parameters"]} for t in TOOLS]
+    for choice in ("required", {"type": "function", "name": "add"}):
+        r = client.responses.create(model=MODEL, input="What now?", tools=tools,
+                                    tool_choice=choice, max_output_tokens=MAX,
+                                    parallel_tool_calls=False)
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert len(calls) == 1, r.output
+        assert choice == "required" or calls[0].name == "add"
+        valid(SCHEMAS[calls[0].name], calls[0].arguments)
+
+
+def test_messages_forced_tool_use(fleet):
+    claude = anthropic.Anthropic(base_url=fleet.url, api_key=KEY, max_retries=0)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    for choice in ({"type": "any", "disable_parallel_tool_use": True},
+                   {"type": "tool", "name": "get_weather"}):
+        for stream in (False, True):
+            kw = dict(model=MODEL, max_tokens=MAX, tools=tools, tool_choice=choice,
+                      messages=[{"role": "user", "content": f"{uuid.uuid4().hex} now?"}])
+            if stream:
+                with claude.messages.stream(**kw) as s:
+                    msg = s.get_final_message()
+            else:
+                msg = claude.messages.create(**kw)
+            assert msg.stop_reason == "tool_use", msg
+            uses = [b for b in msg.content if b.type == "tool_use"]
+            assert len(uses) == 1
+            assert choice["type"] == "any" or uses[0].name == "get_weather"
+            jsonschema_rs.validator_for(SCHEMAS[uses[0].name]).validate(uses[0].input)
+
+
+def test_messages_structured_output(fleet):
+    claude = anthropic.Anthropic(base_url=fleet.url, api_key=KEY, max_retries=0)
+    schema = SUITE["nested_objects"]
+    msg = claude.messages.create(model=MODEL, max_tokens=MAX,
+                                 messages=[{"role": "user", "content": f"{uuid.uuid4().hex}"}],
+                                 extra_body={"output_config": {"format": {
+                                     "type": "json_schema", "schema": schema}}})
+    assert msg.stop_reason == "end_turn"
+    valid(schema, msg.content[0].text)
+
+
+# -- sampling extensions, n and best_of ----------------------------------------------------------
+
+
+def test_sampling_extensions(client, fleet):
+    # top_k=1 keeps only the best token: sampling at temperature 1 answers as greedy does.
+    r = client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=60,
+                                       temperature=1.0, extra_body={
+                                           "top_k": 1, "min_p": 0.05, "repetition_penalty": 1.1,
+                                           "repetition_context_size": 16})
+    assert r.choices[0].message.content == DEMO_REPLY
+    claude = anthropic.Anthropic(base_url=fleet.url, api_key=KEY, max_retries=0)
+    msg = claude.messages.create(model=MODEL, max_tokens=60, extra_body={"top_k": 1},
+                                 messages=[{"role": "user", "content": "Hi"}])
+    assert msg.content[0].text == DEMO_REPLY
+    status, body = post_json(fleet.url + "/v1/chat/completions",
+                             {"model": MODEL, "messages": ask("Hi"), "min_p": 2},
+                             headers={"authorization": f"Bearer {KEY}"})
+    assert status == 400 and body["error"]["param"] == "min_p", body
+
+
+def test_n_and_best_of_are_refused_with_the_reason(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ask("Hi"), n=2, max_tokens=5)
+    assert e.value.body["param"] == "n" and "cache" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", best_of=2, max_tokens=5)
+    assert e.value.body["param"] == "best_of"
