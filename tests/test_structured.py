@@ -44,12 +44,17 @@ def fleet(text_model, tmp_path_factory):
                                                "--api-key", f"{KEY}:team"])]
 
     with harness.fleet(backends, proxies) as f:
-        yield f["proxies"][0]
+        yield f
 
 
 @pytest.fixture
-def client(fleet) -> openai.OpenAI:
-    return openai.OpenAI(base_url=fleet.url + "/v1", api_key=KEY, max_retries=0)
+def proxy(fleet) -> ProxyProcess:
+    return fleet["proxies"][0]
+
+
+@pytest.fixture
+def client(proxy) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key=KEY, max_retries=0)
 
 
 def ask(text: str = "Tell me about someone.") -> list[dict]:
@@ -310,10 +315,10 @@ def test_a_named_tool_that_is_not_given_is_a_400(client):
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
-def test_langchain_structured_output(fleet, method):
+def test_langchain_structured_output(proxy, method):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=MODEL, base_url=fleet.url + "/v1", api_key=KEY, max_tokens=MAX,
+    llm = ChatOpenAI(model=MODEL, base_url=proxy.url + "/v1", api_key=KEY, max_tokens=MAX,
                      max_retries=0)
     # strict: the tool's schema then refuses other properties, as Person does (without it,
     # an extra property is valid, and the demo model writes its name forever).
@@ -321,10 +326,10 @@ def test_langchain_structured_output(fleet, method):
     assert isinstance(out, Person)
 
 
-def test_langchain_json_mode(fleet, close_bias):
+def test_langchain_json_mode(proxy, close_bias):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=MODEL, base_url=fleet.url + "/v1", api_key=KEY, max_tokens=MAX,
+    llm = ChatOpenAI(model=MODEL, base_url=proxy.url + "/v1", api_key=KEY, max_tokens=MAX,
                      max_retries=0, logit_bias={int(t): b for t, b in close_bias.items()})
     out = llm.with_structured_output(None, method="json_mode").invoke(ask())
     assert isinstance(out, dict)
@@ -350,8 +355,8 @@ def test_responses_parse_and_forced_tool(client):
         valid(SCHEMAS[calls[0].name], calls[0].arguments)
 
 
-def test_messages_forced_tool_use(fleet):
-    claude = anthropic.Anthropic(base_url=fleet.url, api_key=KEY, max_retries=0)
+def test_messages_forced_tool_use(proxy):
+    claude = anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0)
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"]} for t in TOOLS]
     for choice in ({"type": "any", "disable_parallel_tool_use": True},
@@ -371,8 +376,8 @@ def test_messages_forced_tool_use(fleet):
             jsonschema_rs.validator_for(SCHEMAS[uses[0].name]).validate(uses[0].input)
 
 
-def test_messages_structured_output(fleet):
-    claude = anthropic.Anthropic(base_url=fleet.url, api_key=KEY, max_retries=0)
+def test_messages_structured_output(proxy):
+    claude = anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0)
     schema = SUITE["nested_objects"]
     msg = claude.messages.create(model=MODEL, max_tokens=MAX,
                                  messages=[{"role": "user", "content": f"{uuid.uuid4().hex}"}],
@@ -385,18 +390,18 @@ def test_messages_structured_output(fleet):
 # -- sampling extensions, n and best_of ----------------------------------------------------------
 
 
-def test_sampling_extensions(client, fleet):
+def test_sampling_extensions(client, proxy):
     # top_k=1 keeps only the best token: sampling at temperature 1 answers as greedy does.
     r = client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=60,
                                        temperature=1.0, extra_body={
                                            "top_k": 1, "min_p": 0.05, "repetition_penalty": 1.1,
                                            "repetition_context_size": 16})
     assert r.choices[0].message.content == DEMO_REPLY
-    claude = anthropic.Anthropic(base_url=fleet.url, api_key=KEY, max_retries=0)
+    claude = anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0)
     msg = claude.messages.create(model=MODEL, max_tokens=60, extra_body={"top_k": 1},
                                  messages=[{"role": "user", "content": "Hi"}])
     assert msg.content[0].text == DEMO_REPLY
-    status, body = post_json(fleet.url + "/v1/chat/completions",
+    status, body = post_json(proxy.url + "/v1/chat/completions",
                              {"model": MODEL, "messages": ask("Hi"), "min_p": 2},
                              headers={"authorization": f"Bearer {KEY}"})
     assert status == 400 and body["error"]["param"] == "min_p", body
@@ -409,3 +414,14 @@ def test_n_and_best_of_are_refused_with_the_reason(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Hi", best_of=2, max_tokens=5)
     assert e.value.body["param"] == "best_of"
+
+
+def test_embeddings_are_a_404_that_says_why(client, fleet):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.embeddings.create(model=MODEL, input="hello")
+    assert e.value.body["code"] == "embeddings_not_served"
+    assert "Embeddings are not served" in e.value.body["message"]
+    backend = fleet["backends"]["structured-1"]
+    status, body = post_json(backend.url + "/v1/embeddings", {"model": MODEL, "input": "x"},
+                             headers={"x-kvroute-token": TOKEN})
+    assert status == 404 and body["error"]["code"] == "embeddings_not_served", body

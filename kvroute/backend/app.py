@@ -19,10 +19,10 @@ import orjson
 from aiohttp import web
 
 from kvroute.api import openapi
-from kvroute.api.errors import APIError, bad_request, error_middleware, not_found
+from kvroute.api.errors import APIError, bad_request, embeddings, error_middleware, not_found
 from kvroute.api.http import SSE_DONE, SSE_HEADERS, json_response, read_json, sse_data
-from kvroute.api.routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH,
-                                MODELS_PATH)
+from kvroute.api.routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, EMBEDDINGS_PATH,
+                                HEALTH_PATH, MODELS_PATH)
 from kvroute.config import BackendConfig
 from kvroute.core.usage import USAGE_HEADER, usage_comment
 
@@ -357,6 +357,7 @@ def create_app(state: State) -> web.Application:
     app.router.add_post(COUNT_TOKENS_PATH, count_tokens)
     app.router.add_get(MODELS_PATH, models)
     app.router.add_get(HEALTH_PATH, health)
+    app.router.add_post(EMBEDDINGS_PATH, embeddings)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_json)
     app.router.add_get("/debug/cache", cache_entries)
