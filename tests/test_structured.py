@@ -11,8 +11,11 @@ that a model that never chooses to stop still completes them within max_tokens.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import uuid
+from pathlib import Path
 from typing import Annotated, Literal
 
 import anthropic
@@ -25,8 +28,10 @@ from harness import BackendProcess, ProxyProcess, post_json
 
 from kvroute.devtools.demo_model import DEMO_REPLY
 
-SECRET, TOKEN, KEY = "structured-secret", "structured-token", "sk-structured"
-MODEL = "demo-structured"
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+SECRET, TOKEN, KEY = "structured-secret", "structured-token", "unused"
+MODEL = "kvroute-demo"  # the README example's model id
 MAX = 400  # tokens: bounded schemas finish well within (whitespace runs are bounded too)
 
 
@@ -40,8 +45,7 @@ def fleet(text_model, tmp_path_factory):
                                       "--internal-token", TOKEN])]
 
     def proxies(redis_url: str) -> list[ProxyProcess]:
-        return [ProxyProcess(redis_url, logs, ["--secret", SECRET, "--internal-token", TOKEN,
-                                               "--api-key", f"{KEY}:team"])]
+        return [ProxyProcess(redis_url, logs, ["--secret", SECRET, "--internal-token", TOKEN])]
 
     with harness.fleet(backends, proxies) as f:
         yield f
@@ -425,3 +429,16 @@ def test_embeddings_are_a_404_that_says_why(client, fleet):
     status, body = post_json(backend.url + "/v1/embeddings", {"model": MODEL, "input": "x"},
                              headers={"x-kvroute-token": TOKEN})
     assert status == 404 and body["error"]["code"] == "embeddings_not_served", body
+
+
+def test_the_readme_example_runs_as_written(proxy):
+    text = README.read_text()
+    section = text[text.index("## Structured outputs"):]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start:section.index("```", start)]
+    # As written, but for the proxy's address (the README's is `kvroute serve`'s).
+    assert "http://127.0.0.1:8000/v1" in code
+    code = code.replace("http://127.0.0.1:8000/v1", proxy.url + "/v1")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "priority=" in run.stdout and "estimate_hours=" in run.stdout, run.stdout
