@@ -24,7 +24,7 @@ import jsonschema_rs
 import openai
 import pydantic
 import pytest
-from harness import BackendProcess, ProxyProcess, post_json
+from harness import BackendProcess, ProxyProcess, metric_sum, post_json, request
 
 from kvroute.devtools.demo_model import DEMO_REPLY
 
@@ -411,13 +411,53 @@ def test_sampling_extensions(client, proxy):
     assert status == 400 and body["error"]["param"] == "min_p", body
 
 
-def test_n_and_best_of_are_refused_with_the_reason(client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=ask("Hi"), n=2, max_tokens=5)
-    assert e.value.body["param"] == "n" and "cache" in e.value.body["message"]
+def _backend_counter(backend, name: str) -> float:
+    return metric_sum(request(backend.url + "/metrics")[2].decode(), name)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_n_choices_share_one_prefill(client, fleet, stream):
+    backend = fleet["backends"]["structured-1"]
+    before = {k: _backend_counter(backend, f"kvroute_backend_{k}_tokens_total")
+              for k in ("prompt", "cached")}
+    messages = ask("Tell me something. " * 20)
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SUITE["enums_and_const"]}}
+    kw = dict(model=MODEL, messages=messages, n=3, max_tokens=MAX, temperature=1.0, seed=7,
+              response_format=fmt)
+    if stream:
+        chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                     stream_options={"include_usage": True}))
+        texts, reasons = ["", "", ""], [None, None, None]
+        for c in chunks:
+            for ch in c.choices:
+                texts[ch.index] += ch.delta.content or ""
+                reasons[ch.index] = ch.finish_reason or reasons[ch.index]
+        usage = chunks[-1].usage
+    else:
+        r = client.chat.completions.create(**kw)
+        assert [ch.index for ch in r.choices] == [0, 1, 2]
+        texts = [ch.message.content for ch in r.choices]
+        reasons = [ch.finish_reason for ch in r.choices]
+        usage = r.usage
+    assert reasons == ["stop"] * 3
+    for text in texts:
+        valid(SUITE["enums_and_const"], text)
+    # The prompt counted once in usage, every choice's tokens in completion_tokens.
+    # (each answer is at least its braces, three keys and three values: over 5 tokens)
+    assert usage.completion_tokens > 3 * 5, usage
+    prompt = usage.prompt_tokens
+    grew = {k: _backend_counter(backend, f"kvroute_backend_{k}_tokens_total") - v
+            for k, v in before.items()}
+    # Three sequences, one prefill: the second and third found all of the prompt but its
+    # last token in the store, committed by the first at its prefill's end.
+    assert grew["prompt"] == 3 * prompt
+    assert grew["cached"] >= 2 * (prompt - 1), (grew, prompt)
+
+
+def test_best_of_is_refused_with_the_reason(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Hi", best_of=2, max_tokens=5)
-    assert e.value.body["param"] == "best_of"
+    assert e.value.body["param"] == "best_of" and "rank" in e.value.body["message"]
 
 
 def test_embeddings_are_a_404_that_says_why(client, fleet):

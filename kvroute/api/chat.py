@@ -17,6 +17,7 @@ from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
 
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+MAX_CHOICES = 16
 
 
 class TextPart(Body):
@@ -194,10 +195,8 @@ class GenerationBody(Body):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None  # 0: off
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None  # 1: off
     repetition_context_size: Annotated[int, Field(ge=1, le=4096)] | None = None
-    n: Annotated[only(1), refusing(
-        "Only n=1 is supported: kvroute decodes one choice per request. Send n requests "
-        "instead: the second and later find the prompt in the cache and prefill almost "
-        "nothing.")] | None = None
+    # Choices decoded side by side after one prefill of the prompt (the first choice's).
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     best_of: Annotated[only(1), refusing(
         "best_of is not supported: kvroute does not score and rank candidate answers. "
         "Omit it (or send 1).")] | None = None

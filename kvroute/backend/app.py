@@ -9,6 +9,7 @@ flag, which the engine honours within one step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import os
 import time
@@ -36,7 +37,8 @@ from .metrics import BackendMetrics
 from .misses import view_headers
 from .prompt import Template
 from .publisher import Publisher
-from .requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from .requests import (ChatRequest, CompletionRequest, SamplingParams, parse_chat,
+                       parse_completion)
 from .store import Store
 
 STATE_KEY = web.AppKey("state", object)
@@ -104,7 +106,6 @@ async def _generate(
     _check_model(state, req.model)
     scope = _scope(request)
     prompt = await asyncio.to_thread(state.template.prompt, req, body, scope)
-    builder = builder_type(state.config.model_id, logprobs=req.params.logprobs)
     prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
     max_tokens = _budget(state, prompt.tokens, req.params.max_tokens, prompt_param)
     bias = req.params.logit_bias
@@ -113,36 +114,92 @@ async def _generate(
         raise bad_request(f"logit_bias token id {max(bias)} is outside the vocabulary "
                           f"(0 to {state.vocab_size - 1}).", param="logit_bias",
                           code="invalid_value")
-    job = Job(
-        prompt=prompt.tokens,
-        params=req.params,
-        max_tokens=max_tokens,
-        tools=prompt.tools,
-        loop=asyncio.get_running_loop(),
-        events=asyncio.Queue(),
-        chain=prompt.chain,
-        checkpoints=prompt.checkpoints,
-        extend_chain=prompt.extend,
-        partial_chain=prompt.partial,
-        scope=scope,
-        fault=req.fault if state.config.enable_faults else None,
-    )
+    grammar = None
     if isinstance(req, ChatRequest) and req.grammar is not None:
-        job.grammar = await _compile(state, req.grammar)
+        grammar = await _compile(state, req.grammar)
+
+    def choice(i: int, after: Job | None) -> Job:
+        return Job(
+            prompt=prompt.tokens,
+            params=_nth(req.params, i),
+            max_tokens=max_tokens,
+            tools=prompt.tools,
+            loop=asyncio.get_running_loop(),
+            events=asyncio.Queue(),
+            chain=prompt.chain,
+            checkpoints=prompt.checkpoints,
+            extend_chain=prompt.extend,
+            partial_chain=prompt.partial,
+            scope=scope,
+            fault=req.fault if state.config.enable_faults else None,
+            grammar=grammar,
+            after=after,
+        )
+
+    job = choice(0, None)
+    jobs = [job, *(choice(i, job) for i in range(1, req.n))]
     if state.disk is not None:
         job.restored = await state.disk.prefetch(
             state.config.model_id, job.prompt, scope,
             lambda: state.store.depth(state.config.model_id, job.prompt, scope),
             state.engine.prefill_tps)
-    state.engine.submit(job)
+    first = builder_type(state.config.model_id, logprobs=req.params.logprobs)
+    builders = [first, *(builder_type(first.model, logprobs=first.logprobs, index=i, id=first.id,
+                                      created=first.created) for i in range(1, req.n))]
+    choices = Choices(jobs)
     try:
+        for j in jobs:
+            state.engine.submit(j)
         if req.stream:
-            return await _stream(request, job, builder, req.include_usage)
-        return await _whole(job, builder)
+            return await _stream(request, choices, builders, req.include_usage)
+        return await _whole(choices, builders)
     finally:
         # Runs on normal completion, on errors, and when aiohttp cancels the
         # handler because the client went away: the engine then frees the slot.
-        job.cancel()
+        choices.close()
+
+
+def _nth(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i's sampling: a seeded request's choices each get their own seed (the same
+    one would make them the same answer)."""
+    if i == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + i) % (1 << 64))
+
+
+class Choices:
+    """The events of a request's choices as one stream of (choice, event); one choice's
+    are read straight from its job."""
+
+    def __init__(self, jobs: list[Job]):
+        self.jobs = jobs
+        self._queue: asyncio.Queue | None = asyncio.Queue() if len(jobs) > 1 else None
+        self._tasks = ([asyncio.create_task(self._pump(i, j)) for i, j in enumerate(jobs)]
+                       if self._queue is not None else [])
+
+    async def _pump(self, i: int, job: Job) -> None:
+        while True:
+            event = await job.events.get()
+            self._queue.put_nowait((i, event))
+            if not isinstance(event, Delta):
+                return
+
+    async def get(self) -> tuple[int, Delta | Finish | APIError]:
+        if self._queue is None:
+            return 0, await self.jobs[0].events.get()
+        return await self._queue.get()
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for job in self.jobs:
+            job.cancel()
+
+
+def _total(finishes: list[Finish]) -> Finish:
+    """The usage of all choices: the prompt once, every choice's completion tokens."""
+    return dataclasses.replace(finishes[0],
+                               completion_tokens=sum(f.completion_tokens for f in finishes))
 
 
 async def _compile(state: State, spec: GrammarSpec) -> Grammar:
@@ -182,15 +239,21 @@ def _budget(state: State, prompt: list[int], requested: int | None, prompt_param
     return requested if requested is not None else min(room, state.config.default_max_tokens)
 
 
-async def _whole(job: Job, builder: ChatBuilder | CompletionBuilder) -> web.Response:
-    while True:
-        event = await job.events.get()
+async def _whole(choices: Choices, builders: list) -> web.Response:
+    finishes: dict[int, Finish] = {}
+    while len(finishes) < len(builders):
+        i, event = await choices.get()
         if isinstance(event, Delta):
-            builder.add(event)
+            builders[i].add(event)
         elif isinstance(event, Finish):
-            return json_response(builder.whole(event), _cache_headers(job))
+            finishes[i] = event
         else:
             raise event
+    ordered = [finishes[i] for i in range(len(builders))]
+    body = builders[0].whole(_total(ordered))
+    if len(builders) > 1:
+        body["choices"] = [b.whole(f)["choices"][0] for b, f in zip(builders, ordered)]
+    return json_response(body, _cache_headers(choices.jobs[0]))
 
 
 def _cache_headers(job: Job) -> dict:
@@ -207,36 +270,41 @@ def _cache_headers(job: Job) -> dict:
 
 
 async def _stream(
-    request: web.Request, job: Job, builder: ChatBuilder | CompletionBuilder, include_usage: bool
+    request: web.Request, choices: Choices, builders: list, include_usage: bool
 ) -> web.StreamResponse:
     # Wait for the first event before committing to a 200, so that an engine
     # failure before any output is still reported with a proper status code.
-    first = await job.events.get()
-    if isinstance(first, APIError):
-        raise first
+    i, event = await choices.get()
+    if isinstance(event, APIError):
+        raise event
     resp = web.StreamResponse(
-        headers={**SSE_HEADERS, **_cache_headers(job)}
+        headers={**SSE_HEADERS, **_cache_headers(choices.jobs[0])}
     )
+    finishes: dict[int, Finish] = {}
     try:
         await resp.prepare(request)
-        preamble = builder.first_chunk(include_usage)
-        if preamble is not None:
-            await resp.write(sse_data(preamble))
-        event = first
+        for builder in builders:
+            preamble = builder.first_chunk(include_usage)
+            if preamble is not None:
+                await resp.write(sse_data(preamble))
         while True:
+            builder = builders[i]
             if isinstance(event, Delta):
                 await resp.write(sse_data(builder.delta_chunk(event, include_usage)))
             elif isinstance(event, Finish):
                 await resp.write(sse_data(builder.finish_chunk(event, include_usage)))
-                if include_usage:
-                    await resp.write(sse_data(builder.usage_chunk(event)))
-                if request.headers.get(USAGE_HEADER):  # the proxy counts every team's tokens
-                    await resp.write(usage_comment(event.completion_tokens))
-                break
+                finishes[i] = event
+                if len(finishes) == len(builders):
+                    total = _total([finishes[k] for k in range(len(builders))])
+                    if include_usage:
+                        await resp.write(sse_data(builder.usage_chunk(total)))
+                    if request.headers.get(USAGE_HEADER):  # the proxy counts every team's tokens
+                        await resp.write(usage_comment(total.completion_tokens))
+                    break
             else:
                 await resp.write(sse_data(event.body()))
                 break
-            event = await job.events.get()
+            i, event = await choices.get()
         await resp.write(SSE_DONE)
         await resp.write_eof()
     except ConnectionError:

@@ -108,6 +108,7 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[int, Job] = {}
         self._held: collections.deque[Job] = collections.deque()  # long prompts waiting their turn
+        self._followers: list[Job] = []  # choices n > 1 waiting for the first one's prompt
         # Events of one loop turn, handed to the event loop in one call: one wake-up
         # per decode step instead of one per token of every sequence in the batch.
         self._outbox: list[tuple[Job, Any]] = []
@@ -142,8 +143,9 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        # In the inbox, or held back behind a long prefill (serial_prefill).
-        return self._submitted - self._taken + len(self._held)
+        # In the inbox, held back behind a long prefill (serial_prefill), or a later
+        # choice waiting for the first one's prompt.
+        return self._submitted - self._taken + len(self._held) + len(self._followers)
 
     @property
     def queue_depth(self) -> int:
@@ -275,7 +277,7 @@ class Engine:
         while not self._stopping:
             try:
                 self._release_held()
-                self._drain_inbox(block=not (self._jobs or self._held))
+                self._drain_inbox(block=not (self._jobs or self._held or self._followers))
                 self._reap_cancelled()
                 self._release_held()
                 if self._jobs:
@@ -347,6 +349,9 @@ class Engine:
 
     def _route(self, job: Job) -> None:
         job.outbox = self._outbox
+        if job.after is not None and job.after.phase in ("queued", "prefill"):
+            self._followers.append(job)
+            return
         if (self.serial_prefill and len(job.prompt) > self.prefill_step
                 and (self._held or self._long_prefill())
                 and self._uncached(job) > self.prefill_step):
@@ -357,6 +362,13 @@ class Engine:
     def _release_held(self) -> None:
         while self._held and not self._long_prefill():
             self._admit_or_fail(self._held.popleft())
+        if self._followers:
+            # The first choice committed its prompt (or ended): the others now hit it.
+            ready = [j for j in self._followers if j.cancelled or j.after.cancelled
+                     or j.after.phase not in ("queued", "prefill")]
+            self._followers = [j for j in self._followers if j not in ready]
+            for job in ready:
+                self._admit_or_fail(job)
 
     def _admit_or_fail(self, job: Job) -> None:
         try:
@@ -705,7 +717,8 @@ class Engine:
     def _fail_all(self, message: str, status: int = 500) -> None:
         held = []
         if self._stopping:  # after a failed step, waiting prompts are unaffected
-            held, self._held = list(self._held), collections.deque()
+            held, self._held = [*self._held, *self._followers], collections.deque()
+            self._followers = []
         for job in [*held, *self._jobs.values()]:
             self._fail(job, message, status)
         self._update_gauges()

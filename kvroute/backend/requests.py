@@ -46,6 +46,7 @@ class ChatRequest:
     include_usage: bool
     params: SamplingParams
     fault: str | None = None
+    n: int = 1  # choices
     grammar: GrammarSpec | None = None  # what the answer must be (response_format, tool_choice)
 
 
@@ -57,6 +58,7 @@ class CompletionRequest:
     include_usage: bool
     params: SamplingParams
     fault: str | None = None
+    n: int = 1  # choices
 
 
 def parse_chat(body: dict) -> ChatRequest:
@@ -69,7 +71,8 @@ def parse_chat(body: dict) -> ChatRequest:
     tools = body["tools"] if req.tools and req.tool_choice != "none" else None  # as sent
     return ChatRequest(model=req.model, messages=[_message(m) for m in req.messages],
                        tools=tools, stream=bool(req.stream), include_usage=_include_usage(req),
-                       params=params, fault=_fault(body), grammar=_grammar(req, tools))
+                       params=params, fault=_fault(body), n=req.n or 1,
+                       grammar=_grammar(req, tools))
 
 
 def _grammar(req: ChatCompletionBody, tools: list[dict] | None) -> GrammarSpec | None:
@@ -103,7 +106,7 @@ def parse_completion(body: dict) -> CompletionRequest:
     prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
     return CompletionRequest(model=req.model, prompt=prompt, stream=bool(req.stream),
                              include_usage=_include_usage(req), params=params,
-                             fault=_fault(body))
+                             fault=_fault(body), n=req.n or 1)
 
 
 def _sampling(req: GenerationBody) -> SamplingParams:
