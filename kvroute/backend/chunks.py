@@ -105,8 +105,8 @@ class ChatBuilder(_Builder):
 
     def first_chunk(self, with_usage: bool) -> dict:
         delta = {"role": "assistant", "content": ""}
-        return self._chunk({"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None},
-                           with_usage)
+        return self._chunk({"index": self.index, "delta": delta, "logprobs": None,
+                            "finish_reason": None}, with_usage)
 
     def delta_chunk(self, d: Delta, with_usage: bool) -> dict:
         delta: dict = {}
@@ -118,12 +118,12 @@ class ChatBuilder(_Builder):
             ]
             self.tool_calls += d.tool_calls
         logprobs = chat_logprobs(d.logprobs) if self.logprobs and d.logprobs else None
-        return self._chunk({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": None},
-                           with_usage)
+        return self._chunk({"index": self.index, "delta": delta, "logprobs": logprobs,
+                            "finish_reason": None}, with_usage)
 
     def finish_chunk(self, f: Finish, with_usage: bool) -> dict:
-        return self._chunk({"index": self.index, "delta": {}, "logprobs": None, "finish_reason": f.reason,
-                            **_stop_reason(f)}, with_usage)
+        return self._chunk({"index": self.index, "delta": {}, "logprobs": None,
+                            "finish_reason": f.reason, **_stop_reason(f)}, with_usage)
 
     def add(self, d: Delta) -> None:
         self.text.append(d.text)
@@ -156,12 +156,12 @@ class CompletionBuilder(_Builder):
     def delta_chunk(self, d: Delta, with_usage: bool) -> dict:
         logprobs = completion_logprobs(d.logprobs, self.offset) if self.logprobs else None
         self.offset += len(d.text)
-        return self._chunk({"index": self.index, "text": d.text, "logprobs": logprobs, "finish_reason": None},
-                           with_usage)
+        return self._chunk({"index": self.index, "text": d.text, "logprobs": logprobs,
+                            "finish_reason": None}, with_usage)
 
     def finish_chunk(self, f: Finish, with_usage: bool) -> dict:
-        return self._chunk({"index": self.index, "text": "", "logprobs": None, "finish_reason": f.reason},
-                           with_usage)
+        return self._chunk({"index": self.index, "text": "", "logprobs": None,
+                            "finish_reason": f.reason}, with_usage)
 
     def add(self, d: Delta) -> None:
         self.text.append(d.text)

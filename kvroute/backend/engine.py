@@ -397,7 +397,8 @@ class Engine:
         job.aligned = set(self._alignments(hit.tokens, commits, len(job.prompt) - 1))
         job.boundaries = sorted({*commits, *job.aligned})
         sampler = make_sampler(job.params)
-        processors = make_processors(job.params) + faults.logits_processors(job.fault, self.tokenizer)
+        processors = [*make_processors(job.params),
+                      *faults.logits_processors(job.fault, self.tokenizer)]
         if job.grammar is not None:
             # Last of the row's processors, so the mask is applied to the final logits
             # (in its sampler, after the whole batch's masks were filled at once).

@@ -257,7 +257,8 @@ def parse(body: dict) -> ResponsesRequest:
 
 
 def _chat_tool_choice(choice: str | dict) -> str | dict:
-    """Responses' {"type": "function", "name"} is chat's {"type": "function", "function": {"name"}}."""
+    """Responses' {"type": "function", "name"} as chat's {"type": "function", "function":
+    {"name"}}."""
     if isinstance(choice, dict):
         return {"type": "function", "function": {"name": choice["name"]}}
     return choice
@@ -296,7 +297,8 @@ def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
 
 # -- response: output items --------------------------------------------------------------
 
-_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input",
+                "response_format": "text.format"}
 
 
 def _usage(u: Usage) -> dict:
