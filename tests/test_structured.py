@@ -359,6 +359,23 @@ def test_responses_parse_and_forced_tool(client):
         valid(SCHEMAS[calls[0].name], calls[0].arguments)
 
 
+def test_responses_streaming_and_cut_short(client):
+    with client.responses.stream(model=MODEL, input="Someone?", text_format=Person,
+                                 max_output_tokens=MAX) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and isinstance(final.output_parsed, Person)
+    tools = [{"type": "function", "name": "add", "parameters": SCHEMAS["add"]}]
+    with client.responses.stream(model=MODEL, input="Sum?", tools=tools, tool_choice="required",
+                                 max_output_tokens=MAX, parallel_tool_calls=False) as stream:
+        final = stream.get_final_response()
+    (call,) = [o for o in final.output if o.type == "function_call"]
+    valid(SCHEMAS["add"], call.arguments)
+    # Cut by max_output_tokens: incomplete, as any other answer.
+    r = client.responses.create(model=MODEL, input="Someone?", max_output_tokens=4, text={
+        "format": {"type": "json_schema", "name": "p", "schema": SUITE["refs"]}})
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+
+
 def test_messages_forced_tool_use(proxy):
     claude = anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0)
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
@@ -389,6 +406,11 @@ def test_messages_structured_output(proxy):
                                      "type": "json_schema", "schema": schema}}})
     assert msg.stop_reason == "end_turn"
     valid(schema, msg.content[0].text)
+    cut = claude.messages.create(model=MODEL, max_tokens=4,
+                                 messages=[{"role": "user", "content": f"{uuid.uuid4().hex}"}],
+                                 extra_body={"output_config": {"format": {
+                                     "type": "json_schema", "schema": schema}}})
+    assert cut.stop_reason == "max_tokens"
 
 
 # -- sampling extensions, n and best_of ----------------------------------------------------------
