@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from .requests import (ChatRequest, CompletionRequest, SamplingParams, parse_cha
 from .store import Store
 
 STATE_KEY = web.AppKey("state", object)
+log = logging.getLogger("kvroute.backend.app")
 
 
 @dataclass
@@ -212,6 +214,11 @@ async def _compile(state: State, spec: GrammarSpec) -> Grammar:
         return await asyncio.to_thread(state.grammars.compile, spec)
     except GrammarError as e:
         raise bad_request(str(e), e.param, "invalid_value") from None
+    except Exception as e:  # the library's own failure on an odd schema: still the client's
+        log.warning("compiling a grammar failed", exc_info=True)
+        param = "tools" if spec.kind == "tool_call" else "response_format"
+        raise bad_request(f"Constrained decoding cannot compile this schema: {e}", param,
+                          "invalid_value") from None
 
 
 def _budget(state: State, prompt: list[int], requested: int | None, prompt_param: str) -> int:
