@@ -226,6 +226,20 @@ def test_schema_suite(client, name, stream):
     valid(schema, text)
 
 
+def test_a_schema_is_compiled_once(client, fleet):
+    backend = fleet["backends"]["structured-1"]
+    schema = {**SUITE["anyOf"], "description": uuid.uuid4().hex}  # a schema never seen
+    fmt = {"type": "json_schema", "json_schema": {"name": "once", "schema": schema}}
+    before = backend.health()["grammars"]
+    for _ in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=ask(), max_tokens=MAX,
+                                           response_format=fmt)
+        valid(schema, r.choices[0].message.content)
+    after = backend.health()["grammars"]
+    assert after["misses"] == before["misses"] + 1 and after["hits"] == before["hits"] + 2
+    assert after["cached"] <= after["capacity"]
+
+
 def test_max_tokens_cuts_with_length(client):
     r = client.chat.completions.create(
         model=MODEL, messages=ask(), max_tokens=5,

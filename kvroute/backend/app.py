@@ -365,7 +365,16 @@ async def health(request: web.Request) -> web.Response:
         "disk": state.disk.stats() if state.disk is not None else None,
         "device": state.device,
         "engine": state.engine.snapshot(),
+        "grammars": _grammar_stats(state),
     })
+
+
+def _grammar_stats(state: State) -> dict | None:
+    """The compiled-grammar cache: how many are kept, and how often one was reused."""
+    g = state.grammars
+    if g is None:
+        return None
+    return {"cached": len(g), "capacity": g.capacity, "hits": g.hits, "misses": g.misses}
 
 
 async def metrics(request: web.Request) -> web.Response:
