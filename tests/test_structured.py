@@ -32,7 +32,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 SECRET, TOKEN, KEY = "structured-secret", "structured-token", "unused"
 MODEL = "kvroute-demo"  # the README example's model id
-MAX = 400  # tokens: bounded schemas finish well within (whitespace runs are bounded too)
+MAX = 800  # tokens: bounded schemas finish well within (whitespace runs are bounded too)
 
 
 @pytest.fixture(scope="module")
