@@ -430,20 +430,46 @@ def test_messages_structured_output(proxy):
 # -- sampling extensions, n and best_of ----------------------------------------------------------
 
 
-def test_sampling_extensions(client, proxy):
-    # top_k=1 keeps only the best token: sampling at temperature 1 answers as greedy does.
-    r = client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=60,
-                                       temperature=1.0, extra_body={
-                                           "top_k": 1, "min_p": 0.05, "repetition_penalty": 1.1,
-                                           "repetition_context_size": 16})
-    assert r.choices[0].message.content == DEMO_REPLY
+@pytest.fixture(scope="module")
+def vocab(text_model) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(text_model / "tokenizer.json"))
+    return {tok.decode([i]): i for i in range(tok.get_vocab_size())}
+
+
+def test_sampling_extensions_change_what_is_sampled(client, proxy, vocab):
+    """The demo model's first reply token beats the next by ~46 nats; a logit_bias brings
+    the runner-up to 0.1 below it, so that each extension visibly decides the answer."""
+    messages = [{"role": "user", "content": f"{uuid.uuid4().hex} Hello"}]
+    probe = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                           temperature=0, logprobs=True, top_logprobs=2)
+    top, second = probe.choices[0].logprobs.content[0].top_logprobs
+    assert top.token == "Hello"  # also the prompt's last word: repetition_penalty's target
+    bias = {str(vocab[second.token]): top.logprob - second.logprob - 0.1}
+
+    def first_tokens(**extra) -> set[str]:
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, n=16,
+                                           temperature=1.0, seed=3, logit_bias=bias,
+                                           extra_body=extra)
+        return {c.message.content for c in r.choices}
+
+    assert first_tokens() == {top.token, second.token}  # near a tie: both are sampled
+    assert first_tokens(top_k=1) == {top.token}
+    assert first_tokens(min_p=0.99) == {top.token}
+    # Greedy: the top token, unless it was said lately and the penalty pushes it below.
+    greedy = dict(model=MODEL, messages=messages, max_tokens=1, temperature=0, logit_bias=bias)
+    assert client.chat.completions.create(**greedy).choices[0].message.content == top.token
+    penalized = client.chat.completions.create(**greedy, extra_body={
+        "repetition_penalty": 2.0, "repetition_context_size": 16})
+    assert penalized.choices[0].message.content == second.token
+    # Messages' top_k too.
     claude = anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0)
     msg = claude.messages.create(model=MODEL, max_tokens=60, extra_body={"top_k": 1},
                                  messages=[{"role": "user", "content": "Hi"}])
     assert msg.content[0].text == DEMO_REPLY
     status, body = post_json(proxy.url + "/v1/chat/completions",
-                             {"model": MODEL, "messages": ask("Hi"), "min_p": 2},
-                             headers={"authorization": f"Bearer {KEY}"})
+                             {"model": MODEL, "messages": ask("Hi"), "min_p": 2})
     assert status == 400 and body["error"]["param"] == "min_p", body
 
 
