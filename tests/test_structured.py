@@ -1,6 +1,9 @@
 """Structured outputs and forced tool choice end to end, through the proxy, with the
 libraries applications use: the OpenAI SDK's `parse()` (chat and Responses), LangChain's
-`with_structured_output` in its three methods, the Anthropic SDK's forced tool use.
+`with_structured_output` in its three methods, the Anthropic SDK's forced tool use; and
+the rest of the request surface an OpenAI app sends: the sampling extensions, `n` choices
+sharing one prefill, `best_of` and `/v1/embeddings` refused saying why, the README's
+example.
 
 Real parts only: a redis-server on a free port, one `kvroute backend` with the tiny demo
 model (random-weight-like bigram output: only the grammar makes it valid JSON, which is
