@@ -241,13 +241,16 @@ def test_a_schema_is_compiled_once(client, fleet):
     after = backend.health()["grammars"]
     assert after["misses"] == before["misses"] + 1 and after["hits"] == before["hits"] + 2
     assert after["cached"] <= after["capacity"]
+    metrics = request(backend.url + "/metrics")[2].decode()
+    assert metric_sum(metrics, "kvroute_backend_grammar_compiles_total", result="cached") >= 2
+    assert metric_sum(metrics, "kvroute_backend_constrained_total", kind="json_schema") >= 3
 
 
 def test_max_tokens_cuts_with_length(client):
     r = client.chat.completions.create(
         model=MODEL, messages=ask(), max_tokens=5,
         response_format={"type": "json_schema", "json_schema": {"name": "p",
-                                                                "schema": SUITE["refs"]}})
+                                                                "schema": SUITE["nested_objects"]}})
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 5
 
@@ -389,7 +392,7 @@ def test_responses_streaming_and_cut_short(client):
     valid(SCHEMAS["add"], call.arguments)
     # Cut by max_output_tokens: incomplete, as any other answer.
     r = client.responses.create(model=MODEL, input="Someone?", max_output_tokens=4, text={
-        "format": {"type": "json_schema", "name": "p", "schema": SUITE["refs"]}})
+        "format": {"type": "json_schema", "name": "p", "schema": SUITE["nested_objects"]}})
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
 
 

@@ -210,15 +210,22 @@ async def _compile(state: State, spec: GrammarSpec) -> Grammar:
         param = "tool_choice" if spec.kind == "tool_call" else "response_format"
         raise bad_request(f"Constrained decoding is not available for this model: "
                           f"{state.grammars_missing}", param, "unsupported_parameter")
+    m, hits = state.metrics, state.grammars.hits
     try:
-        return await asyncio.to_thread(state.grammars.compile, spec)
+        grammar = await asyncio.to_thread(state.grammars.compile, spec)
     except GrammarError as e:
+        m.l(m.grammar_compiles, result="refused").inc()
         raise bad_request(str(e), e.param, "invalid_value") from None
     except Exception as e:  # the library's own failure on an odd schema: still the client's
         log.warning("compiling a grammar failed", exc_info=True)
+        m.l(m.grammar_compiles, result="refused").inc()
         param = "tools" if spec.kind == "tool_call" else "response_format"
         raise bad_request(f"Constrained decoding cannot compile this schema: {e}", param,
                           "invalid_value") from None
+    # (another request's compile may count in between: the figure is a close estimate)
+    m.l(m.grammar_compiles, result="cached" if state.grammars.hits > hits else "compiled").inc()
+    m.l(m.constrained, kind=spec.kind).inc()
+    return grammar
 
 
 def _budget(state: State, prompt: list[int], requested: int | None, prompt_param: str) -> int:
