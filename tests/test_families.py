@@ -220,3 +220,22 @@ def test_exit_error_in_prompt_completing_step(family):
     repeat = chat(family, messages, **GREEDY).body
     assert cached(repeat) == prompt_tokens(repeat) - 1
     assert_same_answer(repeat, cold(family, messages, **GREEDY))
+
+
+def test_n_choices_and_constrained_rows_answer_exactly(family):
+    """n choices share one prefill: the later ones start from the first one's prompt
+    commit, a hit that must answer as the cold prefill does. And a constrained row works
+    on every family's caches."""
+    messages = conversation()
+    reference = cold(family, messages, **GREEDY)
+    answer = chat(family, messages, n=3, **GREEDY)
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    for choice in answer["choices"]:
+        assert_same_answer({"choices": [choice]}, reference)
+    schema = {"type": "object", "properties": {"v": {"enum": ["yes", "no"]}}, "required": ["v"],
+              "additionalProperties": False}
+    constrained = chat(family, messages, max_tokens=300, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "v", "schema": schema}})
+    assert constrained["choices"][0]["finish_reason"] == "stop", constrained
+    assert json.loads(constrained["choices"][0]["message"]["content"])["v"] in ("yes", "no")
+    assert_entries_consistent(family)

@@ -314,15 +314,16 @@ DOCUMENT = {"type": "document", "source": {"type": "text", "media_type": "text/p
      "messages.1.content.0: 'server_tool_use' blocks are not supported"),
     (lambda b: {**b, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "tools.0.type: Tool type 'web_search_20250305' is not supported"),
-    (lambda b: {**b, "tool_choice": {"type": "any"}},
-     "tool_choice.type: Forced tool use (tool_choice 'any' or 'tool') is not supported yet"),
-    (lambda b: {**b, "tool_choice": {"type": "tool", "name": "Bash"}},
-     "tool_choice.type: Forced tool use (tool_choice 'any' or 'tool') is not supported yet"),
+    (lambda b: {**{k: v for k, v in b.items() if k != "tools"}, "tool_choice": {"type": "any"}},
+     "tool_choice: A forced tool_choice ('any' or 'tool') needs 'tools'."),
+    (lambda b: {**b, "tool_choice": {"type": "tool"}},
+     "tool_choice.name: Field required"),
     (lambda b: {**b, "messages": [*b["messages"], {"role": "assistant", "content": "Sure"}]},
      "Prefilling assistant messages is not supported for this model."),
     (lambda b: {**b, "output_config": {"effort": "high", "format": {
-        "type": "json_schema", "schema": {"type": "object"}}}},
-     "output_config.format: Structured outputs are not supported"),
+        "type": "json_schema", "schema": {"type": "object", "properties": {
+            "a": {"type": "string", "format": "no-such-format"}}}}}},
+     "Constrained decoding cannot use the JSON schema: Unknown format: no-such-format"),
     # Found by the fuzzer: a block type that is no string crashed the refusal's wording.
     (lambda b: {**b, "system": [{"type": {}, "text": ""}]}, "system.0: "),
 ], ids=["role", "no-max_tokens", "max_tokens-0", "max_tokens-type", "no-model", "image",

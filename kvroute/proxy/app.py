@@ -19,9 +19,10 @@ import orjson
 from aiohttp import web
 
 from kvroute.api import openapi
-from kvroute.api.errors import error_middleware, not_found
+from kvroute.api.errors import embeddings, error_middleware, not_found
 from kvroute.api.lifecycle import start_site, wait_for_stop
-from kvroute.api.routes import CHAT_PATH, COMPLETIONS_PATH, HEALTH_PATH, MODELS_PATH
+from kvroute.api.routes import (CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH, HEALTH_PATH,
+                                MODELS_PATH)
 from kvroute.core import prefix
 from kvroute.core.model_loads import ModelLoads
 from kvroute.core.registry import Registry
@@ -139,6 +140,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_get(MODELS_PATH, models)
     app.router.add_get(MODELS_PATH + "/{model:.+}", model_info)
     app.router.add_get(HEALTH_PATH, health)
+    app.router.add_post(EMBEDDINGS_PATH, embeddings)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_json)
     app.router.add_get("/stats", stats)
