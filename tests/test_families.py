@@ -228,14 +228,14 @@ def test_n_choices_and_constrained_rows_answer_exactly(family):
     on every family's caches."""
     messages = conversation()
     reference = cold(family, messages, **GREEDY)
-    answer = chat(family, messages, n=3, **GREEDY)
+    answer = chat(family, messages, n=3, **GREEDY).body
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
     for choice in answer["choices"]:
         assert_same_answer({"choices": [choice]}, reference)
     schema = {"type": "object", "properties": {"v": {"enum": ["yes", "no"]}}, "required": ["v"],
               "additionalProperties": False}
     constrained = chat(family, messages, max_tokens=300, temperature=0, response_format={
-        "type": "json_schema", "json_schema": {"name": "v", "schema": schema}})
+        "type": "json_schema", "json_schema": {"name": "v", "schema": schema}}).body
     assert constrained["choices"][0]["finish_reason"] == "stop", constrained
     assert json.loads(constrained["choices"][0]["message"]["content"])["v"] in ("yes", "no")
     assert_entries_consistent(family)
