@@ -29,7 +29,7 @@ By default a session starts once the one before it has had its first answer (`--
 ramp`: a teammate opens a session while the others work, so the tool list is already
 cached somewhere); `--start together` starts them all at once, `--stagger` apart.
 
-    python bench/bench_agents.py [--sessions 4] [--shapes claude,codex] [--turns 6]
+    python -m bench.bench_agents [--sessions 4] [--shapes claude,codex] [--turns 6]
         [--backends 2] [--policies cache-aware,round-robin] [--start ramp|together]
         [--system-chars 1200] [--tool-chars 60] [--result-chars 400] [--stagger 0.5]
         [--max-tokens 48]
@@ -56,12 +56,9 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from harness import BackendProcess, ProxyProcess, fleet, get_json, metric_sum, request  # noqa: E402
-
-from kvroute.devtools import demo_model  # noqa: E402
+from bench.command import command_line
+from kvroute.devtools import demo_model
+from tests.harness import BackendProcess, ProxyProcess, fleet, get_json, metric_sum, request
 
 SECRET = "agents"
 MODEL = "demo"
@@ -603,7 +600,7 @@ def warm_up(backends: list[BackendProcess]) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_agents", description=__doc__.split("\n\n")[0])
     ap.add_argument("--policies", default="cache-aware,round-robin")
     ap.add_argument("--backends", type=int, default=2)
     ap.add_argument("--sessions", type=int, default=4, help="concurrent sessions, shapes cycled")
@@ -656,7 +653,7 @@ def main() -> int:
                 turns = runs[policy][0]
                 console.print(f"{policy}: {len(ok(turns))}/{len(turns)} turns in "
                               f"{runs[policy][1]:.0f} s")
-    console.print(f"command: python {' '.join(sys.argv)}")
+    console.print(f"command: {command_line()}")
     console.print(f"machine: {platform.machine()} {platform.system()} {platform.release()}, "
                   f"{os.cpu_count()} cores, python {platform.python_version()}; "
                   f"{args.backends} backends of the demo model, {args.sessions} sessions x "

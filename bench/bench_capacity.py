@@ -13,7 +13,7 @@ Per policy, proxy count and rate it reports output tokens/s, TTFT p50/p90 (to th
 first streamed content), the share of requests shed with 429, and the token hit ratio
 (cached / prompt tokens, from each answer's usage).
 
-    python bench/bench_capacity.py [--rates 0.25,0.5,1] [--proxies 1,2,4]
+    python -m bench.bench_capacity [--rates 0.25,0.5,1] [--proxies 1,2,4]
         [--policies cache-aware,round-robin,least-loaded] [--groups 3] [--users 4] [--turns 3]
 """
 
@@ -37,13 +37,9 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from harness import BackendProcess, free_port, request, wait_until  # noqa: E402
-
-from kvroute.devtools import demo_model  # noqa: E402
-from kvroute.serve.redis_server import RedisServer  # noqa: E402
+from kvroute.devtools import demo_model
+from kvroute.serve.redis_server import RedisServer
+from tests.harness import ROOT, BackendProcess, free_port, request, wait_until
 
 SECRET = "capacity"
 MODEL = "demo"
@@ -208,7 +204,7 @@ class Fleet:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_capacity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="0.25,0.5,1", help="conversations started per second")
     ap.add_argument("--proxies", default="1,2,4")
     ap.add_argument("--policies", default="cache-aware,round-robin,least-loaded")

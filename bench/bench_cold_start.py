@@ -7,7 +7,7 @@ cold prefill) and to the cold alias once it is unloaded again (process start, we
 load, prefill), streaming through the proxy and timing the first content chunk on
 the client (the `: loading` keep-alives do not count). Medians over --repeat rounds.
 
-    python bench/bench_cold_start.py [--repeat 3] [--words 200] [--large | --large-only] [--model PATH]
+    python -m bench.bench_cold_start [--repeat 3] [--words 200] [--large | --large-only] [--model PATH]
 
 --large adds a random-weight qwen3 model with larger shapes (about 0.5 GB of
 weights), built locally.
@@ -18,7 +18,7 @@ Each round sends a never-seen prompt (load + prefill + commit), waits for the mo
 to be unloaded, then sends the same conversation again: with the disk tier the
 reloaded backend restores the prompt's cache from disk, without it prefills again.
 
-    python bench/bench_cold_start.py --disk [--words 1000] [--repeat 3]
+    python -m bench.bench_cold_start --disk [--words 1000] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -33,16 +33,13 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+from rich.console import Console
+from rich.table import Table
 
-from harness import ServeProcess, SSEStream, get_json, wait_until  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from kvroute.devtools import demo_model  # noqa: E402
-from kvroute.serve.capacity import weights_bytes  # noqa: E402
-from kvroute.core.sizes import format_bytes  # noqa: E402
+from kvroute.core.sizes import format_bytes
+from kvroute.devtools import demo_model
+from kvroute.serve.capacity import weights_bytes
+from tests.harness import ServeProcess, SSEStream, get_json, wait_until
 
 # Loaded on the first request, unloaded again between rounds.
 ON_DEMAND = {"preload": False, "idle_unload": "3s"}
@@ -175,7 +172,7 @@ def disk_table(args, tmp: Path) -> Table:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_cold_start", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a local model directory (default: the demo model)")
     ap.add_argument("--large", action="store_true", help="also a larger random-weight qwen3")
     ap.add_argument("--large-only", action="store_true", help="only the larger model")

@@ -8,15 +8,15 @@ posix_fadvise). Three readers: MLX's own (`mx.load` of the path, no checksum);
 kvroute's (`mx.load`, then the checksum over MLX's buffers), what the backend runs;
 and its fallback, the copy path (4 parallel preads, checksum, one copy into MLX).
 
-    python bench/bench_disk.py restore --shape 100m --tokens 1024,8192,32768
-    python bench/bench_disk.py restore --shape 7b --tokens 1024,8192,32768   # accelerator
+    python -m bench.bench_disk restore --shape 100m --tokens 1024,8192,32768
+    python -m bench.bench_disk restore --shape 7b --tokens 1024,8192,32768   # accelerator
 
 `capacity` (real processes): Redis, 3 backends with small RAM budgets, a proxy;
 12 agent conversations of 4 turns (a long shared system prompt each, new user
 text every turn), turns interleaved across conversations. Hit ratio = cached
 prompt tokens / prompt tokens over all turns, without and with the disk tier.
 
-    python bench/bench_disk.py capacity --cache-bytes 1MiB
+    python -m bench.bench_disk capacity --cache-bytes 1MiB
 """
 
 from __future__ import annotations
@@ -24,17 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
 SHAPES = {
     # ~110M parameters (vocab 32k untied): prefill is slow enough here to matter.
@@ -189,11 +185,10 @@ def _read(path: Path, record, how: str) -> float:
 
 
 def capacity_bench(args) -> None:
-    from harness import BackendProcess, post_json
-    from test_proxy import KEY, SECRET, TOKEN, ProxyProcess
-
     from kvroute.devtools import demo_model
     from kvroute.serve.redis_server import RedisServer
+    from tests.harness import BackendProcess, post_json
+    from tests.test_proxy import KEY, SECRET, TOKEN, ProxyProcess
 
     console = Console(width=200)
     model = args.model or str(demo_model.ensure("text"))
@@ -263,7 +258,7 @@ def _system(i: int) -> str:
 
 
 def _metric(backend, prefix: str, label: str) -> float:
-    from harness import request
+    from tests.harness import request
 
     text = request(backend.url + "/metrics")[2].decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -271,7 +266,7 @@ def _metric(backend, prefix: str, label: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_disk", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("restore")
     r.add_argument("--shape", choices=sorted(SHAPES), default="100m")

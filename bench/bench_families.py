@@ -8,11 +8,11 @@ checkpoint), timing the first streamed token on the client side. Medians over
 --repeat runs. Bytes per token are those of the entry the repeat used, as `GET /debug/cache`
 reports them (the models are tiny: compare families, not absolute sizes).
 
-    python bench/bench_families.py [--arches qwen3,gemma3_text] [--sizes 1024,4096] [--repeat 3]
+    python -m bench.bench_families [--arches qwen3,gemma3_text] [--sizes 1024,4096] [--repeat 3]
 
 On an accelerator, 7B-class shapes of a sliding-window and a hybrid family:
 
-    python bench/bench_families.py --model-size 7b --arches gemma3_text,qwen3_next \
+    python -m bench.bench_families --model-size 7b --arches gemma3_text,qwen3_next \
         --sizes 8192,32768 --backend-args="--prefill-step 2048"
 """
 
@@ -21,19 +21,16 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rich.console import Console
+from rich.table import Table
 
-from bench_ttft import prompt_of, ttft  # noqa: E402
-from harness import BackendProcess  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from kvroute.devtools import arch_models  # noqa: E402
+from bench.bench_ttft import prompt_of, ttft
+from bench.command import command_line
+from kvroute.devtools import arch_models
+from tests.harness import BackendProcess
 
 
 def measure(backend: BackendProcess, size: int, repeat: int) -> dict:
@@ -57,7 +54,7 @@ def measure(backend: BackendProcess, size: int, repeat: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_families", description=__doc__.splitlines()[0])
     ap.add_argument("--arches", default=",".join(arch_models.ARCHES))
     ap.add_argument("--sizes", default="1024,4096")
     ap.add_argument("--repeat", type=int, default=3)
@@ -89,7 +86,7 @@ def main() -> None:
             finally:
                 backend.stop()
     console = Console(width=160)
-    console.print(f"command: python {' '.join(sys.argv)}")
+    console.print(f"command: {command_line()}")
     console.print(f"machine: {platform.machine()} {platform.system()} {platform.release()}, "
                   f"python {platform.python_version()}")
     console.print(table)

@@ -10,7 +10,7 @@ model's tokenizer and, with --vocab N (default 150000, 0 to skip), on a byte-lev
 BPE tokenizer of about N tokens trained here on this Python's own sources, the size
 of Qwen's. The decode rate runs the demo model through mlx-lm's BatchGenerator.
 
-    python bench/bench_grammar.py [--vocab 150000] [--repeat 5] [--steps 200]
+    python -m bench.bench_grammar [--vocab 150000] [--repeat 5] [--steps 200]
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -230,7 +229,7 @@ def decode_rates(console: Console, model_dir: Path, steps: int, repeat: int) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_grammar", description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", type=int, default=150_000,
                     help="size of the locally trained large tokenizer (0: skip it)")
     ap.add_argument("--repeat", type=int, default=5, help="passes for the steady state")

@@ -3,7 +3,7 @@
 Each host is a network namespace of this machine (its own address, ports and
 processes) running its own `kvroute serve` with the demo model, behind one
 three-master Redis Cluster on the bridge between them: the set-up of
-tests/test_two_hosts.py (tests/netns.py). Needs root and iproute2.
+tests/test_two_hosts.py (tests/harness/netns.py). Needs root and iproute2.
 
 The same workload runs on both layouts: C conversations in G groups (a group's
 conversations share a long system prompt, as a team's do), T turns each. Turns go in
@@ -23,7 +23,7 @@ on later turns; then the routing reasons, the requests per backend and, with 2 h
 the share of turns served by a backend on the other host than the proxy that took
 them.
 
-    python bench/bench_hosts.py [--conversations 16] [--groups 4] [--turns 5] [--repeat 1]
+    python -m bench.bench_hosts [--conversations 16] [--groups 4] [--turns 5] [--repeat 1]
         [--show-misses]
 """
 
@@ -45,13 +45,10 @@ import openai
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from harness import get_json, metric_sum, request  # noqa: E402
-from netns import Machines, machines, unavailable  # noqa: E402
-
-from kvroute.devtools import demo_model  # noqa: E402
+from bench.command import command_line
+from kvroute.devtools import demo_model
+from tests.harness import get_json, metric_sum, request
+from tests.harness.netns import Machines, machines, unavailable
 
 LAYOUTS = {"2 hosts x 2": {"hosta": 2, "hostb": 2}, "1 host x 4": {"solo": 4}}
 TOPICS = ["the harbour", "the orchard", "the library", "the workshop", "the station", "the market"]
@@ -196,7 +193,7 @@ HEADERS = ["layout", "requests", "errors", "hit ratio", "hit ratio (turns>=1)", 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_hosts", description=__doc__.split("\n\n")[0])
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--turns", type=int, default=5)
@@ -244,7 +241,7 @@ def main() -> int:
     console.print("| " + " | ".join(HEADERS) + " |\n|" + "---|" * len(HEADERS))
     for run in runs:
         console.print("| " + " | ".join(row(run)) + " |", soft_wrap=True)
-    console.print(f"command: python {' '.join(sys.argv)}")
+    console.print(f"command: {command_line()}")
     console.print(f"machine: {platform.machine()} {platform.system()} {platform.release()}, "
                   f"{os.cpu_count()} cores, python {platform.python_version()}, "
                   f"load average {os.getloadavg()[0]:.1f} at the end; started {started}")

@@ -1,27 +1,37 @@
-"""kvroute at the speed of the hardware: the whole stack against raw mlx-lm, one run.
+"""kvroute at the speed of the hardware, measured from outside: `kvroute serve` against raw
+mlx-lm and mlx-lm's own server, in one run on one machine and model.
 
-Three parts, one after the other on the same machine and model:
+Parts (each a fresh set of processes, one after the other; `--parts` picks them):
 
-1. raw mlx-lm (`generate_step`, one sequence, in a child process): cold time to
-   first token at each size, the second turn on a cached --turn2 prompt (the
-   suffix's prefill plus one step), and single-stream decode;
-2. mlx-lm's own server (`python -m mlx_lm server`): decode at 1 and 8 streams;
-3. kvroute: an embedded redis-server, --replicas backends (on a GPU each capped
-   at its share of the card's memory) and two proxies on the same backends,
-   cache-aware and round-robin. Through the cache-aware proxy: the first request
-   after /health against the tenth, cold TTFT at each size, the second turn on a
-   cached prompt, decode at 1 and 8 streams (8 streams also on one backend directly:
-   through the proxy they are spread over the replicas, which share one device,
-   where mlx-lm's server batches them in one process); then the agent workload (8
-   agents x 4 turns, shared 6k-token system prompts) through each proxy.
+- raw: mlx-lm `generate_step`, one sequence, in a child process, warmed up the way a
+  kvroute backend is (kernels, then one prompt as long as the longest measured):
+  cold time to first token at each size, the second turn on a cached prompt (the new
+  suffix's prefill plus one step), single-stream decode.
+- mlx-server: `python -m mlx_lm server`, warmed up: cold TTFT, turn 2, decode at 1, 8
+  and 32 streams.
+- kvroute: `kvroute serve --config` (an embedded Redis, --replicas backends capped to
+  share the device, the proxy) with its disk tier on; a streaming client through the
+  proxy: the first request after ready against the tenth, cold TTFT, turn 2, decode at
+  1/8/32 streams (through the proxy, spread over the replicas, and on one backend as
+  mlx-lm's server batches them in one process), the agent workload (8 agents x 4 turns,
+  shared system prompts); then a conversation restored from disk after a restart of the
+  whole stack against the cold prefill of a prompt of its size.
+- no-disk: the same stack with the disk tier off: cold TTFT at the largest size, turn 2,
+  decode at 8 streams and the agent workload, for the disk tier's cost.
 
-Ratios are kvroute / raw (time) or kvroute / reference (throughput). Prompts are
-random words of the model's tokenizer; a random-weight model never emits EOS.
+Every prompt is a length no process has seen (sizes shift by a few tokens per repeat and
+per part): what a user's prompts are, and what a warmed-up server has not compiled yet.
+Prompts are random words of the model's tokenizer; a random-weight model never stops.
 
-    python bench/models.py /tmp/m7b                    # a 7B-class random model (GPU)
-    python bench/bench_hw.py --model /tmp/m7b --out BENCH.md
-    python bench/models.py /tmp/mcpu --preset cpu      # CPU: a smaller one
-    python bench/bench_hw.py --model /tmp/mcpu --sizes 1024,2048,4096 --turn2 4000
+    python -m bench.models /tmp/m7b                        # a 7B-class random model (GPU)
+    python -m bench.bench_hw --model /tmp/m7b --out BENCH.md
+    python -m bench.models /tmp/mcpu --preset cpu          # CPU: a smaller one
+    python -m bench.bench_hw --model /tmp/mcpu --sizes 900,1900,3900 --turn2 3900 \\
+        --restore 2000 --decode 48 --agent-system 600 --cache-bytes 2GiB
+
+Parts save their numbers under --results (JSON), so a run can be split over several
+calls (`--parts raw,mlx-server` then `--parts kvroute,no-disk`); the report uses every
+part found there.
 """
 
 from __future__ import annotations
@@ -32,24 +42,23 @@ import json
 import os
 import platform
 import random
+import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
 
+from bench.command import command_line
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from harness import metric_sum, request  # noqa: E402
-from kvroute.core import accel  # noqa: E402
-from kvroute.serve.redis_server import RedisServer, free_port  # noqa: E402
-
-SECRET = "bench-hw"
+PARTS = ("raw", "mlx-server", "kvroute", "no-disk")
+TOKEN = "bench-hw-token"
 
 
 # -- prompts ---------------------------------------------------------------------------
@@ -71,22 +80,30 @@ def text_of(tokenizer, n_tokens: int, seed: int) -> str:
     return tokenizer.decode(ids[:n_tokens])
 
 
-def load_tokenizer(model: str):
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
-
-    class T:
-        def encode(self, s: str) -> list[int]:
-            return tok.encode(s, add_special_tokens=False).ids
-
-        def decode(self, ids: list[int]) -> str:
-            return tok.decode(ids)
-
-    return T()
+def fresh(size: int, repeat: int, part: int) -> int:
+    """A length near `size` that no other measurement of the run uses."""
+    return size - 97 * repeat - 13 * part - 7
 
 
-# -- part 1: raw mlx-lm ---------------------------------------------------------------
+class Tokenizer:
+    def __init__(self, model: str):
+        from tokenizers import Tokenizer as T
+
+        self.tok = T.from_file(str(Path(model) / "tokenizer.json"))
+
+    def encode(self, s: str) -> list[int]:
+        return self.tok.encode(s, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+def conversation(tok, size: int, seed: int) -> tuple[list[dict], str]:
+    """Turn 1's messages (one user message of ~size tokens) and turn 2's new message."""
+    return [{"role": "user", "content": text_of(tok, size, seed)}], text_of(tok, 60, seed + 1)
+
+
+# -- raw mlx-lm ----------------------------------------------------------------------------
 
 
 def raw_main(args) -> None:
@@ -97,7 +114,7 @@ def raw_main(args) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     model, tokenizer = load(args.model)
-    tok = load_tokenizer(args.model)
+    tok = Tokenizer(args.model)
     step = args.raw_prefill_step
 
     def first_token(ids: list[int], cache=None) -> float:
@@ -107,21 +124,28 @@ def raw_main(args) -> None:
         next(gen)
         return time.perf_counter() - t0
 
-    first_token(tok.encode(text_of(tok, min(2100, max(args.sizes)), 1)))  # compile kernels
+    def template(messages: list[dict]) -> list[int]:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    # Warm up as a kvroute backend does: kernels, then one prompt as long as the longest.
+    first_token(tok.encode(text_of(tok, 300, 1)))
+    first_token(tok.encode(text_of(tok, max(args.sizes + [args.turn2]) + 200, 2)))
+    mx.clear_cache()
     out: dict = {"cold": {}}
     for size in args.sizes:
-        times = [first_token(tok.encode(text_of(tok, size, 100 + size + r)))
+        times = [first_token(tok.encode(text_of(tok, fresh(size, r, 0), 100 + size + r)))
                  for r in range(args.repeat)]
         out["cold"][size] = statistics.median(times)
         mx.clear_cache()
-    turn1 = text_of(tok, args.turn2, 7)
-    turn2 = turn1 + "\n\n" + text_of(tok, 60, 8)
     times = []
-    for _ in range(args.repeat):
-        a, b = tok.encode(turn1), tok.encode(turn2)
-        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    for r in range(args.repeat):
+        messages, follow = conversation(tok, fresh(args.turn2, r, 0), 70 + r)
+        a = template(messages)
         cache = make_prompt_cache(model)
         first_token(a, cache)  # the cache now holds turn 1's prompt
+        b = template(messages + [{"role": "assistant", "content": "ok"},
+                                 {"role": "user", "content": follow}])
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         for c in cache:
             c.trim(c.offset - common)
         times.append(first_token(b[common:], cache))
@@ -134,44 +158,43 @@ def raw_main(args) -> None:
     print("RAW " + json.dumps(out), flush=True)
 
 
-def run_raw(args) -> dict:
-    cmd = [sys.executable, __file__, "--raw-child", "--model", args.model,
+def run_raw(args, tok, logs: Path) -> dict:
+    cmd = [sys.executable, "-m", "bench.bench_hw", "--raw-child", "--model", args.model,
            "--sizes", ",".join(map(str, args.sizes)), "--turn2", str(args.turn2),
            "--repeat", str(args.repeat), "--decode", str(args.decode),
            "--raw-prefill-step", str(args.raw_prefill_step)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RAW ")]
     if proc.returncode or not line:
         raise RuntimeError(f"raw mlx-lm run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    raw = json.loads(line[-1][4:])
-    raw["cold"] = {int(k): v for k, v in raw["cold"].items()}
-    return raw
+    return json.loads(line[-1][4:])
 
 
 # -- HTTP measurements -----------------------------------------------------------------
 
 
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800))
+
+
 async def stream(session: aiohttp.ClientSession, url: str, path: str, body: dict,
-                 ) -> tuple[float, list[float], dict, str]:
+                 headers: dict | None = None) -> tuple[float, list[float], dict, str]:
     """(time to first token, token arrival times, usage, text) of one streamed request."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps: list[float] = []
     usage: dict = {}
     text: list[str] = []
-    async with session.post(url + path, json=body) as resp:
+    async with session.post(url + path, json=body, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}{path}: {resp.status} {(await resp.text())[:300]}")
-        usage["route"] = {k[len("x-kvroute-"):]: v for k, v in resp.headers.items()
-                          if k.lower() in ("x-kvroute-backend", "x-kvroute-prefix-blocks",
-                                           "x-kvroute-route-reason")}
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
             if event.get("usage"):
-                usage = {**event["usage"], "route": usage.get("route")}
+                usage = event["usage"]
             for choice in event.get("choices") or []:
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content")
                 if piece:
@@ -182,53 +205,70 @@ async def stream(session: aiohttp.ClientSession, url: str, path: str, body: dict
     return stamps[0] - t0, stamps, usage, "".join(text)
 
 
-def engine_ttft_sum(backends: list) -> float:
-    """Sum of every backend's engine-side TTFT histogram (seconds)."""
-    return sum(metric_sum(request(b.url + "/metrics")[2].decode(),
-                          "kvroute_backend_ttft_seconds_sum") for b in backends)
+def cached_tokens(usage: dict) -> int:
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
-def _session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800))
-
-
-async def decode_rate(url: str, model: str, tok, streams: int, n: int, seed: int) -> float:
-    """Aggregate generated tokens/s of `streams` concurrent requests, from the
-    first token of any to the last of all (prefill excluded)."""
+async def decode_rate(url: str, model: str, tok, streams: int, n: int, seed: int,
+                      headers: dict | None = None) -> float:
+    """Aggregate generated tokens/s of `streams` concurrent requests, from the first token
+    of any to the last of all (prefill excluded)."""
     async with _session() as s:
         results = await asyncio.gather(*(
             stream(s, url, "/v1/completions",
                    {"model": model, "prompt": text_of(tok, 64, seed + i), "max_tokens": n,
-                    "temperature": 0})
+                    "temperature": 0}, headers)
             for i in range(streams)))
     first = min(r[1][0] for r in results)
     last = max(r[1][-1] for r in results)
-    return sum(len(r[1]) - 1 for r in results) / (last - first)
+    # Tokens, not events: a server may send several tokens in one event.
+    return sum(r[2].get("completion_tokens", len(r[1])) - 1 for r in results) / (last - first)
 
 
-async def ttft(url: str, model: str, prompt: str, max_tokens: int = 2) -> tuple[float, dict]:
+async def completion_ttft(url: str, model: str, prompt: str) -> float:
     async with _session() as s:
-        t, _, usage, _ = await stream(s, url, "/v1/completions",
-                                      {"model": model, "prompt": prompt,
-                                       "max_tokens": max_tokens, "temperature": 0})
-    return t, usage
+        t, _, _, _ = await stream(s, url, "/v1/completions",
+                                  {"model": model, "prompt": prompt, "max_tokens": 2,
+                                   "temperature": 0})
+    return t
 
 
-async def chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, dict, str]:
+async def chat(url: str, model: str, messages: list[dict], max_tokens: int
+               ) -> tuple[float, dict, str]:
     async with _session() as s:
         t, _, usage, text = await stream(s, url, "/v1/chat/completions",
-                                         {"model": "m", "messages": messages,
+                                         {"model": model, "messages": messages,
                                           "max_tokens": max_tokens, "temperature": 0})
     return t, usage, text
 
 
-def ttft_s(*a, **kw) -> tuple[float, dict]:
-    return asyncio.run(ttft(*a, **kw))
+def run(coro):
+    return asyncio.run(coro)
+
+
+def cold_ttfts(url: str, model: str, tok, sizes: list[int], repeat: int, part: int) -> dict:
+    return {size: statistics.median(
+        run(completion_ttft(url, model, text_of(tok, fresh(size, r, part), 100 + size + r)))
+        for r in range(repeat)) for size in sizes}
+
+
+def turn2_ttft(url: str, model: str, tok, size: int, repeat: int, part: int) -> dict:
+    """Turn 2 of a conversation whose turn 1 (~size tokens) was just answered: its median
+    TTFT and the last one's prompt and cached tokens."""
+    times, usage = [], {}
+    for r in range(repeat):
+        messages, follow = conversation(tok, fresh(size, r, part), 70 + r + 10 * part)
+        _, _, reply = run(chat(url, model, messages, 1))
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": follow}]
+        t, usage, _ = run(chat(url, model, messages, 2))
+        times.append(t)
+    return {"ttft": statistics.median(times), "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": cached_tokens(usage)}
 
 
 async def agents(url: str, model: str, tok, seed: int, system: int) -> dict:
     """8 agents x 4 turns; 4 system prompts of `system` tokens, each shared by two agents."""
-    systems = [text_of(tok, system, seed + k) for k in range(4)]
+    systems = [text_of(tok, system + k, seed + k) for k in range(4)]
     ttfts: list[float] = []
     totals = {"prompt": 0, "cached": 0}
 
@@ -242,16 +282,28 @@ async def agents(url: str, model: str, tok, seed: int, system: int) -> dict:
             if turn:
                 ttfts.append(t)
             totals["prompt"] += usage.get("prompt_tokens", 0)
-            totals["cached"] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            totals["cached"] += cached_tokens(usage)
             messages.append({"role": "assistant", "content": text})
 
+    t0 = time.perf_counter()
     async with _session() as s:
         await asyncio.gather(*(agent(i, s) for i in range(8)))
     return {"hit_ratio": totals["cached"] / max(totals["prompt"], 1),
-            "ttft_turns_2_4": statistics.mean(ttfts)}
+            "ttft_turns_2_4": statistics.mean(ttfts), "wall_s": time.perf_counter() - t0}
 
 
 # -- processes ---------------------------------------------------------------------------
+
+
+def get(url: str, headers: dict | None = None) -> bytes:
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read()
+
+
+def metric_sum(text: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+(\S+)",
+                                            text, re.M))
 
 
 class Proc:
@@ -262,19 +314,16 @@ class Proc:
                                      env={**os.environ, **(env or {})}, cwd=ROOT)
         self.started = time.perf_counter()
 
-    def wait_ready(self, path: str = "/health", timeout: float = 900.0) -> float:
-        import urllib.request
-
+    def wait_ready(self, ready, timeout: float = 900.0) -> float:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {self.proc.returncode}: "
                                    f"{self.log.read_text(errors='replace')[-3000:]}")
             try:
-                with urllib.request.urlopen(self.url + path, timeout=2) as r:
-                    if r.status == 200:
-                        return time.perf_counter() - self.started
-            except OSError:
+                if ready():
+                    return time.perf_counter() - self.started
+            except (OSError, ValueError):
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s")
@@ -283,7 +332,7 @@ class Proc:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                self.proc.wait(120)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
@@ -293,187 +342,249 @@ class Proc:
 def run_mlx_server(args, tok, logs: Path) -> dict:
     port = free_port()
     server = Proc("mlx-lm-server", [sys.executable, "-m", "mlx_lm", "server", "--model",
-                                    args.model, "--port", str(port), "--max-tokens", "512"],
+                                    args.model, "--port", str(port), "--max-tokens", "4096"],
                   f"http://127.0.0.1:{port}", logs)
+    url, model = server.url, args.model
     try:
-        server.wait_ready("/v1/models")
-        url = server.url
-        # Warm-up (kernels), then measure as for kvroute.
-        asyncio.run(decode_rate(url, args.model, tok, 8, 16, 5000))
-        out = {"decode1": asyncio.run(decode_rate(url, args.model, tok, 1, args.decode, 5100)),
-               "decode8": asyncio.run(decode_rate(url, args.model, tok, 8, args.decode, 5200))}
+        server.wait_ready(lambda: get(url + "/health"))
+        # Warm-up as for the others: kernels, then one long prompt.
+        run(decode_rate(url, model, tok, 8, 16, 5000))
+        run(completion_ttft(url, model, text_of(tok, max(args.sizes + [args.turn2]) + 200, 2)))
+        out = {"cold": cold_ttfts(url, model, tok, args.sizes, args.repeat, 1),
+               "turn2": turn2_ttft(url, model, tok, args.turn2, args.repeat, 1)}
+        for n in (1, 8, 32):
+            out[f"decode{n}"] = run(decode_rate(url, model, tok, n, args.decode, 5100 + 100 * n))
     finally:
         server.stop()
     return out
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """One `kvroute serve` with its own config file."""
+
+    def __init__(self, args, logs: Path, name: str, disk_dir: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = logs / f"{name}.toml"
+        disk = (f'disk_cache_dir = "{disk_dir}"\n' if disk_dir else 'disk_cache_bytes = "0"\n')
+        self.config.write_text(
+            f'secret = "bench-hw"\n\n[proxy]\nport = {self.port}\n\n'
+            f'[backends]\nport_base = {free_port()}\n\n'
+            f'[[models]]\npath = "{args.model}"\nalias = "m"\nreplicas = {args.replicas}\n'
+            f'cache_bytes = "{args.cache_bytes}"\n'
+            + (f"max_batch = {args.max_batch}\n" if args.max_batch else "")
+            + (f"max_prompt_tokens = {args.max_prompt_tokens}\n" if args.max_prompt_tokens else "")
+            + disk
+            + (f"prefill_step = {args.prefill_step}\n" if args.prefill_step else ""))
+        self.args, self.logs, self.name, self.runs = args, logs, name, 0
+        self.proc: Proc | None = None
+
+    def start(self) -> float:
+        self.runs += 1
+        env = {"KVROUTE_INTERNAL_TOKEN": TOKEN}
+        self.proc = Proc(f"{self.name}-{self.runs}", [sys.executable, "-m", "kvroute.cli", "serve",
+                                                       "--config", str(self.config)],
+                         self.url, self.logs, env)
+        return self.proc.wait_ready(self._ready)
+
+    def _ready(self) -> bool:
+        health = json.loads(get(self.url + "/health"))
+        backends = [b for b in health.get("backends", []) if "m" in (b.get("models") or [])]
+        models = json.loads(get(self.url + "/v1/models"))["data"]
+        return len(backends) >= self.args.replicas and any(m["id"] == "m" for m in models)
+
+    def backends(self) -> list[str]:
+        health = json.loads(get(self.url + "/health"))
+        return sorted(b["url"] for b in health["backends"])
+
+    def metric(self, name: str) -> float:
+        return sum(metric_sum(get(b + "/metrics", {"x-kvroute-token": TOKEN}).decode(), name)
+                   for b in self.backends())
+
+    def stop(self) -> int | None:
+        return self.proc.stop() if self.proc else None
+
+
+def settle_disk(stack: Stack, timeout: float = 300.0) -> None:
+    """Wait until every backend's disk writes are done (what a restart would find)."""
+    deadline = time.monotonic() + timeout
+    while stack.metric("kvroute_backend_disk_write_queue") > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError("disk writes still queued")
+        time.sleep(0.2)
+
+
+def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
+    part = 2 if disk else 3
+    disk_dir = str(logs / "disk-tier") if disk else ""
+    if disk_dir:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    stack = Stack(args, logs, "kvroute" if disk else "kvroute-no-disk", disk_dir)
+    url = stack.url
+    out: dict = {"exit_codes": []}
+    try:
+        out["ready_s"] = round(stack.start(), 1)
+        if disk:
+            firsts = [run(completion_ttft(url, "m", text_of(tok, 2000 + i, 9000 + i)))
+                      for i in range(10)]
+            out["first_vs_tenth"] = (firsts[0], firsts[-1])
+            out["cold"] = cold_ttfts(url, "m", tok, args.sizes, args.repeat, part)
+        else:
+            out["cold"] = cold_ttfts(url, "m", tok, args.sizes[-1:], args.repeat, part)
+        out["turn2"] = turn2_ttft(url, "m", tok, args.turn2, args.repeat, part)
+        progress(out)
+        one = stack.backends()[0]
+        run(decode_rate(url, "m", tok, 8, 16, 6000))
+        for n in (1, 8, 32) if disk else (8,):
+            out[f"decode{n}"] = run(decode_rate(url, "m", tok, n, args.decode, 6000 + 100 * n))
+            if n > 1 and disk:
+                # mlx-lm's server batches every stream in one process: so does one backend.
+                out[f"decode{n}_one"] = run(decode_rate(one, "m", tok, n, args.decode,
+                                                        6050 + 100 * n, {"x-kvroute-token": TOKEN}))
+        progress(out)
+        out["agents"] = run(agents(url, "m", tok, 20000 + 1000 * part, args.agent_system))
+        progress(out)
+        if disk and args.restore:
+            out["restore"] = restore(stack, tok, args)
+            seconds = stack.metric("kvroute_backend_disk_restore_seconds_sum")
+            out["disk_read_rate"] = (stack.metric("kvroute_backend_disk_restore_bytes_total")
+                                     / seconds if seconds else None)
+            out["disk_restores_skipped"] = stack.metric(
+                "kvroute_backend_disk_restores_skipped_total")
+    finally:
+        out["exit_codes"].append(stack.stop())
+        if disk_dir:
+            out["disk_bytes_written"] = sum(p.stat().st_size for p in Path(disk_dir).rglob("*")
+                                            if p.is_file())
+            shutil.rmtree(disk_dir, ignore_errors=True)
+    return out
+
+
+def restore(stack: Stack, tok, args) -> dict:
+    """A conversation of --restore tokens, the whole stack restarted, its turn 2: restored
+    from disk against the cold prefill of a prompt of the same size on the restarted stack."""
+    size = args.restore
+    messages, follow = conversation(tok, fresh(size, 0, 5), 555)
+    cold_before, _, reply = run(chat(stack.url, "m", messages, 1))
+    settle_disk(stack)
+    stack.stop()
+    ready = stack.start()
+    # Kernels are warm after start (warm-up); the cold reference runs first so the
+    # restored turn does not find its prefix in RAM by any other path.
+    cold = statistics.median(run(chat(stack.url, "m", conversation(tok, fresh(size, r, 6), 600 + r)[0],
+                                      1))[0] for r in range(args.repeat))
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": follow}]
+    t, usage, _ = run(chat(stack.url, "m", messages, 2))
+    return {"size": size, "restored_ttft": t, "cold_ttft": cold, "cold_before_restart": cold_before,
+            "cached_tokens": cached_tokens(usage), "prompt_tokens": usage.get("prompt_tokens"),
+            "restart_ready_s": round(ready, 1)}
+
+
 def progress(out: dict) -> None:
     # A run cut short by a time limit still shows what it measured.
-    print("kvroute so far:", json.dumps(out, default=str), flush=True)
-
-
-def run_kvroute(args, tok, logs: Path) -> dict:
-    device = accel.probe()
-    redis = RedisServer()
-    redis.start()
-    procs: list[Proc] = []
-    out: dict = {"device": f"{device.kind} {device.name}", "exit_codes": []}
-    try:
-        env = {"KVROUTE_SECRET": SECRET, "KVROUTE_REDIS_URL": redis.url}
-        limit = []
-        if device.kind != "cpu":
-            # Two replicas on one card: each capped so that together they stay well
-            # under its memory (what `kvroute serve` does by itself).
-            share = int(device.memory * 0.85) // args.replicas
-            limit = ["--memory-limit", str(share)]
-            out["memory_limit_each"] = share
-            out["device_memory"] = device.memory
-        backends = []
-        for r in range(args.replicas):
-            port = free_port()
-            backends.append(Proc(f"backend-{r + 1}", [
-                sys.executable, "-m", "kvroute.cli", "backend", "--model", args.model,
-                "--model-id", "m", "--port", str(port), "--id", f"b{r + 1}",
-                "--cache-bytes", args.cache_bytes, *limit,
-                *(["--prefill-step", str(args.prefill_step)] if args.prefill_step else []),
-            ], f"http://127.0.0.1:{port}", logs, env))
-        procs += backends
-        out["ready_s"] = [round(b.wait_ready(), 1) for b in backends]
-        proxies = {}
-        for policy in ("cache-aware", "round-robin"):
-            port = free_port()
-            proxies[policy] = Proc(f"proxy-{policy}", [
-                sys.executable, "-m", "kvroute.cli", "proxy", "--port", str(port),
-                "--policy", policy], f"http://127.0.0.1:{port}", logs, env)
-            procs.append(proxies[policy])
-        for p in proxies.values():
-            p.wait_ready()
-        time.sleep(1.5)  # the proxies see both backends' heartbeats
-        url = proxies["cache-aware"].url
-        import urllib.request
-
-        health = json.loads(urllib.request.urlopen(backends[0].url + "/health").read())
-        out["warmup_s"] = health["device"].get("warmup_s")
-        out["prefill_step"] = health["device"].get("prefill_step")
-
-        n = min(2048, max(args.sizes))
-        firsts, engine_firsts = [], []
-        for i in range(10):
-            before = engine_ttft_sum(backends)
-            firsts.append(ttft_s(url, "m", text_of(tok, n, 9000 + i))[0])
-            engine_firsts.append(round(engine_ttft_sum(backends) - before, 3))
-        out["first_vs_tenth"] = (firsts[0], firsts[-1])
-        # The backend's own submit-to-first-token: what of the first request's extra
-        # time is the engine's (kernels), what HTTP, templates and routing.
-        out["first_ttfts"] = [round(f, 3) for f in firsts]
-        out["first_engine_ttfts"] = engine_firsts
-        out["cold"] = {}
-        for size in args.sizes:
-            times = [ttft_s(url, "m", text_of(tok, size, 100 + size + r))[0]
-                     for r in range(args.repeat)]
-            out["cold"][size] = statistics.median(times)
-            progress(out)
-        times = []
-        for r in range(args.repeat):
-            # A conversation, as agents send it: turn 2 is turn 1's messages, the reply
-            # and a new user message (a chat prefix is a whole-block prefix of the
-            # next turn's key chain; a completions prompt extended by text is not).
-            messages = [{"role": "user", "content": text_of(tok, args.turn2, 70 + r)}]
-            _, _, reply = asyncio.run(chat(url, messages, 1))
-            messages += [{"role": "assistant", "content": reply},
-                         {"role": "user", "content": text_of(tok, 60, 8)}]
-            t, usage, _ = asyncio.run(chat(url, messages, 2))
-            times.append(t)
-            out["turn2_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            out["turn2_prompt_tokens"] = usage.get("prompt_tokens")
-            out["turn2_route"] = usage.get("route")  # which backend, matched blocks, why
-        out["turn2"] = statistics.median(times)
-        progress(out)
-        asyncio.run(decode_rate(url, "m", tok, 8, 16, 6000))
-        out["decode1"] = asyncio.run(decode_rate(url, "m", tok, 1, args.decode, 6100))
-        out["decode8"] = asyncio.run(decode_rate(url, "m", tok, 8, args.decode, 6200))
-        # Through the proxy the 8 streams are spread over the replicas, which share one
-        # device; mlx-lm's server batches all 8 in one process: so does one backend.
-        out["decode8_one"] = asyncio.run(decode_rate(backends[0].url, "m", tok, 8, args.decode,
-                                                     6300))
-        progress(out)
-        if not args.skip_agents:
-            out["agents"] = {p: asyncio.run(agents(proxies[p].url, "m", tok, 20000 + 1000 * k,
-                                                    args.agent_system))
-                             for k, p in enumerate(("cache-aware", "round-robin"))}
-    finally:
-        for p in procs:
-            code = p.stop()
-            if p.name.startswith("backend"):
-                out["exit_codes"].append(code)
-        redis.stop()
-    return out
+    print("so far:", json.dumps(out, default=str), flush=True)
 
 
 # -- report -------------------------------------------------------------------------------
 
 
-def report(args, raw: dict, ref: dict | None, kv: dict) -> str:
-    rows = [("what", "kvroute", "baseline", "ratio", "goal")]
-
-    def add(what, mine, base, fmt, goal, time_like=True):
-        ratio = (mine / base) if time_like else (mine / base)
-        rows.append((what, fmt(mine), fmt(base), f"{ratio:.2f}x", goal))
-
+def report(args, got: dict) -> str:
+    raw, ref, kv, nd = (got.get(p) for p in PARTS)
+    rows = [("measure", "kvroute", "baseline", "kvroute / baseline", "target")]
     secs = lambda v: f"{v:.3f} s"  # noqa: E731
     rate = lambda v: f"{v:.0f} tok/s"  # noqa: E731
-    for size in args.sizes:
-        add(f"cold TTFT {size} tokens (vs raw generate_step)", kv["cold"][size], raw["cold"][size],
-            secs, "<= 1.3x" if size == max(args.sizes) else "")
-    add(f"turn-2 TTFT, {args.turn2}-token cached prompt (vs raw)", kv["turn2"], raw["turn2"], secs,
-        "<= 2x")
-    add("decode 1 stream (vs raw)", kv["decode1"], raw["decode1"], rate, ">= 0.85x", False)
-    if ref:
-        add("decode 1 stream (vs mlx-lm server)", kv["decode1"], ref["decode1"], rate, "", False)
-        add("decode 8 streams, one backend (vs mlx-lm server, one process)", kv["decode8_one"],
-            ref["decode8"], rate, ">= 1.3x", False)
-        add(f"decode 8 streams via the proxy, {args.replicas} replicas on one device "
-            "(vs mlx-lm server)", kv["decode8"], ref["decode8"], rate, "", False)
-    else:
-        rows.append(("decode 8 streams, one backend", rate(kv["decode8_one"]), "", "", ""))
-        rows.append((f"decode 8 streams via the proxy, {args.replicas} replicas",
-                     rate(kv["decode8"]), "", "", ""))
-    f, t = kv["first_vs_tenth"]
-    add("first request after /health vs the tenth (cold)", f, t, secs, "~1x")
+
+    def add(what, mine, base, fmt, target=""):
+        if mine is None or base is None:
+            return
+        rows.append((what, fmt(mine), fmt(base), f"{mine / base:.2f}x", target))
+
+    if kv:
+        for size in args.sizes:
+            k = kv["cold"].get(str(size), kv["cold"].get(size))
+            if raw:
+                add(f"cold TTFT ~{size} tokens (raw generate_step)", k,
+                    raw["cold"].get(str(size), raw["cold"].get(size)), secs, "<= 1.15x")
+            if ref:
+                add(f"cold TTFT ~{size} tokens (mlx-lm server)", k,
+                    ref["cold"].get(str(size), ref["cold"].get(size)), secs)
+        if raw:
+            add(f"turn 2 on ~{args.turn2} cached (raw)", kv["turn2"]["ttft"], raw["turn2"], secs,
+                "<= 1.5x")
+            add("decode 1 stream (raw)", kv["decode1"], raw["decode1"], rate, ">= 0.9x")
+        if ref:
+            add(f"turn 2 on ~{args.turn2} cached (mlx-lm server)", kv["turn2"]["ttft"],
+                ref["turn2"]["ttft"], secs)
+            add("decode 1 stream (mlx-lm server)", kv["decode1"], ref["decode1"], rate)
+            for n in (8, 32):
+                add(f"decode {n} streams, one backend (mlx-lm server)", kv[f"decode{n}_one"],
+                    ref[f"decode{n}"], rate, ">= 1.5x" if n == 8 else "")
+                add(f"decode {n} streams via the proxy, {args.replicas} replicas (mlx-lm server)",
+                    kv[f"decode{n}"], ref[f"decode{n}"], rate)
+        f, t = kv["first_vs_tenth"]
+        add("first request after ready (the tenth)", f, t, secs, "~1x")
+        if "restore" in kv:
+            r = kv["restore"]
+            add(f"~{r['size']}-token conversation restored from disk after a restart "
+                "(its cold prefill)", r["restored_ttft"], r["cold_ttft"], secs, "<= 0.33x")
+        if nd:
+            big = args.sizes[-1]
+            add(f"disk tier on: cold TTFT ~{big} (off)", kv["cold"].get(str(big), kv["cold"].get(big)),
+                nd["cold"].get(str(big), nd["cold"].get(big)), secs, "<= 1.05x")
+            add("disk tier on: turn 2 (off)", kv["turn2"]["ttft"], nd["turn2"]["ttft"], secs,
+                "<= 1.05x")
+            add("disk tier on: decode 8 via the proxy (off)", kv["decode8"], nd["decode8"], rate,
+                ">= 0.95x")
+            add("disk tier on: agents' turns 2-4 TTFT (off)", kv["agents"]["ttft_turns_2_4"],
+                nd["agents"]["ttft_turns_2_4"], secs, "<= 1.05x")
     lines = [f"| {' | '.join(r)} |" for r in rows]
     lines.insert(1, "|" + "---|" * len(rows[0]))
     text = "\n".join(lines)
-    if "agents" in kv:
-        a = kv["agents"]
-        text += (f"\n\n| agent workload (8 agents x 4 turns, {args.agent_system}-token system "
-                 "prompts) | hit ratio | "
-                 "turns 2-4 mean TTFT |\n|---|---|---|\n")
-        for policy, r in a.items():
-            text += f"| {policy} | {r['hit_ratio']:.3f} | {r['ttft_turns_2_4']:.3f} s |\n"
-    extra = {k: kv.get(k) for k in ("device", "ready_s", "warmup_s", "prefill_step",
-                                    "memory_limit_each", "device_memory", "exit_codes",
-                                    "turn2_prompt_tokens", "turn2_cached_tokens", "turn2_route",
-                                    "first_ttfts", "first_engine_ttfts")}
-    text += "\n\n" + ", ".join(f"{k}: {v}" for k, v in extra.items() if v is not None)
+    if kv:
+        text += (f"\n\n| agents (8 x 4 turns, ~{args.agent_system}-token system prompts) | hit ratio "
+                 "| turns 2-4 mean TTFT | wall |\n|---|---|---|---|\n")
+        for name, part in (("disk tier on", kv), ("disk tier off", nd)):
+            if part and "agents" in part:
+                a = part["agents"]
+                text += (f"| {name} | {a['hit_ratio']:.3f} | {a['ttft_turns_2_4']:.3f} s "
+                         f"| {a['wall_s']:.1f} s |\n")
+        extra = {k: kv.get(k) for k in ("ready_s", "exit_codes", "disk_read_rate",
+                                        "disk_restores_skipped",
+                                        "disk_bytes_written", "restore")}
+        extra["turn2"] = kv["turn2"]
+        text += "\n" + ", ".join(f"{k}: {v}" for k, v in extra.items() if v is not None)
     return text
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="model directory (bench/models.py makes one)")
-    ap.add_argument("--sizes", default="4096,16384,32768", help="cold prompt sizes (tokens)")
-    ap.add_argument("--turn2", type=int, default=31000, help="cached prompt of the second turn")
+    ap.add_argument("--model", required=True,
+                    help="model directory (python -m bench.models makes one)")
+    ap.add_argument("--parts", default=",".join(PARTS), help="which parts to run, in order")
+    ap.add_argument("--sizes", default="3900,15700,31300", help="cold prompt sizes (tokens)")
+    ap.add_argument("--turn2", type=int, default=31300, help="turn 1's size before turn 2")
+    ap.add_argument("--restore", type=int, default=8000,
+                    help="conversation restored from disk after a restart (0: skip)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--decode", type=int, default=256, help="tokens per decode stream")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--cache-bytes", default="16GiB")
+    ap.add_argument("--max-batch", type=int, default=0, help="kvroute's (0: its default)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=0, help="kvroute's (0: its default)")
     ap.add_argument("--prefill-step", type=int, default=0, help="kvroute's (0: by platform)")
     ap.add_argument("--raw-prefill-step", type=int, default=2048)
     ap.add_argument("--agent-system", type=int, default=6000, help="system prompt tokens")
-    ap.add_argument("--skip-mlx-server", action="store_true")
-    ap.add_argument("--skip-agents", action="store_true")
     ap.add_argument("--logs", default="/tmp/kvroute-bench-hw")
-    ap.add_argument("--out", help="also write the tables (markdown) here")
+    ap.add_argument("--results", default="", help="folder of each part's JSON (default: --logs)")
+    ap.add_argument("--out", help="also write the report (markdown) here")
     ap.add_argument("--raw-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.sizes = [int(x) for x in str(args.sizes).split(",")]
@@ -482,18 +593,26 @@ def main() -> None:
         return
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(args.model)
+    results = Path(args.results or logs)
+    results.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(args.model)
     t0 = time.perf_counter()
-    raw = run_raw(args)
-    print("raw:", json.dumps(raw), flush=True)
-    ref = None if args.skip_mlx_server else run_mlx_server(args, tok, logs)
-    print("mlx-lm server:", json.dumps(ref), flush=True)
-    kv = run_kvroute(args, tok, logs)
-    print("kvroute:", json.dumps(kv, default=str), flush=True)
-    text = (f"command: python {' '.join(sys.argv)}\n"
+    runners = {"raw": lambda: run_raw(args, tok, logs),
+               "mlx-server": lambda: run_mlx_server(args, tok, logs),
+               "kvroute": lambda: run_kvroute(args, tok, logs, disk=True),
+               "no-disk": lambda: run_kvroute(args, tok, logs, disk=False)}
+    for part in [p for p in args.parts.split(",") if p]:
+        if part not in runners:
+            ap.error(f"--parts: unknown part {part!r} (one of {', '.join(PARTS)})")
+        got = runners[part]()
+        (results / f"{part}.json").write_text(json.dumps(got, default=str))
+        print(f"{part}:", json.dumps(got, default=str), flush=True)
+    found = {p: json.loads((results / f"{p}.json").read_text()) for p in PARTS
+             if (results / f"{p}.json").exists()}
+    text = (f"command: {command_line()}\n"
             f"machine: {platform.machine()} {platform.system()} {platform.release()}, "
-            f"python {platform.python_version()}; took {time.perf_counter() - t0:.0f}s\n\n"
-            + report(args, raw, ref, kv))
+            f"python {platform.python_version()}; {time.strftime('%Y-%m-%d')}; "
+            f"this call took {time.perf_counter() - t0:.0f}s\n\n" + report(args, found))
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

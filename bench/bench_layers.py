@@ -33,7 +33,7 @@ queued): admission (lookup, insert), every generator step, the checkpoint commit
 and the first token's handling, in milliseconds from the submit; and the cost of
 copying a cache of the first turn's size into fresh memory and into reused memory.
 
-    python bench/bench_layers.py --model DIR [--tokens 256] [--streams 8] [--prompt 64] [--profile]
+    python -m bench.bench_layers --model DIR [--tokens 256] [--streams 8] [--prompt 64] [--profile]
                                  [--turn2 31000 --suffix 70] [--trace]
 """
 
@@ -45,9 +45,7 @@ import cProfile
 import io
 import platform
 import pstats
-import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
@@ -56,15 +54,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kvroute.backend.attention import new_cache  # noqa: E402
-from kvroute.backend.engine import Engine  # noqa: E402
-from kvroute.backend.jobs import Delta, Finish, Job  # noqa: E402
-from kvroute.backend.metrics import BackendMetrics  # noqa: E402
-from kvroute.backend.store import Store  # noqa: E402
-from kvroute.core.sizes import parse_bytes  # noqa: E402
-from kvroute.backend.requests import SamplingParams  # noqa: E402
+from bench.command import command_line
+from kvroute.backend.attention import new_cache
+from kvroute.backend.engine import Engine
+from kvroute.backend.jobs import Delta, Finish, Job
+from kvroute.backend.metrics import BackendMetrics
+from kvroute.backend.requests import SamplingParams
+from kvroute.backend.store import Store
+from kvroute.core.sizes import parse_bytes
 
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -285,8 +282,8 @@ def profiled(engine: Engine, what: str, run, top: int = 25) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="model directory (bench/models.py makes one)")
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_layers", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="model directory (python -m bench.models makes one)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens decoded per sequence")
     ap.add_argument("--streams", type=int, default=8, help="sequences of the batched runs")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
@@ -313,7 +310,7 @@ def main() -> None:
     warm = asyncio.run(_call(engine, engine.warm_up))
 
     console = Console(width=120)
-    console.print(f"command: python {' '.join(sys.argv)}")
+    console.print(f"command: {command_line()}")
     console.print(f"machine: {platform.machine()} {platform.system()}, device {mx.default_device()}, "
                   f"mlx {mx.__version__}; engine warm-up {warm:.1f} s")
     if args.cold:

@@ -12,7 +12,7 @@ pipelines by `Registry.lookup` vs one EVALSHA call each (what the client did bef
 and, for scale, the same depths computed from an in-process dict of sets (what an
 in-proxy index fed by a stream of insert/evict events would answer from).
 
-    python bench/bench_lookup.py [--backends 16] [--iterations 3000]
+    python -m bench.bench_lookup [--backends 16] [--iterations 3000]
 """
 
 from __future__ import annotations
@@ -22,23 +22,20 @@ import asyncio
 import os
 import platform
 import random
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import orjson
+import redis
+import redis.asyncio as aioredis
+from rich.console import Console
+from rich.table import Table
 
-import orjson  # noqa: E402
-import redis  # noqa: E402
-import redis.asyncio as aioredis  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from kvroute.core.prefix import chat_chain, make_salt  # noqa: E402
-from kvroute.serve.redis_server import RedisServer  # noqa: E402
-from kvroute.core.registry import BackendRecord, Registry  # noqa: E402
+from bench.command import command_line
+from kvroute.core.prefix import chat_chain, make_salt
+from kvroute.core.registry import BackendRecord, Registry
+from kvroute.serve.redis_server import RedisServer
 
 MODEL = "mlx-community/Qwen2.5-7B-Instruct-4bit"
 console = Console(width=120)
@@ -112,7 +109,7 @@ async def time_lookups(reg: Registry, chain: list[int], iterations: int, expect:
 
 async def main(args) -> None:
     rng = random.Random(42)
-    console.print(f"[bold]command:[/bold] {shlex.join([sys.executable] + sys.argv)}")
+    console.print(f"[bold]command:[/bold] {command_line()}")
     with RedisServer() as server:
         info = redis.Redis(port=server.port).info("server")
         console.print(
@@ -257,7 +254,8 @@ def print_bursts(rows: list[tuple]) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.bench_lookup", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", type=int, default=16)
     p.add_argument("--iterations", type=int, default=3000, help="lookups per case")
     p.add_argument("--noise-chains", type=int, default=100, help="background chains per backend")

@@ -15,7 +15,7 @@ runs closed-loop with --concurrency workers for the peak requests/s, and divides
 proxy process's CPU time over that run by the requests it served (CPU µs per
 request: on a machine shared with other work, steadier than latencies).
 
-    python bench/bench_proxy.py [--rate 200] [--seconds 10] [--concurrency 32] [--modes whole,streaming]
+    python -m bench.bench_proxy [--rate 200] [--seconds 10] [--concurrency 32] [--modes whole,streaming]
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import orjson
@@ -36,13 +35,11 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from harness import free_port, metric_sum, request, wait_until  # noqa: E402
-
-from kvroute.core import prefix  # noqa: E402
-from kvroute.serve.redis_server import RedisServer  # noqa: E402
-from kvroute.core.registry import BackendRecord, Registry, new_instance_id  # noqa: E402
+from bench.command import command_line
+from kvroute.core import prefix
+from kvroute.core.registry import BackendRecord, Registry, new_instance_id
+from kvroute.serve.redis_server import RedisServer
+from tests.harness import free_port, metric_sum, request, wait_until
 
 SECRET = "bench"
 MODEL = "fake"
@@ -208,7 +205,7 @@ async def main_async(args) -> None:
                           f"{p50:.2f}", f"{p99:.2f}", f"{p50 - d50:.2f}", f"{p99 - d99:.2f}",
                           f"{(s1 - s0) / n * 1e6:.0f}", f"{(l1 - l0) / n * 1e6:.0f}",
                           f"{peak:.0f}", f"{cpu / max(served, 1) * 1e6:.0f}")
-        console.print(f"command: python {' '.join(sys.argv)}")
+        console.print(f"command: {command_line()}")
         console.print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, "
                       f"python {platform.python_version()}; latencies in ms, client side")
         console.print(table)
@@ -223,7 +220,7 @@ async def main_async(args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_proxy", description=__doc__.splitlines()[0])
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--concurrency", type=int, default=32)

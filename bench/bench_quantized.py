@@ -9,7 +9,7 @@ decoded the same way. Reported: the largest |logprob difference| of the cold pat
 own tokens (teacher-forced: the hit scores the cold path's tokens), and greedy-token
 agreement: the share of the N free-running greedy tokens equal to the cold ones.
 
-    python bench/bench_quantized.py --tokens 32
+    python -m bench.bench_quantized --tokens 32
 """
 
 from __future__ import annotations
@@ -17,19 +17,17 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+from rich.console import Console
+from rich.table import Table
 
-import mlx.core as mx  # noqa: E402
-from mlx_lm import load  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from kvroute.backend.store import Store  # noqa: E402
-from kvroute.devtools import arch_models, demo_model  # noqa: E402
+from bench.command import command_line
+from kvroute.backend.store import Store
+from kvroute.devtools import arch_models, demo_model
 
 SYSTEM = ("You are the release assistant of a small team. Answer in short sentences, cite the "
           "ticket number when there is one, never invent a version. ") * 4
@@ -89,8 +87,8 @@ def main() -> None:
     ap.add_argument("--families", default=",".join(["demo", *arch_models.ARCHES]))
     args = ap.parse_args()
     console = Console(width=160)
-    console.print(f"python bench/bench_quantized.py --tokens {args.tokens} · {platform.machine()}, "
-                  f"{os.cpu_count()} cores, mlx {mx.__version__}")
+    console.print(f"{command_line()} · {platform.machine()}, {os.cpu_count()} cores, "
+                  f"mlx {mx.__version__}")
     table = Table(title=f"a hit from quantized blocks vs a cold prefill, {args.tokens} greedy tokens")
     for col in ("family", "bits", "max |Δ logprob|", "greedy agreement", "store bytes"):
         table.add_column(col, justify="right")

@@ -16,23 +16,19 @@ slice of a buffer grown 256 tokens at a time, which MLX on CUDA sends to cuDNN
 (a plan per batch size and buffer length, built on first use), and a buffer of a
 length that is not a multiple of 256, which MLX's own vector kernel takes.
 
-    python bench/bench_shapes.py MODEL_DIR [--decode [--batches 1,8] [--lengths 1000,4000]]
+    python -m bench.bench_shapes MODEL_DIR [--decode [--batches 1,8] [--lengths 1000,4000]]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kvroute.backend.attention import CUDNN_DECODE_STEP, DECODE_SLACK  # noqa: E402
+from kvroute.backend.attention import CUDNN_DECODE_STEP, DECODE_SLACK
 
 
 def timed(fn) -> float:
@@ -45,8 +41,8 @@ def timed(fn) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", help="model directory (bench/models.py makes one)")
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_shapes", description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="model directory (python -m bench.models makes one)")
     ap.add_argument("--decode", action="store_true", help="time decode attention only")
     ap.add_argument("--batches", default="1,8", help="with --decode: rows of the batch")
     ap.add_argument("--lengths", default="1000,4000,16000,31000",

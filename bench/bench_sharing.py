@@ -9,11 +9,11 @@ the backend has a disk tier too: its bytes after turn 1, and the hit ratio then
 counts restores.
 
 `--code DIR` runs the backend from another kvroute checkout (e.g. one before the paged
-store) for a "before" row. Run it from outside a checkout (`-m` puts the working
-folder first on the backend's path), with PYTHONPATH naming this one:
+store) for a "before" row; `--mlx-lm-server` adds a row for mlx_lm.server's prompt
+cache under the same budget.
 
-    cd /tmp && PYTHONPATH=~/kvroute python ~/kvroute/bench/bench_sharing.py --sessions 10 \
-        --system-tokens 3000 --budget 2 --code /path/to/older/checkout
+    python -m bench.bench_sharing --sessions 10 --system-tokens 3000 --budget 2 \
+        --code /path/to/older/checkout --mlx-lm-server
 """
 
 from __future__ import annotations
@@ -28,18 +28,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from rich.console import Console
+from rich.table import Table
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from bench.command import command_line
 
 SENTENCE = ("You are one of the team's coding agents. Follow the plan, cite files by path, keep "
             "answers short, and never invent an API; the repository uses Python and MLX. ")
 
 
 def ask(backend, messages: list[dict], model: str = "demo") -> dict:
-    from harness import post_json
+    from tests.harness import post_json
 
     status, body = post_json(backend.url + "/v1/chat/completions",
                              {"model": model, "messages": messages, "max_tokens": 16,
@@ -77,7 +76,7 @@ class MlxLmServer:
     """mlx_lm.server on the same model, for its prompt cache (LRUPromptCache)."""
 
     def __init__(self, model: str, cache_bytes: int, tmp: Path):
-        from harness import free_port
+        from tests.harness import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -87,7 +86,7 @@ class MlxLmServer:
              "--prompt-cache-bytes", str(cache_bytes)], stdout=self.log, stderr=subprocess.STDOUT)
 
     def start(self) -> None:
-        from harness import request, wait_until
+        from tests.harness import request, wait_until
 
         wait_until(lambda: request(self.url + "/v1/models", timeout=2)[0] == 200, 90,
                    what="mlx_lm.server")
@@ -123,9 +122,10 @@ def run_mlx_lm_server(model: str, args, tmp: Path, budget: int) -> list[str]:
 
 
 def run(model: str, code: str | None, args, tmp: Path) -> list[str]:
-    from harness import BackendProcess, wait_until
+    from tests.harness import BackendProcess, wait_until
 
-    env = {"PYTHONPATH": code} if code else {}
+    # PYTHONSAFEPATH: `-m` would put the working folder (this checkout) first on the path.
+    env = {"PYTHONPATH": code, "PYTHONSAFEPATH": "1"} if code else {}
     sessions = sessions_of(args)
     # One whole conversation's bytes, alone on a backend, sets the budget.
     one = BackendProcess(model, "demo", tmp, ["--prefill-step", "256"], env=env, backend_id="one")
@@ -178,10 +178,7 @@ def main() -> None:
 
     model = str(demo_model.ensure("text"))
     console = Console(width=200)
-    console.print(f"python bench/bench_sharing.py --sessions {args.sessions} --system-tokens "
-                  f"{args.system_tokens} --budget {args.budget}{' --disk' if args.disk else ''} · "
-                  f"{platform.machine()}, "
-                  f"{os.cpu_count()} cores")
+    console.print(f"{command_line()} · {platform.machine()}, {os.cpu_count()} cores")
     table = Table(title=f"{args.sessions} sessions sharing a system prompt, one backend, budget "
                         f"{args.budget:g} whole conversations")
     for col in ("code", "prompt tokens", "one conversation MB", "budget MB", "entries after turn 1",

@@ -6,7 +6,7 @@ each prompt length sends a never-seen prompt (cold) and the same prompt again
 the time to the first streamed token on the client side. Medians over --repeat
 runs; the ratio cold/cached is what the cache saves.
 
-    python bench/bench_ttft.py [--model PATH] [--sizes 256,1024,2048] [--repeat 5]
+    python -m bench.bench_ttft [--model PATH] [--sizes 256,1024,2048] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -14,19 +14,17 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from rich.console import Console
+from rich.table import Table
 
-from harness import BackendProcess, SSEStream, post_json  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from kvroute.devtools import demo_model  # noqa: E402
+from bench.command import command_line
+from kvroute.devtools import demo_model
+from tests.harness import BackendProcess, SSEStream, post_json
 
 
 def prompt_of(backend: BackendProcess, n_tokens: int) -> str:
@@ -61,7 +59,7 @@ def ttft(backend: BackendProcess, prompt: str) -> tuple[float, int, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_ttft", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model path (default: the demo model)")
     ap.add_argument("--sizes", default="256,1024,2048")
     ap.add_argument("--repeat", type=int, default=5)
@@ -95,7 +93,7 @@ def main() -> None:
                               f"{cold / hot:.1f}x")
         finally:
             backend.stop()
-    console.print(f"command: python {' '.join(sys.argv)}")
+    console.print(f"command: {command_line()}")
     console.print(f"machine: {platform.machine()} {platform.system()} {platform.release()}, "
                   f"python {platform.python_version()}, model {model}")
     console.print(table)

@@ -7,7 +7,7 @@ bench_proxy.py sends and on tool-calling agent turns, best of --repeat runs. It
 counts this process's CPU time (`time.process_time`), not wall time, so a machine
 shared with other work skews it less.
 
-    python bench/bench_validation.py [--number 2000] [--repeat 5]
+    python -m bench.bench_validation [--number 2000] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import time
 import timeit
 
 from rich.console import Console
 from rich.table import Table
 
+from bench.command import command_line
 from kvroute.backend import requests
-from kvroute.proxy.agents import messages as messages_api, responses as responses_api
+from kvroute.proxy.agents import messages as messages_api
+from kvroute.proxy.agents import responses as responses_api
 
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -90,7 +91,7 @@ CASES = [
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_validation", description=__doc__.splitlines()[0])
     ap.add_argument("--number", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
@@ -102,7 +103,7 @@ def main() -> None:
                                  timer=time.process_time))
         table.add_row(name, f"{best / args.number * 1e6:.1f}")
     console = Console()
-    console.print(f"command: python {' '.join(sys.argv)}")
+    console.print(f"command: {command_line()}")
     console.print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, "
                   f"python {platform.python_version()}")
     console.print(table)

@@ -12,7 +12,7 @@ are zeroed (logit 0, while ~900 other random logits make the max > 0 with
 overwhelming probability), so greedy decoding never emits EOS or a <tool_call>
 and every generated token produces visible text.
 
-    python bench/models.py OUT_DIR [--preset 7b|cpu] [--layers 28 --hidden 3584 ...]
+    python -m bench.models OUT_DIR [--preset 7b|cpu] [--layers 28 --hidden 3584 ...]
 
 Presets: `7b` is Qwen2.5-7B's shape in bf16 (15 GiB); `cpu` a small float32 shape
 (MLX's CPU matmuls are slow in bf16) in which prefill still dominates long prompts.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -33,10 +32,7 @@ from mlx_lm.models import qwen2
 from mlx_lm.utils import save_model
 from tokenizers import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kvroute.devtools import demo_model  # noqa: E402
-
+from kvroute.devtools import demo_model
 
 PRESETS = {
     "7b": {"hidden": 3584, "layers": 28, "intermediate": 18944, "heads": 28, "kv_heads": 4},
@@ -46,7 +42,7 @@ DTYPES = {"7b": "bfloat16", "cpu": "float32"}  # MLX's CPU matmuls are fast in f
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(prog="python -m bench.models")
     p.add_argument("out")
     p.add_argument("--preset", choices=sorted(PRESETS), default="7b")
     for name in PRESETS["7b"]:

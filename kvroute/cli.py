@@ -68,8 +68,13 @@ def run_proxy(s: dict[str, Any]) -> int:
         api_keys=config.parse_api_keys(s["api_keys"]),
         lookup_timeout=s["lookup_timeout_ms"] / 1000,
     )
+    from .api.lifecycle import bind_sockets
+
     try:
-        run_async(serve(proxy_config))
+        # Bound before the loop starts: a failed bind once left the app's startup tasks
+        # (Redis clients, refresh loops) keeping the process alive, silently.
+        socks = bind_sockets(proxy_config.host, proxy_config.port)
+        run_async(serve(proxy_config, socks))
     except OSError as exc:  # the port: taken, or not ours to bind
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
         print(f"kvroute proxy: cannot listen on {proxy_config.host}:{proxy_config.port}: "

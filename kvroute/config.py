@@ -242,6 +242,10 @@ BACKEND = [
     _opt("no_warmup", bool, False, "report healthy without first compiling kernels of typical "
          "shapes", switch=True),
     _opt("max_batch", int, 32, "sequences decoded together", toml="models.max_batch"),
+    _opt("max_running_tokens", int, 262144, "KV tokens the running sequences may hold at "
+         "once (each counts its prompt and completion cap): a request beyond it waits for "
+         "room, and one always runs alone; the memory check counts it (0: no limit but "
+         "max_batch)", toml="models.max_running_tokens"),
     _opt("max_queue", int, 64, "requests admitted at once; more get 429", toml="models.max_queue"),
     _MAX_BODY,
     _opt("max_prompt_tokens", int, 0, "longest accepted prompt (0: the model's context length)",
@@ -308,6 +312,15 @@ SERVE = [
     _opt("secret", str, "", "prefix-key salt (default: random per launch)", toml="secret"),
     _opt("prefill_step", int, None, "tokens per prefill chunk of every backend (default: the "
          "file's, else 2048 on a GPU and 512 on the CPU)", env=False),
+    # Per-model settings a newcomer needs on the command line: each one, when given,
+    # replaces every model's (file) value; KVROUTE_<FLAG> also reaches `kvroute backend`.
+    _opt("max_batch", int, None, "sequences each backend decodes together (default: the "
+         "file's, else 32)"),
+    _opt("max_prompt_tokens", int, None, "longest prompt each backend accepts (default: the "
+         "file's, else 0: the model's context)"),
+    _opt("max_running_tokens", int, None, "KV tokens each backend's running sequences may hold "
+         "at once; what the memory check counts (default: the file's, else 262144; 0: "
+         "max_batch x context)"),
     Setting("backend_host", str, "127.0.0.1", "backends' bind address", toml="backends.host"),
     _opt("backend_port_base", int, 8100, "first port tried for backends", env=False,
          toml="backends.port_base"),
@@ -445,6 +458,7 @@ class BackendConfig:
     cache_limit: int = _BACKEND["cache_limit"]  # 0: a tenth of memory_limit
     no_warmup: bool = _BACKEND["no_warmup"]
     max_batch: int = _BACKEND["max_batch"]
+    max_running_tokens: int = _BACKEND["max_running_tokens"]  # 0: only max_batch bounds the KV
     max_queue: int = _BACKEND["max_queue"]
     max_body_bytes: int = _BACKEND["max_body_bytes"]
     max_prompt_tokens: int = _BACKEND["max_prompt_tokens"]  # 0: the model's context length
@@ -480,6 +494,7 @@ class ModelSpec:
     long_prefill: str = _MODEL["long_prefill"]
     cache_limit: int = _MODEL["cache_limit"]
     max_batch: int = _MODEL["max_batch"]
+    max_running_tokens: int = _MODEL["max_running_tokens"]
     max_queue: int = _MODEL["max_queue"]
     max_prompt_tokens: int = _MODEL["max_prompt_tokens"]
     default_max_tokens: int = _MODEL["default_max_tokens"]
@@ -488,6 +503,8 @@ class ModelSpec:
     pin: bool = _MODEL["pin"]
     preload: bool = _MODEL["preload"]
     idle_unload: float = _MODEL["idle_unload"]  # seconds; 0: never
+    # disk_cache_bytes set in the file: kept, not bounded by the volume's free space
+    disk_budget_set: bool = field(default=False, repr=False)
 
     @classmethod
     def make(cls, raw: Mapping[str, Any], where: str = "[[models]]") -> "ModelSpec":
@@ -498,7 +515,9 @@ class ModelSpec:
         unknown = set(raw) - set(by_key)
         if unknown:
             raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
-        return cls(**{by_key[k].name: by_key[k].convert(v, f"{where} {k}") for k, v in raw.items()})
+        spec = cls(**{by_key[k].name: by_key[k].convert(v, f"{where} {k}") for k, v in raw.items()})
+        spec.disk_budget_set = "disk_cache_bytes" in raw
+        return spec
 
     def __post_init__(self) -> None:
         if not self.alias:
@@ -594,8 +613,9 @@ def build(flags: argparse.Namespace | Mapping[str, Any], env: Mapping[str, str])
             spec.cache_bytes = values["cache_bytes"]
         if values["idle_unload"] is not None:
             spec.idle_unload = values["idle_unload"]
-        if values["prefill_step"] is not None:
-            spec.prefill_step = values["prefill_step"]
+        for name in ("prefill_step", "max_batch", "max_prompt_tokens", "max_running_tokens"):
+            if values[name] is not None:
+                setattr(spec, name, values[name])
         if spec.replicas < 1:
             raise ConfigError("--replicas must be at least 1")
     names = {f.name for f in fields(ServeConfig)}

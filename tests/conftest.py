@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+from kvroute.devtools import demo_model
+from tests.harness import BackendProcess, Database, SharedRedis
 
-from harness import BackendProcess  # noqa: E402
 
-from kvroute.devtools import demo_model  # noqa: E402
+@pytest.fixture(scope="session")
+def redis_server():
+    """One redis-server for the whole session. A module's fleet takes
+    `redis_server.database()` (a database of its own, emptied); a test takes `redis_db`."""
+    server = SharedRedis()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def redis_db(redis_server) -> Database:
+    """An empty database of the session's Redis, this test's alone."""
+    return redis_server.database()
 
 
 @pytest.fixture(scope="session")

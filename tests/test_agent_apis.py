@@ -17,8 +17,8 @@ import anthropic
 import openai
 import pytest
 import redis as redis_py
-import harness
-from harness import BackendProcess, ProxyProcess, get_json, request
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, get_json, request
 
 from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
 
@@ -31,7 +31,7 @@ WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
 
 
 @pytest.fixture(scope="module")
-def fleet(text_model, tool_model, tmp_path_factory):
+def fleet(text_model, tool_model, tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("agents")
 
     def backends(redis_url: str) -> list[BackendProcess]:
@@ -48,7 +48,7 @@ def fleet(text_model, tool_model, tmp_path_factory):
                                                "--api-key", f"{OTHER_KEY}:team-b",
                                                "--api-key", f"{OPERATOR_KEY}:operator"])]
 
-    with harness.fleet(backends, proxies) as f:
+    with harness.fleet(backends, proxies, redis_server.database()) as f:
         yield {**f, "proxy": f["proxies"][0]}
 
 

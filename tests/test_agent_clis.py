@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, ServeProcess, get_json, request, wait_until
+from tests.harness import ROOT, ServeProcess, get_json, request, wait_until
 from kvroute.devtools import demo_model
 from kvroute.devtools.demo_model import DEMO_REPLY
 

@@ -23,7 +23,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fuzz import (  # noqa: F401  (servers and alive_after_each_test are fixtures)
+from tests.test_fuzz import (  # noqa: F401  (servers and alive_after_each_test are fixtures)
     CONTEXT, DELETE, FUZZ, MAX_BODY, MODEL, _padded, alive_after_each_test, any_json,
     anthropic_envelope, big_ints, bodies, dumps, envelope, json_values, maybe, name_text,
     numbers, odd_text, post, raw_bodies, servers, text, token_counts, valid_bodies)
@@ -150,7 +150,9 @@ OK_RESPONSES = {
     "top_p": st.floats(0, 1),
     "store": st.booleans(),
     "parallel_tool_calls": st.booleans(),
-    "text": st.just({"format": {"type": "text"}}),
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                             {"format": {"type": "json_schema", "name": "x",
+                                         "schema": {"type": "object"}}}]),
     "truncation": st.sampled_from(["auto", "disabled"]),
     "include": st.lists(text, max_size=2),
     "reasoning": st.just({"effort": "low"}),
@@ -235,6 +237,8 @@ OK_MESSAGES = {
     "stop_sequences": st.lists(text, max_size=4),
     "temperature": st.floats(0, 1),
     "top_p": st.floats(0, 1),
+    "top_k": st.integers(0, 5000),
+    "output_config": st.just({"format": {"type": "json_schema", "schema": {"type": "object"}}}),
     "metadata": st.fixed_dictionaries({}, optional={"user_id": text}),
     "thinking": st.just({"type": "enabled", "budget_tokens": 1024}),
 }
@@ -299,7 +303,7 @@ def test_oversized_body_and_wrong_method_keep_the_envelope(servers, path):
         assert envelope(data)["code"] == "request_too_large"
     else:
         assert anthropic_envelope(data)["type"] == "request_too_large"
-    from harness import request
+    from tests.harness import request
     status, headers, data = request(servers.proxy_url + path, "DELETE")
     assert status == 405 and "POST" in {k.lower(): v for k, v in headers.items()}["allow"]
     check(path, status, {}, data)

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 
 import pytest
-from harness import ROOT
+from tests.harness import ROOT
 
 PROMTOOL = shutil.which("promtool")
 pytestmark = pytest.mark.skipif(PROMTOOL is None, reason="promtool not found: scripts/install.sh "

@@ -11,6 +11,7 @@ from mlx_lm.models.cache import CacheList, RotatingKVCache, make_prompt_cache
 
 from kvroute.devtools import arch_models
 from kvroute import cli
+from tests.harness import TOOLS
 
 # What make_prompt_cache gives each family: the reason these models exist.
 EXPECTED_CACHES = {
@@ -23,20 +24,6 @@ EXPECTED_CACHES = {
     "falcon_h1": ["CacheList(ArraysCache, KVCache)"] * 2,
 }
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "What is the weather in Paris?"},

@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 import redis as redis_sync
-from harness import BackendProcess, post_json, wait_until
+from tests.harness import BackendProcess, chat, wait_until
 
 from kvroute.devtools.demo_model import DEMO_REPLY
 from kvroute.core.prefix import chat_chain, common_prefix, make_salt
@@ -117,15 +117,13 @@ def conversation(topic: str = "") -> list[dict]:
     ]
 
 
-def chat(backend: BackendProcess, messages: list[dict], timeout: float = 30.0) -> dict:
-    """One whole (non-streamed) chat completion; returns the assistant message as returned."""
-    status, body = post_json(backend.url + "/v1/chat/completions",
-                             {"model": backend.model_id, "messages": messages}, timeout=timeout)
-    assert status == 200, body
-    choice = body["choices"][0]
-    assert choice["finish_reason"] == "stop", body
-    assert choice["message"]["content"] == DEMO_REPLY, body
-    return choice["message"]
+def answered(backend: BackendProcess, messages: list[dict], timeout: float = 30.0) -> dict:
+    """One whole chat completion, the demo model's known reply; the assistant message as
+    sent (what the next turn carries)."""
+    reply = chat(backend, messages, timeout=timeout)
+    assert reply.body["choices"][0]["finish_reason"] == "stop", reply.body
+    assert reply.text == DEMO_REPLY, reply.body
+    return reply.message
 
 
 def advertised(messages: list[dict], reply: dict) -> list[dict]:
@@ -159,6 +157,7 @@ def wait_listed(url: str, backend_id: str, timeout: float = 5.0) -> PrefixMatch:
 
 @pytest.fixture(scope="module")
 def shared_redis():
+    """This module's own redis-server: its tests pause, stop and restart it."""
     with RedisServer() as server:
         yield server
 
@@ -174,12 +173,6 @@ def shared_backend(text_model, tmp_path_factory, shared_redis):
 
 
 @pytest.fixture
-def own_redis():
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
 def log_dir(tmp_path):
     return tmp_path
 
@@ -191,7 +184,7 @@ def log_dir(tmp_path):
 def test_follow_up_turn_is_advertised_at_full_depth(shared_backend, shared_redis):
     url, bid = shared_redis.url, shared_backend.backend_id
     first = conversation("first")
-    reply = chat(shared_backend, first)
+    reply = answered(shared_backend, first)
     nxt = extended(first, reply)
 
     # The next turn shares every key of prompt + assistant turn (a message boundary
@@ -221,20 +214,20 @@ def test_follow_up_turn_is_advertised_at_full_depth(shared_backend, shared_redis
 # 2. Eviction withdraws keys
 
 
-def test_eviction_withdraws_the_evicted_conversation(text_model, log_dir, own_redis):
-    url = own_redis.url
+def test_eviction_withdraws_the_evicted_conversation(text_model, log_dir, redis_db):
+    url = redis_db.url
     # Room for one finished demo-model conversation (~80 KB of KV), not two.
     b = start_backend(text_model, log_dir, url, "evict-b1", "--cache-bytes", "120KB")
     try:
         convs = [conversation(f"evict {i}") for i in range(3)]
-        first_reply = chat(b, convs[0])
+        first_reply = answered(b, convs[0])
         first_adv = advertised(convs[0], first_reply)
         wait_depth(url, extended(convs[0], first_reply), b.backend_id, len(chain(first_adv)),
                    what="first conversation advertised")
         first_ids = {e["id"] for e in b.cache()}
         assert first_ids, "the first conversation was not cached (budget below one entry?)"
 
-        later = [advertised(c, chat(b, c)) for c in convs[1:]]
+        later = [advertised(c, answered(b, c)) for c in convs[1:]]
 
         # Precondition: the budget really evicted the first conversation's entries.
         entries = b.cache()
@@ -259,12 +252,12 @@ def test_eviction_withdraws_the_evicted_conversation(text_model, log_dir, own_re
 # 3. A killed backend is forgotten; its successor inherits nothing
 
 
-def test_killed_backend_is_forgotten_and_restart_inherits_nothing(text_model, log_dir, own_redis):
-    url = own_redis.url
+def test_killed_backend_is_forgotten_and_restart_inherits_nothing(text_model, log_dir, redis_db):
+    url = redis_db.url
     old = start_backend(text_model, log_dir, url, "crashy-b1")
     try:
         msgs = conversation("crash")
-        reply = chat(old, msgs)
+        reply = answered(old, msgs)
         nxt = extended(msgs, reply)
         full = len(chain(advertised(msgs, reply)))
         wait_depth(url, nxt, old.backend_id, full, what="advertised before the crash")
@@ -311,7 +304,7 @@ def test_killed_backend_is_forgotten_and_restart_inherits_nothing(text_model, lo
 def test_advertisements_reappear_after_redis_restarts_empty(shared_backend, shared_redis):
     url, bid = shared_redis.url, shared_backend.backend_id
     msgs = conversation("redis restart")
-    reply = chat(shared_backend, msgs)
+    reply = answered(shared_backend, msgs)
     nxt = extended(msgs, reply)
     full = len(chain(advertised(msgs, reply)))
     wait_depth(url, nxt, bid, full, what="advertised before the Redis restart")
@@ -346,7 +339,7 @@ def test_backend_serves_while_redis_is_down_and_republishes_after(shared_backend
         # one it would wait on the hung socket.
         assert elapsed < PROXY_LOOKUP_TIMEOUT + 0.5, elapsed
         hung_msgs = conversation("while redis hangs")
-        hung_reply = chat(shared_backend, hung_msgs, timeout=15)
+        hung_reply = answered(shared_backend, hung_msgs, timeout=15)
 
         # A dead Redis: connections refused.
         shared_redis.stop()
@@ -354,7 +347,7 @@ def test_backend_serves_while_redis_is_down_and_republishes_after(shared_backend
         assert result is None
         assert elapsed < PROXY_LOOKUP_TIMEOUT + 0.5, elapsed
         down_msgs = conversation("while redis is down")
-        down_reply = chat(shared_backend, down_msgs, timeout=15)
+        down_reply = answered(shared_backend, down_msgs, timeout=15)
         assert shared_backend.alive()
     finally:
         shared_redis.resume()
@@ -400,7 +393,7 @@ def test_redis_holds_no_prompt_text(shared_backend, shared_redis):
         {"role": "system", "content": f"You are {phrase}, a careful assistant. " * 12},
         {"role": "user", "content": f"Tell the team about {phrase} please."},
     ]
-    reply = chat(shared_backend, msgs)
+    reply = answered(shared_backend, msgs)
     wait_depth(url, extended(msgs, reply), bid, len(chain(advertised(msgs, reply))),
                what="phrase conversation advertised")
 
@@ -440,12 +433,12 @@ def test_redis_holds_no_prompt_text(shared_backend, shared_redis):
 # 7. Clean shutdown withdraws at once
 
 
-def test_clean_shutdown_withdraws_immediately(text_model, log_dir, own_redis):
-    url = own_redis.url
+def test_clean_shutdown_withdraws_immediately(text_model, log_dir, redis_db):
+    url = redis_db.url
     b = start_backend(text_model, log_dir, url, "graceful-b1")
     try:
         msgs = conversation("shutdown")
-        reply = chat(b, msgs)
+        reply = answered(b, msgs)
         nxt = extended(msgs, reply)
         wait_depth(url, nxt, b.backend_id, len(chain(advertised(msgs, reply))),
                    what="advertised before shutdown")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import post_json, request
+from tests.harness import post_json, request
 
-from test_exit_paths import conversation
+from tests.test_exit_paths import conversation
 
 
 def envelope(status, data) -> dict:
@@ -51,13 +51,25 @@ FIELD_CASES = [
     ({"temperature": True}, "temperature"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": 3}, "stop"),
-    ({"n": 3}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+     "response_format.json_schema.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"best_of": 2}, "best_of"),
+    ({"top_k": -1}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_context_size": 0}, "repetition_context_size"),
     ({"model": None}, "model"),
 ]
 

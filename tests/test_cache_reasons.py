@@ -30,9 +30,9 @@ from pathlib import Path
 import openai
 import pytest
 import redis as redis_py
-from harness import (BackendProcess, ProxyProcess, SSEStream, get_json, metric_sum, post_json,
-                     request, start_all, wait_until)
-from test_dashboard import CHROMIUM, chromium_cmd, run_chromium
+from tests.harness import (BackendProcess, ProxyProcess, SSEStream, chat, client, get_json, metric_sum,
+                           post_json, request, start_all, wait_until)
+from tests.test_dashboard import CHROMIUM, chromium_cmd, run_chromium
 
 from kvroute.core import redis_keys as keys
 from kvroute.core.misses import REASONS
@@ -113,23 +113,18 @@ class Run:
         self.teams: collections.Counter = collections.Counter()
 
     def client(self, team: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.proxy.url + "/v1", api_key=KEYS[team],
-                             max_retries=0, timeout=120)
+        return client(self.proxy, KEYS[team], timeout=120)
 
-    def chat(self, team: str, model: str, messages: list[dict], expect: str,
-             told: str | None = None, stream: bool = False, max_tokens: int = 8) -> dict:
-        c = self.client(team).chat.completions
-        raw = c.with_raw_response.create(model=model, messages=messages, max_tokens=max_tokens,
-                                         stream=stream)
-        if stream:
-            text = "".join(ch.choices[0].delta.content or "" for ch in raw.parse() if ch.choices)
-        else:
-            text = raw.parse().choices[0].message.content
-        headers = raw.headers
-        assert headers["x-kvroute-cache-reason"] == (told or expect), (
-            expect, dict(headers), model, team)
+    def ask(self, team: str, model: str, messages: list[dict], expect: str,
+            told: str | None = None, stream: bool = False, max_tokens: int = 8) -> dict:
+        """A chat request of `team`, whose answer must give `told` (else `expect`) as its
+        cache reason; operators must count `expect`."""
+        reply = chat(self.proxy, messages, model, key=KEYS[team], timeout=120,
+                     max_tokens=max_tokens, stream=stream)
+        assert reply.headers["x-kvroute-cache-reason"] == (told or expect), (
+            expect, dict(reply.headers), model, team)
         self.count(team, expect)
-        return {"text": text, "headers": headers}
+        return {"text": reply.text, "headers": reply.headers}
 
     def count(self, team: str, reason: str) -> None:
         self.reasons[reason] += 1
@@ -178,39 +173,39 @@ def test_every_reason_is_reported_everywhere(fleet):
 
     # new_prefix, then hit (streamed).
     a = conversation()
-    answer = run.chat("team-a", "demo", a, "new_prefix")
-    run.chat("team-a", "demo", reply(a, answer, "Go on."), "hit", stream=True)
+    answer = run.ask("team-a", "demo", a, "new_prefix")
+    run.ask("team-a", "demo", reply(a, answer, "Go on."), "hit", stream=True)
 
     # template_drift: the keys of turn 1 match turn 2's, its tokens do not (token 3 or so).
     e = conversation()
-    answer = run.chat("team-a", "small", e, "new_prefix")
-    drift = run.chat("team-a", "small", reply(e, answer, "And then?"), "template_drift")
+    answer = run.ask("team-a", "small", e, "new_prefix")
+    drift = run.ask("team-a", "small", reply(e, answer, "And then?"), "template_drift")
     assert 0 < int(drift["headers"]["x-kvroute-diverged-at"]) < 8, dict(drift["headers"])
 
     # other_scope: team-b sends what team-a has cached; team-b is told new_prefix.
     f = conversation(60)
-    run.chat("team-a", "small", f, "new_prefix")
-    run.chat("team-b", "small", f, "other_scope", told="new_prefix")
+    run.ask("team-a", "small", f, "new_prefix")
+    run.ask("team-b", "small", f, "other_scope", told="new_prefix")
 
     # evicted_ram: two ~600-token prompts in a 1 MiB (1,024-token) cache.
     g, g2 = price_list(36), price_list(36)
-    first = run.chat("team-a", "small", g, "new_prefix")
+    first = run.ask("team-a", "small", g, "new_prefix")
     assert 500 < int(first["headers"]["x-kvroute-prompt-tokens"]) < 1000
-    run.chat("team-a", "small", g2, "new_prefix")
-    run.chat("team-a", "small", g, "evicted_ram")
+    run.ask("team-a", "small", g2, "new_prefix")
+    run.ask("team-a", "small", g, "evicted_ram")
 
     # too_large: a ~1,900-token prompt; RAM keeps its first 1,024 tokens.
     h = price_list(120)
-    run.chat("team-a", "small", h, "new_prefix")
-    again = run.chat("team-a", "small", h, "too_large")
+    run.ask("team-a", "small", h, "new_prefix")
+    again = run.ask("team-a", "small", h, "too_large")
     assert 900 < int(again["headers"]["x-kvroute-cached-tokens"]) <= 1024
 
     # no_checkpoint: the same conversation with its last message edited; a sliding
     # window cannot be cut back to where they part, and no checkpoint is there.
     i = conversation(30, user="Which ticket blocks the Thursday release, and who owns it? " * 4)
-    run.chat("team-a", "hybrid", i, "new_prefix", max_tokens=4)
+    run.ask("team-a", "hybrid", i, "new_prefix", max_tokens=4)
     edited = i[:1] + [{"role": "user", "content": i[1]["content"] + " Answer in one line."}]
-    run.chat("team-a", "hybrid", edited, "no_checkpoint", max_tokens=4)
+    run.ask("team-a", "hybrid", edited, "no_checkpoint", max_tokens=4)
 
     # routed_for_load and lookup_late: two conversations held by kvroute-demo-1, which
     # is kept busy (it admits one request at a time) while their next turns come.
@@ -221,13 +216,13 @@ def test_every_reason_is_reported_everywhere(fleet):
     try:
         wait_until(lambda: proxy.backend(b1.backend_id)["queue_depth"] >= 1, 10,
                    what="the proxy to see kvroute-demo-1 busy")
-        routed = run.chat("team-a", "demo", c1 + [{"role": "assistant", "content": "Hi."},
+        routed = run.ask("team-a", "demo", c1 + [{"role": "assistant", "content": "Hi."},
                                                    {"role": "user", "content": "More."}],
                           "routed_for_load")
         assert routed["headers"]["x-kvroute-backend"] == b2.backend_id
         fleet["redis"].pause()  # the lookup misses its deadline; its request goes by load
         try:
-            run.chat("team-a", "demo", c2 + [{"role": "assistant", "content": "Hi."},
+            run.ask("team-a", "demo", c2 + [{"role": "assistant", "content": "Hi."},
                                              {"role": "user", "content": "More."}], "lookup_late")
         finally:
             fleet["redis"].resume()
@@ -252,13 +247,13 @@ def test_every_reason_is_reported_everywhere(fleet):
 
     # backend_restarted: the backend of a conversation restarts between two turns.
     d = conversation()
-    answer = run.chat("team-a", "demo", d, "new_prefix")
+    answer = run.ask("team-a", "demo", d, "new_prefix")
     home = fleet["backends"][answer["headers"]["x-kvroute-backend"]]
     before = home.health()["instance_id"]
     home.stop()
     home.start()
     assert home.health()["instance_id"] != before
-    run.chat("team-a", "demo", reply(d, answer, "Still there?"), "backend_restarted")
+    run.ask("team-a", "demo", reply(d, answer, "Still there?"), "backend_restarted")
 
     check_reported(fleet, run)
 

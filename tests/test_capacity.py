@@ -102,3 +102,112 @@ def test_a_backend_started_on_demand_moves_off_a_port_taken_since_the_plan():
     new = int(child.url.rpartition(":")[2])
     assert new != port
     assert child.args == ["backend", "--port", str(new), "--advertise-url", child.url]
+
+
+def test_running_tokens_bound_the_kv_the_memory_check_counts():
+    # The budget, but at least one whole sequence and at most a full batch of them.
+    assert capacity.running_tokens(32, 40960, 262144) == 262144
+    assert capacity.running_tokens(32, 40960, 0) == 32 * 40960
+    assert capacity.running_tokens(4, 1000, 262144) == 4000
+    assert capacity.running_tokens(32, 40960, 10000) == 40960
+
+
+def test_a_7b_model_on_an_h200_fits_by_its_running_budget_not_batch_times_context(tmp_path):
+    # Qwen2.5-7B's shape: 28 layers, 4 KV heads of 128, bf16, a 32k window; ~15 GB weights.
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "hidden_size": 3584, "torch_dtype": "bfloat16", "max_position_embeddings": 32768}))
+    spec = build({"models": [str(tmp_path)], "replicas": 2}, {}).models[0]
+    cost = capacity.replica_cost(str(tmp_path), 2 * GiB, spec.max_batch, spec.max_prompt_tokens,
+                                 spec.default_max_tokens, spec.max_running_tokens)
+    h200 = int(0.85 * 141 * 10**9)
+    weights = 15 * 10**9
+    assert 2 * (weights + cost.total) < h200, cost.explain()
+    assert cost.running_tokens == 262144 and "262,144 running tokens" in cost.explain()
+    old = capacity.replica_cost(str(tmp_path), 2 * GiB, spec.max_batch, 0, 4096, 0)
+    assert 2 * (weights + old.total) > h200  # what refused to start before
+    # The serve flags reach every model.
+    spec = build({"models": [str(tmp_path)], "max_batch": 8, "max_prompt_tokens": 16000,
+                  "max_running_tokens": 65536}, {}).models[0]
+    assert (spec.max_batch, spec.max_prompt_tokens, spec.max_running_tokens) == (8, 16000, 65536)
+    assert spec.backend_flags()[spec.backend_flags().index("--max-running-tokens") + 1] == "65536"
+    spec = build({"models": [str(tmp_path)]}, {"KVROUTE_MAX_RUNNING_TOKENS": "1000"}).models[0]
+    assert spec.max_running_tokens == 1000
+
+
+def test_a_burst_beyond_the_running_budget_queues_and_all_complete(text_model, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    from tests.harness import BackendProcess, wait_until
+
+    messages = [{"role": "user", "content": "Count the apples in the basket, please."}]
+    proc = BackendProcess(text_model, "demo", tmp_path, extra=[
+        "--prefill-step", "8", "--enable-faults", "--no-warmup", "--max-running-tokens", "1"])
+    proc.start()
+    client = OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        # One request alone runs whatever the budget: its prompt tells the need.
+        one = client.chat.completions.create(model="demo", messages=messages, max_tokens=8)
+        need = one.usage.prompt_tokens + 8
+        proc.stop()
+        proc.extra[-1] = str(2 * need + need // 2)  # room for two at once
+        proc.start()
+
+        def ask(i: int):
+            return client.chat.completions.create(
+                model="demo", messages=messages, max_tokens=8,
+                extra_body={"kvroute_fault": "slow_prefill:0.2"})
+
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(ask, i) for i in range(6)]
+            # While the first two prefill slowly, the others wait for room.
+            wait_until(lambda: proc.health()["engine"]["queued"] >= 3, 20, what="a queue")
+            answers = [f.result(timeout=120) for f in futures]
+        assert all(a.choices[0].finish_reason in ("stop", "length") for a in answers)
+        engine = proc.health()["engine"]
+        assert need < engine["peak_running_tokens"] <= 2 * need + need // 2, engine
+        assert engine["running_tokens"] == 0 and engine["queued"] == 0
+    finally:
+        proc.stop()
+
+
+def test_default_disk_tiers_take_at_most_half_their_volumes_free_space(tmp_path):
+    from tests.harness import small_tmpfs
+
+    from kvroute.config import ModelSpec
+    from kvroute.core import disk_space
+    from kvroute.serve.launcher import disk_budgets
+
+    MiB = 1 << 20
+    with small_tmpfs(tmp_path / "vol", "64m") as vol:
+        # What a tier already holds counts as room: a restart keeps its budget.
+        (vol / "a-1").mkdir()
+        (vol / "a-1" / "old.kvr").write_bytes(b"\1" * 8 * MiB)
+        a = ModelSpec.make({"path": "demo", "alias": "a", "disk_cache_dir": str(vol)})
+        b = ModelSpec.make({"path": "demo", "alias": "b", "disk_cache_dir": str(vol),
+                            "disk_cache_bytes": "40MiB"})
+        elsewhere = ModelSpec.make({"path": "demo", "alias": "c",
+                                    "disk_cache_dir": str(tmp_path / "other"),
+                                    "disk_cache_bytes": "0"})
+        budgets, lines = disk_budgets([(a, "a-1"), (a, "a-2"), (b, "b-1"), (elsewhere, "c-1")])
+        # 56 MiB free + 8 held, half of it among the three tiers on the volume.
+        share = 64 * MiB // 2 // 3
+        assert abs(budgets["a-1"] - share) < MiB and budgets["a-1"] == budgets["a-2"]
+        assert budgets["b-1"] == 40 * MiB  # set by the user: kept
+        assert "c-1" not in budgets  # no tier
+        assert lines[0].startswith(f"disk tier of a: {budgets['a-1'] / MiB:.1f} MiB per backend "
+                                   f"on {vol} (free 56.0 MiB; at most half of it, shared by 3 "
+                                   "backends)"), lines
+        assert lines[1] == f"disk tier of b: 40.0 MiB per backend on {vol} (free 56.0 MiB)"
+        line, over = disk_space.describe(vol / "b-1", 40 * MiB, 0)
+        assert line == f"disk tier: 40.0 MiB on {vol / 'b-1'} (free 56.0 MiB, held 0 B)"
+        assert not over and disk_space.describe(vol / "b-1", 60 * MiB, 0)[1]
+    # The default 32 GiB where the drive has room for it.
+    big = ModelSpec.make({"path": "demo", "disk_cache_dir": str(tmp_path)})
+    if disk_space.free_bytes(tmp_path) > 130 << 30:
+        assert disk_budgets([(big, "x-1")])[0]["x-1"] == 32 * GiB
+    else:
+        assert disk_budgets([(big, "x-1")])[0]["x-1"] <= disk_space.free_bytes(tmp_path) // 2

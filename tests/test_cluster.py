@@ -256,7 +256,7 @@ def test_serve_on_a_cluster_keeps_a_conversation_on_its_backend(cluster, tmp_pat
     """`kvroute serve --redis-url redis+cluster://...`: ready, and turn 2 cached on turn 1's backend."""
     import openai
 
-    from harness import ServeProcess, get_json
+    from tests.harness import ServeProcess, get_json
     from kvroute.devtools import demo_model
 
     model = demo_model.ensure("text", cache_dir=model_cache)

@@ -23,9 +23,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from harness import BackendProcess, free_port, metric_sum, request, terminate, wait_until
+from tests.harness import BackendProcess, free_port, metric_sum, request, terminate, wait_until
 
-from kvroute.serve.redis_server import RedisServer
 
 SECRET = "s"
 MODEL = "demo"
@@ -117,11 +116,10 @@ class ProxyProcess:
 
 
 @pytest.fixture
-def stack(text_model, tmp_path):
+def stack(text_model, tmp_path, redis_db):
     logs = tmp_path / "logs"
     logs.mkdir()
-    redis = RedisServer()
-    redis.start()
+    redis = redis_db
     backend = proxy = None
     try:
         backend = BackendProcess(text_model, MODEL, logs, backend_id="dash-1",
@@ -137,7 +135,6 @@ def stack(text_model, tmp_path):
             proxy.stop()
         if backend:
             backend.stop()
-        redis.stop()
 
 
 def drive_workload(proxy: ProxyProcess, conversations: int = 2, turns: int = 3) -> None:

@@ -13,21 +13,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from kvroute.devtools import demo_model
 from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL, DEMO_TOOL_REPLY
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
+from tests.harness import TOOLS
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],

@@ -9,15 +9,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from harness import small_tmpfs, wait_until
+from tests.harness import small_tmpfs, wait_until
 from mlx_lm.models.cache import RotatingKVCache
 
 from kvroute.backend import diskfile
 from kvroute.backend.disk import DiskTier
 from kvroute.backend.metrics import BackendMetrics
 from kvroute.backend.store import Store, held_tokens
-from test_store import make_cache as lazy_cache
-from test_store import tokens
+from tests.test_store import make_cache as lazy_cache
+from tests.test_store import tokens
 
 FP = "f" * 32
 
@@ -113,6 +113,44 @@ def test_eviction_keeps_the_file_supersede_replaces_it(tmp_path):
     wait_until(lambda: sorted(len(r.tokens) for r in tier.index.values()) == [10, 12], 30,
                what="the superseded file replaced")
     assert len(list(tmp_path.glob("*" + diskfile.SUFFIX))) == 2
+
+
+def test_writes_wait_for_an_idle_engine_and_skip_superseded_turns(tmp_path):
+    """While the engine is busy nothing is written (a write beside a batch slows it);
+    a conversation's turns committed meanwhile end as one file, its last."""
+    tier, metrics = make_tier(tmp_path)
+    busy = [True]
+    tier.busy = lambda: busy[0]
+    store = attach(tier)
+    for n in (10, 12, 14):  # three turns of one conversation, each extending the last
+        store.insert("m", tokens(n), make_cache(n), "finish", chain=[1])
+    with pytest.raises(TimeoutError):
+        wait_until(lambda: tier.index, 1.0, what="a write while busy")
+    assert tier._pending_bytes == make_cache(14)[0].nbytes * len(make_cache(14))
+    busy[0] = False
+    wait_until(lambda: tier.index, 30, what="the write once idle")
+    (record,) = tier.index.values()
+    assert len(record.tokens) == 14
+    assert metric(metrics, metrics.disk_writes, result="ok") == 1
+    assert tier._pending_bytes == 0
+
+
+def test_a_busy_engine_delays_a_write_by_max_delay_at_most(tmp_path):
+    tier, _ = make_tier(tmp_path)
+    tier.busy = lambda: True
+    tier.max_delay = 0.5
+    store = attach(tier)
+    store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])
+    wait_until(lambda: tier.index, 30, what="the write after max_delay")
+
+
+def test_closing_writes_what_waits_at_once(tmp_path):
+    tier, _ = make_tier(tmp_path)
+    tier.busy = lambda: True
+    store = attach(tier)
+    store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])
+    tier.close()
+    assert len(list(tmp_path.glob("*" + diskfile.SUFFIX))) == 1
 
 
 def test_disk_budget_is_lru_by_bytes(tmp_path):

@@ -8,9 +8,9 @@ its own is never used."""
 from pathlib import Path
 
 import orjson
-from harness import wait_until
-from test_disk import make_tier, restore
-from test_paged import SYSTEM, kv_of, same_cache
+from tests.harness import wait_until
+from tests.test_disk import make_tier, restore
+from tests.test_paged import SYSTEM, kv_of, same_cache
 
 from kvroute.backend import diskblocks, diskfile
 from kvroute.backend.paged import BLOCK_TOKENS, block_keys, root_key

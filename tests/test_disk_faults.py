@@ -18,9 +18,9 @@ from pathlib import Path
 import orjson
 import pytest
 import xxhash
-from harness import BackendProcess, post_json, small_tmpfs, wait_until
-from test_disk_tier import GREEDY, chat, kill, metric, next_turn, start, written
-from test_families import assert_same_answer, cached, conversation
+from tests.harness import BackendProcess, chat, post_json, small_tmpfs, wait_until
+from tests.test_disk_tier import GREEDY, kill, metric, next_turn, start, written
+from tests.test_families import assert_same_answer, cached, conversation
 
 from kvroute.backend import diskfile
 
@@ -51,7 +51,7 @@ def immutable(path: Path, on: bool) -> bool:
 
 def cold(backend: BackendProcess, messages: list[dict]) -> dict:
     """The same request in a scope nothing is cached for: a cold prefill."""
-    answer = chat(backend, messages, scope=uuid.uuid4().hex)
+    answer = chat(backend, messages, scope=uuid.uuid4().hex, **GREEDY).body
     assert cached(answer) == 0
     return answer
 
@@ -67,7 +67,7 @@ def test_read_only_folder_with_a_damaged_file_is_no_500(text_model, tmp_path):
     frozen = []
     try:
         chats = [conversation(f"Question {i}: which ticket blocks release {i}?") for i in range(2)]
-        firsts = [chat(backend, m) for m in chats]
+        firsts = [chat(backend, m, **GREEDY).body for m in chats]
         wait_until(lambda: written(backend, 2), 60, what="both conversations on disk")
         for path in [*records(disk), disk]:
             if path != disk:
@@ -100,7 +100,7 @@ def test_restart_with_a_damaged_file_that_cannot_be_deleted(text_model, tmp_path
     disk = tmp_path / "disk"
     first = start(text_model, "demo", disk, tmp_path)
     messages = conversation()
-    turn1 = chat(first, messages)
+    turn1 = chat(first, messages, **GREEDY).body
     wait_until(lambda: written(first), 60, what="turn 1 on disk")
     kill(first)
     stuck = records(disk)
@@ -114,7 +114,7 @@ def test_restart_with_a_damaged_file_that_cannot_be_deleted(text_model, tmp_path
         assert again.health()["disk"]["skipped_files"] == len(stuck)
         assert again.health()["disk"]["entries"] == 0
         follow = next_turn(messages, turn1)
-        answer = chat(again, follow)
+        answer = chat(again, follow, **GREEDY).body
         assert cached(answer) == 0
         assert_same_answer(answer, cold(again, follow))
         # The folder itself is writable: the tier keeps writing.
@@ -133,8 +133,12 @@ def test_read_only_folder_at_start_serves_its_whole_files(text_model, tmp_path):
         backend = None
         try:
             first = start(text_model, "demo", mount / "cache", tmp_path)
+            # The start-up line says the budget, the folder and the free space, and
+            # warns that this default budget is more than the drive can give.
+            assert f"disk tier: 32.0 GiB on {mount / 'cache'} (free 16.0 MiB" in first.log()
+            assert "is more than" in first.log() and "lower --disk-cache-bytes" in first.log()
             messages = conversation()
-            turn1 = chat(first, messages)
+            turn1 = chat(first, messages, **GREEDY).body
             wait_until(lambda: written(first), 60, what="turn 1 on disk")
             kill(first)
             (mount / "cache" / ("x" + diskfile.TMP_SUFFIX)).write_bytes(b"half")  # a damaged file
@@ -143,7 +147,7 @@ def test_read_only_folder_at_start_serves_its_whole_files(text_model, tmp_path):
             disk = backend.health()["disk"]
             assert (disk["enabled"], disk["writable"], disk["skipped_files"]) == (True, False, 1)
             follow = next_turn(messages, turn1)
-            hit = chat(backend, follow)
+            hit = chat(backend, follow, **GREEDY).body
             assert cached(hit) >= 0.9 * turn1["usage"]["prompt_tokens"]  # read from disk
             assert_same_answer(hit, cold(backend, follow))
         finally:
@@ -174,8 +178,8 @@ def test_a_flipped_token_id_in_a_header_is_never_used(text_model, tmp_path):
     first = start(text_model, "demo", disk, tmp_path)
     honest = conversation("Ticket 7 blocks the Thursday release; who owns it?")
     altered = [honest[0], {"role": "user", "content": "Ticket 8 blocks the Thursday release; who owns it?"}]
-    prompt = chat(first, honest)["usage"]["prompt_tokens"]
-    chat(first, altered, scope="probe")  # its file tells the backend's own token ids
+    prompt = chat(first, honest, **GREEDY).body["usage"]["prompt_tokens"]
+    chat(first, altered, scope="probe", **GREEDY)  # its file tells the backend's own token ids
     # Both on disk, and the prompts' own records replaced by their finished turns.
     wait_until(lambda: written(first, 2) and len(records(disk)) == 2, 60, what="both on disk")
     kill(first)
@@ -193,7 +197,7 @@ def test_a_flipped_token_id_in_a_header_is_never_used(text_model, tmp_path):
 
     again = start(text_model, "demo", disk, tmp_path, port=first.port)
     try:
-        answer = chat(again, altered)
+        answer = chat(again, altered, **GREEDY).body
         assert cached(answer) == 0  # nothing of the damaged record
         assert metric(again, "kvroute_backend_cache_hits_total", tier="disk") == 0
         assert metric(again, "kvroute_backend_disk_dropped_files_total", reason="corrupt") >= 1
@@ -206,7 +210,7 @@ def test_an_old_format_record_is_dropped_as_stale(text_model, tmp_path):
     disk = tmp_path / "disk"
     first = start(text_model, "demo", disk, tmp_path)
     messages = conversation()
-    chat(first, messages)
+    chat(first, messages, **GREEDY).body
     wait_until(lambda: written(first), 60, what="on disk")
     kill(first)
     for path in records(disk):  # as format 1 wrote it: the tensor checksum alone
@@ -225,7 +229,7 @@ def test_an_old_format_record_is_dropped_as_stale(text_model, tmp_path):
         assert again.health()["disk"]["entries"] == 0
         assert metric(again, "kvroute_backend_disk_dropped_files_total", reason="version") >= 1
         assert not records(disk)
-        assert cached(chat(again, messages)) == 0
+        assert cached(chat(again, messages, **GREEDY).body) == 0
     finally:
         again.stop()
 
@@ -257,7 +261,7 @@ def test_a_crash_at_every_step_of_a_write(text_model, tmp_path, step):
     doomed.start()
     messages = conversation()
     try:
-        turn1 = chat(doomed, messages)
+        turn1 = chat(doomed, messages, **GREEDY).body
     except Exception:  # the write may kill it before the answer is sent
         turn1 = None
     wait_until(lambda: doomed.proc.poll() is not None, 60, what="the crash")
@@ -271,9 +275,9 @@ def test_a_crash_at_every_step_of_a_write(text_model, tmp_path, step):
         assert not list(disk.glob("*" + diskfile.TMP_SUFFIX))  # a half write is dropped
         if not whole:
             assert metric(again, "kvroute_backend_disk_dropped_files_total", reason="partial") == 1
-        turn1 = turn1 or chat(again, messages)
+        turn1 = turn1 or chat(again, messages, **GREEDY).body
         follow = next_turn(messages, turn1)
-        answer = chat(again, follow)
+        answer = chat(again, follow, **GREEDY).body
         if whole:
             assert cached(answer) > 0
             assert metric(again, "kvroute_backend_cache_hits_total", tier="disk") == 1
@@ -311,7 +315,7 @@ def test_the_fsync_policy_reaches_the_writer(text_model, tmp_path, policy):
     backend.start()
     messages = conversation()
     try:
-        first = chat(backend, messages)
+        first = chat(backend, messages, **GREEDY).body
         wait_until(lambda: written(backend), 30, what="the record on disk")
     finally:
         kill(backend)
@@ -323,7 +327,7 @@ def test_the_fsync_policy_reaches_the_writer(text_model, tmp_path, policy):
 
     again = start(text_model, "demo", disk, tmp_path, port=backend.port)
     try:
-        assert cached(chat(again, next_turn(messages, first))) > 0
+        assert cached(chat(again, next_turn(messages, first), **GREEDY).body) > 0
         assert metric(again, "kvroute_backend_cache_hits_total", tier="disk") == 1
     finally:
         again.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from test_policy import CHAIN, cand, ctx, policy
+from tests.test_policy import CHAIN, cand, ctx, policy
 
 FULL = len(CHAIN)
 

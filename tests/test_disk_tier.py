@@ -11,12 +11,11 @@ import signal
 import uuid
 
 import pytest
-from harness import BackendProcess, metric_sum, post_json, request, small_tmpfs, wait_until
-from test_families import assert_same_answer, cached, conversation
+from tests.harness import BackendProcess, chat, metric_sum, request, small_tmpfs, wait_until
+from tests.test_families import GREEDY, assert_same_answer, cached, conversation
 
 from kvroute.devtools import arch_models
 
-GREEDY = {"max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}
 
 
 def start(model, model_id: str, disk_dir, log_dir, *extra: str, port: int | None = None,
@@ -26,15 +25,6 @@ def start(model, model_id: str, disk_dir, log_dir, *extra: str, port: int | None
                           extra=["--prefill-step", "64", "--disk-cache-dir", str(disk_dir), *extra])
     proc.start()
     return proc
-
-
-def chat(backend: BackendProcess, messages: list[dict], scope: str | None = None) -> dict:
-    headers = {"x-kvroute-scope": scope} if scope else None
-    status, body = post_json(backend.url + "/v1/chat/completions",
-                             {"model": backend.model_id, "messages": messages, **GREEDY},
-                             headers=headers)
-    assert status == 200, body
-    return body
 
 
 def next_turn(messages: list[dict], answer: dict, text: str = "And the one after?") -> list[dict]:
@@ -61,7 +51,7 @@ def test_sigkill_restart_keeps_the_conversation(text_model, tool_model, tmp_path
     disk = tmp_path / "disk"
     first = start(text_model, "demo", disk, tmp_path)
     messages = conversation()
-    turn1 = chat(first, messages)
+    turn1 = chat(first, messages, **GREEDY).body
     wait_until(lambda: written(first), 60, what="turn 1 on disk")
     kill(first)
 
@@ -69,12 +59,12 @@ def test_sigkill_restart_keeps_the_conversation(text_model, tool_model, tmp_path
     try:
         assert again.health()["disk"]["entries"] >= 1  # re-indexed before it reported ready
         messages2 = next_turn(messages, turn1)
-        turn2 = chat(again, messages2)
+        turn2 = chat(again, messages2, **GREEDY).body
         assert cached(turn2) >= 0.9 * turn1["usage"]["prompt_tokens"]
         assert metric(again, "kvroute_backend_cache_hits_total", tier="disk") == 1
         assert metric(again, "kvroute_backend_disk_restore_bytes_total") > 0
         # Exact: the same answer as a cold prefill in a scope nothing is cached for.
-        assert_same_answer(turn2, chat(again, messages2, scope=uuid.uuid4().hex))
+        assert_same_answer(turn2, chat(again, messages2, scope=uuid.uuid4().hex, **GREEDY).body)
     finally:
         again.stop()
 
@@ -84,7 +74,7 @@ def test_sigkill_restart_keeps_the_conversation(text_model, tool_model, tmp_path
         assert other.health()["disk"]["entries"] == 0
         assert "(foreign: written for other model weights)" in other.log()
         assert metric(other, "kvroute_backend_disk_dropped_files_total", reason="foreign") >= 1
-        assert cached(chat(other, messages2)) == 0
+        assert cached(chat(other, messages2, **GREEDY).body) == 0
     finally:
         other.stop()
 
@@ -93,13 +83,13 @@ def test_ram_smaller_than_the_working_set_serves_repeats_from_disk(text_model, t
     backend = start(text_model, "demo", tmp_path / "disk", tmp_path, "--cache-bytes", "400KiB")
     try:
         chats = [conversation(f"Question {i}: which ticket blocks release {i}?") for i in range(3)]
-        firsts = [chat(backend, m) for m in chats]
+        firsts = [chat(backend, m, **GREEDY).body for m in chats]
         wait_until(lambda: written(backend, 3), 60, what="three conversations on disk")
         # RAM kept the last one, at most the head of another (eviction cuts from tails).
         assert backend.health()["cache"]["entries"] <= 2
         for messages, answer in zip(chats, firsts):
             follow = next_turn(messages, answer)
-            hit = chat(backend, follow)
+            hit = chat(backend, follow, **GREEDY).body
             assert cached(hit) >= 0.9 * answer["usage"]["prompt_tokens"]
         assert metric(backend, "kvroute_backend_cache_hits_total", tier="disk") >= 2
     finally:
@@ -111,18 +101,18 @@ def test_untrimmable_family_restores_exactly(model_cache, tmp_path):
     disk = tmp_path / "disk"
     backend = start(path, "gemma3_text", disk, tmp_path)
     messages = conversation()
-    turn1 = chat(backend, messages)
+    turn1 = chat(backend, messages, **GREEDY).body
     wait_until(lambda: written(backend, 2), 60, what="the checkpoints on disk")
     kill(backend)
     again = start(path, "gemma3_text", disk, tmp_path, port=backend.port)
     try:
-        repeat = chat(again, messages)
+        repeat = chat(again, messages, **GREEDY).body
         assert cached(repeat) == turn1["usage"]["prompt_tokens"] - 1  # the repeat checkpoint
         assert_same_answer(repeat, turn1)
         follow = next_turn(messages, turn1)
-        hit = chat(again, follow)
+        hit = chat(again, follow, **GREEDY).body
         assert cached(hit) >= 0.5 * turn1["usage"]["prompt_tokens"]
-        assert_same_answer(hit, chat(again, follow, scope=uuid.uuid4().hex))
+        assert_same_answer(hit, chat(again, follow, scope=uuid.uuid4().hex, **GREEDY).body)
     finally:
         again.stop()
 
@@ -134,28 +124,26 @@ def test_full_disk_keeps_serving(text_model, tmp_path):
         try:
             backend = start(text_model, "demo", mount / "cache", tmp_path)
             for i in range(3):
-                chat(backend, conversation(f"Question {i}: which ticket blocks release {i}?"))
+                chat(backend, conversation(f"Question {i}: which ticket blocks release {i}?"), **GREEDY).body
             wait_until(lambda: metric(backend, "kvroute_backend_disk_writes_total",
                                       result="failed") >= 1,
                        60, what="a failed write")
             assert "writing failed (ENOSPC" in backend.log()
             assert backend.health()["status"] == "ok"
-            answer = chat(backend, conversation())
+            answer = chat(backend, conversation(), **GREEDY).body
             assert answer["choices"][0]["message"]["content"] is not None
         finally:
             if backend is not None:
                 backend.stop()
 
 
-def test_proxy_routes_turn2_back_to_the_restarted_backend(text_model, tmp_path):
+def test_proxy_routes_turn2_back_to_the_restarted_backend(text_model, tmp_path, redis_db):
     """Turn 1 through the proxy; SIGKILL the backend that served it; restart it on the
     same directory: it re-advertises its disk tier before it reports ready, and
     turn 2 goes back to it (a disk hit) and finds turn 1 cached."""
-    from test_proxy import KEY, SECRET, TOKEN, ProxyProcess
+    from tests.test_proxy import KEY, SECRET, TOKEN, ProxyProcess
 
-    from kvroute.serve.redis_server import RedisServer
-
-    redis = RedisServer().start()
+    redis = redis_db
     common = ["--redis-url", redis.url, "--secret", SECRET, "--internal-token", TOKEN]
     backends = {}
     proxy = None
@@ -197,4 +185,3 @@ def test_proxy_routes_turn2_back_to_the_restarted_backend(text_model, tmp_path):
             proxy.stop()
         for b in backends.values():
             b.stop()
-        redis.stop()

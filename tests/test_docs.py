@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import ROOT, free_port, get_json, wait_until
+from tests.harness import ROOT, free_port, get_json, wait_until
 
 from kvroute.backend import metrics as backend_metrics
 from kvroute.core.misses import REASONS
@@ -205,7 +205,7 @@ def test_every_kvroute_flag_the_readme_names_exists():
     """A `--flag` anywhere in the README's prose is some kvroute command's (bench
     scripts' and pytest's aside)."""
     known = set().union(*(help_flags(c) for c in ("serve", "proxy", "backend", "stats", "demo-model")))
-    others = {"--quick", "--soak", "--decode"}  # bench/reliability.py, bench/bench_shapes.py
+    others = {"--quick", "--soak", "--decode"}  # bench.reliability, bench.bench_shapes
     named = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*[a-z])", text_of(ROOT / "README.md")))
     assert not named - known - others, sorted(named - known - others)
 
@@ -313,3 +313,21 @@ def test_every_source_path_and_module_the_docs_name_exists():
             for attr in parts[found[0]:]:
                 module = getattr(module, attr, None)
                 assert module is not None, f"{doc.name} names {dotted}: no {attr}"
+
+
+BENCH_DOCS = [ROOT / "BENCHMARKS.md", ROOT / "RELIABILITY.md", *DOCS,
+              *sorted((ROOT / "docs").glob("*/*.md"))]
+
+
+def test_every_documented_benchmark_command_runs_a_module_that_exists():
+    """Benchmarks run as modules from the repository root (`python -m bench.bench_ttft`):
+    the old `python bench/x.py` form would not find the tests' harness."""
+    commands = 0
+    for doc in BENCH_DOCS:
+        text = text_of(doc)
+        assert not re.findall(r"python3? bench/", text), f"{doc.name}: run benchmarks as `python -m bench.X`"
+        for module in re.findall(r"python3? -m (bench(?:\.\w+)+)", text):
+            commands += 1
+            assert is_module(module), f"{doc.name} runs `python -m {module}`, which is no module"
+    assert commands > 10
+

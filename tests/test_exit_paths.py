@@ -11,20 +11,9 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from harness import SSEStream, post_json, wait_until
+from tests.harness import TOOLS, SSEStream, chat, post_json, wait_until
 
 from kvroute.devtools.demo_model import DEMO_REPLY
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
 
 
 def conversation() -> list[dict]:
@@ -35,16 +24,9 @@ def conversation() -> list[dict]:
     ]
 
 
-def chat(backend, messages, **kw) -> dict:
-    status, body = post_json(backend.url + "/v1/chat/completions",
-                             {"model": backend.model_id, "messages": messages, **kw})
-    assert status == 200, body
-    return body
-
-
 def follow_up(backend, messages, **kw) -> dict:
     more = messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Again?"}]
-    return chat(backend, more, max_tokens=2, **kw)
+    return chat(backend, more, max_tokens=2, **kw).body
 
 
 def assert_entries_consistent(backend) -> None:
@@ -65,7 +47,7 @@ def cached_after(backend, first_prompt_tokens: int, second: dict) -> None:
 
 def test_eos(backend):
     messages = conversation()
-    first = chat(backend, messages)
+    first = chat(backend, messages).body
     assert first["choices"][0]["message"]["content"] == DEMO_REPLY
     assert first["choices"][0]["finish_reason"] == "stop"
     # Only the chat template's opening tokens can be shared with earlier requests.
@@ -75,7 +57,7 @@ def test_eos(backend):
 
 def test_max_tokens(backend):
     messages = conversation()
-    first = chat(backend, messages, max_tokens=3)
+    first = chat(backend, messages, max_tokens=3).body
     assert first["choices"][0]["finish_reason"] == "length"
     assert first["usage"]["completion_tokens"] == 3
     assert DEMO_REPLY.startswith(first["choices"][0]["message"]["content"])
@@ -86,7 +68,7 @@ def test_stop_string_across_tokens_never_leaks(backend):
     messages = conversation()
     stop = "demo mo"  # spans the tokens of "demo" and "model"
     assert stop in DEMO_REPLY
-    first = chat(backend, messages, stop=["zzz", stop])
+    first = chat(backend, messages, stop=["zzz", stop]).body
     content = first["choices"][0]["message"]["content"]
     assert content == DEMO_REPLY[: DEMO_REPLY.index(stop)]
     assert first["choices"][0]["finish_reason"] == "stop"
@@ -104,7 +86,7 @@ def test_stop_string_streaming(backend):
 
 def test_tool_call_only(tool_backend):
     messages = conversation()
-    first = chat(tool_backend, messages, tools=TOOLS)
+    first = chat(tool_backend, messages, tools=TOOLS).body
     choice = first["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] is None
@@ -116,7 +98,7 @@ def test_tool_call_only(tool_backend):
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 21 C"},
     ]
-    second = chat(tool_backend, turn2, tools=TOOLS, max_tokens=2)
+    second = chat(tool_backend, turn2, tools=TOOLS, max_tokens=2).body
     cached_after(tool_backend, first["usage"]["prompt_tokens"], second)
 
 
@@ -176,7 +158,7 @@ def test_error_inside_decode(backend):
     assert "injected decode fault" in body["error"]["message"]
     # The process survived, and the prompt it was decoding for is cached.
     second = follow_up(backend, messages)
-    first_prompt = chat(backend, messages, max_tokens=1)["usage"]["prompt_tokens"]
+    first_prompt = chat(backend, messages, max_tokens=1).body["usage"]["prompt_tokens"]
     cached_after(backend, first_prompt, second)
 
 
@@ -257,7 +239,7 @@ def test_error_in_prompt_completing_step_keeps_prompt_and_others_progress(backen
                               "kvroute_fault": "decode_error:0"})
     assert status == 500 and "injected decode fault" in body["error"]["message"], body
     # The failed prompt was committed up to its last token but one.
-    repeat = chat(backend, messages, max_tokens=1)
+    repeat = chat(backend, messages, max_tokens=1).body
     assert repeat["usage"]["prompt_tokens_details"]["cached_tokens"] == repeat["usage"]["prompt_tokens"] - 1
     # The prompt being prefilled beside it carried on and answers as a cold run would.
     events = [e for e in other.events() if isinstance(e, dict)]

@@ -20,7 +20,7 @@ import math
 import uuid
 
 import pytest
-from harness import BackendProcess, SSEStream, post_json, wait_until
+from tests.harness import TOOLS, BackendProcess, SSEStream, chat, post_json, wait_until
 
 from kvroute.devtools import arch_models
 from kvroute.devtools.demo_model import DEMO_TOOL_REPLY
@@ -29,9 +29,6 @@ SYSTEM = ("You are the release assistant of a small team. Answer in short senten
           "cite the ticket number when there is one, never invent a version, and keep "
           "the tone friendly and plain. The team ships every Tuesday and Thursday; "
           "hotfixes go out when they are ready. ") * 2
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 GREEDY = {"max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}
 
 
@@ -51,16 +48,8 @@ def conversation(user: str = "Which ticket blocks the Thursday release, and who 
             {"role": "user", "content": user}]
 
 
-def chat(backend: BackendProcess, messages: list[dict], scope: str | None = None, **kw) -> dict:
-    headers = {"x-kvroute-scope": scope} if scope else None
-    status, body = post_json(backend.url + "/v1/chat/completions",
-                             {"model": backend.model_id, "messages": messages, **kw}, headers=headers)
-    assert status == 200, body
-    return body
-
-
 def cold(backend: BackendProcess, messages: list[dict], **kw) -> dict:
-    answer = chat(backend, messages, scope=uuid.uuid4().hex, **kw)
+    answer = chat(backend, messages, scope=uuid.uuid4().hex, **kw).body
     assert cached(answer) == 0
     return answer
 
@@ -103,22 +92,22 @@ def assert_entries_consistent(backend: BackendProcess) -> None:
 
 def test_repeat_turn2_and_shared_system_prompt_hit_exactly(family):
     messages = conversation()
-    first = chat(family, messages, **GREEDY)
+    first = chat(family, messages, **GREEDY).body
     assert prompt_tokens(first) > 200  # past the 32-token sliding windows
 
-    repeat = chat(family, messages, **GREEDY)
+    repeat = chat(family, messages, **GREEDY).body
     assert cached(repeat) == prompt_tokens(repeat) - 1
     assert_same_answer(repeat, first)
 
     turn2 = messages + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                         {"role": "user", "content": "And the one after it?"}]
-    second = chat(family, turn2, **GREEDY)
+    second = chat(family, turn2, **GREEDY).body
     assert_at_least_half_cached(second)
     assert_same_answer(second, cold(family, turn2, **GREEDY))
 
     # Another conversation with the same system prompt reuses the header checkpoint.
     other = [messages[0], {"role": "user", "content": "Who is on call?"}]
-    answer = chat(family, other, **GREEDY)
+    answer = chat(family, other, **GREEDY).body
     assert_at_least_half_cached(answer)
     assert_same_answer(answer, cold(family, other, **GREEDY))
     assert_entries_consistent(family)
@@ -129,7 +118,8 @@ def test_disconnect_mid_prefill_resumes_exactly(family):
     stream = SSEStream(family.url + "/v1/chat/completions",
                        {"model": family.model_id, "messages": messages, "max_tokens": 4,
                         "kvroute_fault": "slow_prefill:0.05"})
-    header = chat(family, messages[:1] + [{"role": "user", "content": "hi"}], scope="probe", max_tokens=1)
+    header = chat(family, messages[:1] + [{"role": "user", "content": "hi"}], scope="probe",
+                  max_tokens=1).body
 
     def past_header():
         jobs = family.health()["engine"]["jobs"]
@@ -138,7 +128,7 @@ def test_disconnect_mid_prefill_resumes_exactly(family):
     (job,) = wait_until(past_header, timeout=60, what="prefill past the system prompt")
     stream.close()
     wait_until(lambda: idle(family), timeout=10, what="the prefill to be abandoned")
-    retry = chat(family, messages, **GREEDY)
+    retry = chat(family, messages, **GREEDY).body
     # At least the last checkpoint reached (the system prompt) is kept; models whose
     # layers count tokens keep everything processed.
     assert cached(retry) >= prompt_tokens(header) - 12, (cached(retry), job)
@@ -148,7 +138,7 @@ def test_disconnect_mid_prefill_resumes_exactly(family):
 
 def follow_up(family: BackendProcess, messages: list[dict], reply: str = "ok", **kw) -> dict:
     more = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Again?"}]
-    return chat(family, more, max_tokens=2, **kw)
+    return chat(family, more, max_tokens=2, **kw).body
 
 
 def assert_prompt_kept(family: BackendProcess, first: dict, then: dict) -> None:
@@ -160,7 +150,7 @@ def assert_prompt_kept(family: BackendProcess, first: dict, then: dict) -> None:
 
 def test_exit_eos(family):
     messages = conversation()
-    first = chat(family, messages, kvroute_fault="force:All clear.")
+    first = chat(family, messages, kvroute_fault="force:All clear.").body
     assert first["choices"][0]["finish_reason"] == "stop"
     assert first["choices"][0]["message"]["content"] == "All clear."
     assert_prompt_kept(family, first, follow_up(family, messages, "All clear."))
@@ -168,7 +158,7 @@ def test_exit_eos(family):
 
 def test_exit_max_tokens(family):
     messages = conversation()
-    first = chat(family, messages, max_tokens=3)
+    first = chat(family, messages, max_tokens=3).body
     assert first["choices"][0]["finish_reason"] == "length"
     assert first["usage"]["completion_tokens"] == 3
     assert_prompt_kept(family, first, follow_up(family, messages))
@@ -176,7 +166,7 @@ def test_exit_max_tokens(family):
 
 def test_exit_stop_string(family):
     messages = conversation()
-    first = chat(family, messages, stop=["STOP"], kvroute_fault="force:ship it STOP and wait")
+    first = chat(family, messages, stop=["STOP"], kvroute_fault="force:ship it STOP and wait").body
     assert first["choices"][0]["finish_reason"] == "stop"
     assert first["choices"][0]["message"]["content"] == "ship it "
     assert_prompt_kept(family, first, follow_up(family, messages))
@@ -184,14 +174,14 @@ def test_exit_stop_string(family):
 
 def test_exit_tool_call_only(family):
     messages = conversation("What is the weather in Paris?")
-    first = chat(family, messages, tools=TOOLS, kvroute_fault=f"force:{DEMO_TOOL_REPLY}")
+    first = chat(family, messages, tools=TOOLS, kvroute_fault=f"force:{DEMO_TOOL_REPLY}").body
     choice = first["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     turn2 = messages + [{"role": "assistant", "content": None, "tool_calls": [call]},
                         {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 21 C"}]
-    assert_prompt_kept(family, first, chat(family, turn2, tools=TOOLS, max_tokens=2))
+    assert_prompt_kept(family, first, chat(family, turn2, tools=TOOLS, max_tokens=2).body)
 
 
 def test_exit_disconnect_mid_decode(family):
@@ -205,7 +195,7 @@ def test_exit_disconnect_mid_decode(family):
         assert isinstance(next(events), dict)
     stream.close()
     wait_until(lambda: idle(family), timeout=10, what="the sequence to leave the batch")
-    repeat = chat(family, messages, max_tokens=1)
+    repeat = chat(family, messages, max_tokens=1).body
     assert cached(repeat) == prompt_tokens(repeat) - 1
     assert_entries_consistent(family)
 
@@ -216,7 +206,7 @@ def test_exit_error_in_decode(family):
                              {"model": family.model_id, "messages": messages,
                               "kvroute_fault": "decode_error:2"})
     assert status == 500 and "injected decode fault" in body["error"]["message"]
-    repeat = chat(family, messages, max_tokens=1)
+    repeat = chat(family, messages, max_tokens=1).body
     assert cached(repeat) == prompt_tokens(repeat) - 1
     assert_prompt_kept(family, repeat, follow_up(family, messages))
 
@@ -227,6 +217,25 @@ def test_exit_error_in_prompt_completing_step(family):
                              {"model": family.model_id, "messages": messages,
                               "kvroute_fault": "decode_error:0"})
     assert status == 500 and "injected decode fault" in body["error"]["message"]
-    repeat = chat(family, messages, **GREEDY)
+    repeat = chat(family, messages, **GREEDY).body
     assert cached(repeat) == prompt_tokens(repeat) - 1
     assert_same_answer(repeat, cold(family, messages, **GREEDY))
+
+
+def test_n_choices_and_constrained_rows_answer_exactly(family):
+    """n choices share one prefill: the later ones start from the first one's prompt
+    commit, a hit that must answer as the cold prefill does. And a constrained row works
+    on every family's caches."""
+    messages = conversation()
+    reference = cold(family, messages, **GREEDY)
+    answer = chat(family, messages, n=3, **GREEDY).body
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    for choice in answer["choices"]:
+        assert_same_answer({"choices": [choice]}, reference)
+    schema = {"type": "object", "properties": {"v": {"enum": ["yes", "no"]}}, "required": ["v"],
+              "additionalProperties": False}
+    constrained = chat(family, messages, max_tokens=300, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "v", "schema": schema}}).body
+    assert constrained["choices"][0]["finish_reason"] == "stop", constrained
+    assert json.loads(constrained["choices"][0]["message"]["content"])["v"] in ("yes", "no")
+    assert_entries_consistent(family)

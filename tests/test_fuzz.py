@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 import schemathesis
-from harness import BackendProcess, free_port, get_json, request, wait_until
+from tests.harness import BackendProcess, free_port, get_json, request, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
@@ -53,7 +53,6 @@ from schemathesis.specs.openapi.checks import (
 
 from kvroute.api import openapi
 from kvroute.api.chat import ChatCompletionBody
-from kvroute.serve.redis_server import RedisServer
 
 MODEL = "demo"
 SECRET = "f"
@@ -83,9 +82,9 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def servers(text_model, tmp_path_factory):
+def servers(text_model, tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("fuzz")
-    redis = RedisServer().start()
+    redis = redis_server.database()
     backend = BackendProcess(
         text_model, MODEL, logs,
         extra=["--redis-url", redis.url, "--secret", SECRET, "--max-body-bytes", "256KiB",
@@ -123,7 +122,6 @@ def servers(text_model, tmp_path_factory):
                 proxy.kill()
                 proxy.wait(5)
         backend.stop()
-        redis.stop()
 
 
 def assert_alive(servers: Servers) -> None:
@@ -388,9 +386,14 @@ OK_COMMON = {
     "logit_bias": st.dictionaries(
         st.one_of(st.integers(0, 1300), st.sampled_from([0, 1156, 1157, 99999999999])).map(str),
         st.one_of(st.sampled_from([-100, 100]), st.floats(-100, 100)), max_size=4),
-    "n": st.sampled_from([1, None]),
+    "n": st.sampled_from([1, 2, 3, None]),
     "user": text,
-    "response_format": st.just({"type": "text"}),
+    # (a top_k past the vocabulary keeps every token)
+    "top_k": st.one_of(st.sampled_from([0, 1, 1156, 1157, 5000]), st.integers(0, 2000)),
+    "min_p": st.one_of(st.sampled_from([0, 1, 5e-324]), st.floats(0, 1)),
+    "repetition_penalty": st.one_of(st.sampled_from([1, 10, 5e-324]),
+                                    st.floats(0, 10, exclude_min=True)),
+    "repetition_context_size": st.integers(1, 4096),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
 }
 OK_CHAT = {
@@ -398,6 +401,9 @@ OK_CHAT = {
     "messages": st.lists(ok_message, min_size=1, max_size=4),
     "tools": st.lists(ok_tool, max_size=2),
     "tool_choice": st.sampled_from(["auto", "none"]),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"},
+                                        {"type": "json_schema", "json_schema": {
+                                            "name": "x", "schema": {"type": "object"}}}]),
     "top_logprobs": st.integers(0, 20),
     "logprobs": st.booleans(),
 }
@@ -828,7 +834,7 @@ def test_regression_405_had_no_allow_header(servers):
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # ... without stream
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"user": 5}, "user"),
-    ({"response_format": {}}, "response_format"),
+    ({"response_format": {}}, "response_format.type"),
 ])
 def test_regression_openapi_and_validation_disagreed(servers, fields, param):
     # Schema-valid bodies the servers refused (schemathesis found the first two), and

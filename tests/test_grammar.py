@@ -345,7 +345,8 @@ def test_batched_masks_decode_exactly_as_per_row_masks(demo):
 
 # -- tool calls -------------------------------------------------------------------
 
-TOOLS = [
+# Strict schemas, two tools (harness.TOOLS is the demo model's one): what a grammar constrains.
+STRICT_TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
@@ -356,7 +357,7 @@ TOOLS = [
         "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                        "required": ["a", "b"], "additionalProperties": False}}},
 ]
-PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in STRICT_TOOLS}
 
 
 def parsed_calls(tok, text: str, parse) -> list[dict]:
@@ -366,7 +367,7 @@ def parsed_calls(tok, text: str, parse) -> list[dict]:
     while tok.tool_call_start in rest:
         body = rest.split(tok.tool_call_start, 1)[1]
         body, _, rest = body.partition(tok.tool_call_end) if tok.tool_call_end else (body, "", "")
-        found = parse(body, TOOLS)
+        found = parse(body, STRICT_TOOLS)
         calls += found if isinstance(found, list) else [found]
     return calls
 
@@ -377,13 +378,14 @@ def test_forced_tool_calls_are_valid_calls_of_the_named_tool(tool_demo):
     calls of allowed tools whose arguments validate, ended as a stop."""
     model, tok, grammars = tool_demo
     bias = closers_bias(tok, model.args.vocab_size)
-    specs = {"required": grammar.tool_call(TOOLS), "named": grammar.tool_call(TOOLS, name="add"),
-             "parallel": grammar.tool_call(TOOLS, parallel=True)}
+    specs = {"required": grammar.tool_call(STRICT_TOOLS),
+             "named": grammar.tool_call(STRICT_TOOLS, name="add"),
+             "parallel": grammar.tool_call(STRICT_TOOLS, parallel=True)}
     compiled = {k: grammars.compile(s) for k, s in specs.items()}
     rows = [(compiled[k], random_sampler(seed, bias)) for k in specs for seed in range(3)]
     # The model's own greedy choice under the mask (a tool without integers: the demo
     # model counts digits forever).
-    weather = grammars.compile(grammar.tool_call(TOOLS, name="get_weather"))
+    weather = grammars.compile(grammar.tool_call(STRICT_TOOLS, name="get_weather"))
     rows += [(weather, None)]
     results = decode(model, tok, rows, max_tokens=300)
     for (tokens, reason, m), (g, _) in zip(results, rows):
@@ -418,7 +420,7 @@ def test_mistral_tool_calls_follow_its_markers(mistral_tokenizer):
     tok, args_marker = mistral_tokenizer
     grammars = Grammars(tok)
     assert grammars.tool_format.parser == "mistral" and grammars.tool_format.args_marker == args_marker
-    g = grammars.compile(grammar.tool_call(TOOLS, parallel=True))
+    g = grammars.compile(grammar.tool_call(STRICT_TOOLS, parallel=True))
     bias = closers_bias(tok, grammars.vocab_size)
     for seed in range(4):
         m, sample = g.matcher(), random_sampler(seed, bias)
@@ -434,7 +436,7 @@ def test_mistral_tool_calls_follow_its_markers(mistral_tokenizer):
         text = tok.decode(tokens)
         assert m.accepting and m.error is None, text
         assert text.startswith("[TOOL_CALLS]")
-        calls = mistral.parse_tool_call(text.removeprefix("[TOOL_CALLS]"), TOOLS)
+        calls = mistral.parse_tool_call(text.removeprefix("[TOOL_CALLS]"), STRICT_TOOLS)
         calls = calls if isinstance(calls, list) else [calls]
         assert calls and (not args_marker or text.count("[TOOL_CALLS]") == len(calls))
         for call in calls:
@@ -486,7 +488,7 @@ def test_a_schema_that_cannot_compile_names_the_unsupported_part(demo, schema, w
 def test_tool_choice_errors_name_their_param(demo):
     _, tok, grammars = demo
     with pytest.raises(GrammarError) as e:
-        grammar.tool_call(TOOLS, name="nope")
+        grammar.tool_call(STRICT_TOOLS, name="nope")
     assert e.value.param == "tool_choice" and "'nope'" in str(e.value)
     with pytest.raises(GrammarError) as e:
         grammars.compile(grammar.tool_call([{"type": "function", "function": {
@@ -498,5 +500,5 @@ def test_tool_choice_errors_name_their_param(demo):
     other = Grammars(tok)
     other.tool_format = grammar.ToolFormat("qwen3_coder", "<tool_call>", "</tool_call>")
     with pytest.raises(GrammarError) as e:
-        other.compile(grammar.tool_call(TOOLS))
+        other.compile(grammar.tool_call(STRICT_TOOLS))
     assert e.value.param == "tool_choice" and "qwen3_coder" in str(e.value)

@@ -14,7 +14,7 @@ import signal
 
 import mlx.core as mx
 import pytest
-from harness import BackendProcess, SSEStream, post_json, wait_until
+from tests.harness import BackendProcess, SSEStream, post_json, wait_until
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tomllib
 
-from harness import ROOT
+from tests.harness import ROOT
 
 PACKAGE = ROOT / "kvroute"
 # Lower layers first: a module may import its own layer and the ones before it.

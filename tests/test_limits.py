@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import redis as redis_py
-from harness import wait_until
+from tests.harness import wait_until
 
 from kvroute import config
 from kvroute.api.errors import APIError
@@ -24,7 +24,14 @@ from kvroute.serve.redis_server import RedisServer
 
 
 @pytest.fixture
-def redis():
+def redis(redis_db):
+    """An empty database of the session's Redis."""
+    return redis_db
+
+
+@pytest.fixture
+def own_redis():
+    """A redis-server of the test's own, which it stops."""
     server = RedisServer().start()
     yield server
     server.close()
@@ -115,10 +122,10 @@ def test_a_model_not_allowed_is_a_403():
     assert limits.allows({"scope": "b"}, "m2")  # no rule for b
 
 
-def test_with_redis_down_each_proxy_decides_alone(redis):
-    clear_of_a_minute_end(redis.url)  # the local windows are the same minutes
-    url = redis.url
-    redis.close()
+def test_with_redis_down_each_proxy_decides_alone(own_redis):
+    clear_of_a_minute_end(own_redis.url)  # the local windows are the same minutes
+    url = own_redis.url
+    own_redis.close()
     metrics = ProxyMetrics()
     limits = Limits(proxy_config(url, requests_per_minute=["a=2"], tokens_per_minute=["a=50"]),
                     metrics, Stats(["a", "other"]))

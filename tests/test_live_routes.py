@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import uuid
 
-import openai
 import pytest
 
-import harness
-from harness import BackendProcess, ProxyProcess, metric_sum, request
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, chat, metric_sum, request
 
 SECRET = "live-routes-secret"
 TOKEN = "live-routes-token"
@@ -43,22 +42,15 @@ def fleet(text_model, tmp_path_factory):
         yield f
 
 
-def chat(proxy: ProxyProcess, messages: list[dict]):
-    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
-    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=messages,
-                                                      max_tokens=8)
-    return raw.parse(), raw.headers
-
-
 def start_conversations(proxy: ProxyProcess, n: int) -> list[tuple[str, list[dict]]]:
     conversations = []
     for _ in range(n):  # one after another: each answered (and committed) before the next
         messages = [{"role": "system", "content": f"{uuid.uuid4().hex}: you keep the team's "
                      "log; answer briefly and note every decision. " * 8},
                     {"role": "user", "content": "Hello there."}]
-        r, headers = chat(proxy, messages)
-        messages.append({"role": "assistant", "content": r.choices[0].message.content})
-        conversations.append((headers["x-kvroute-backend"], messages))
+        r = chat(proxy, messages, MODEL, max_tokens=8)
+        messages.append({"role": "assistant", "content": r.completion.choices[0].message.content})
+        conversations.append((r.headers["x-kvroute-backend"], messages))
     homes = [home for home, _ in conversations]
     # Both backends hold conversations: otherwise staying put proves nothing.
     assert {"r1", "r2"} <= set(homes), homes
@@ -70,11 +62,12 @@ def follow_ups_stay_home(proxy: ProxyProcess, conversations: list, turns: int = 
     for home, messages in conversations:
         for turn in range(turns):
             messages.append({"role": "user", "content": f"And then ({turn})?"})
-            r, headers = chat(proxy, messages)
-            routes.append((home, headers["x-kvroute-backend"]))
-            reasons.append(headers["x-kvroute-route-reason"])
-            usages.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
-            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            r = chat(proxy, messages, MODEL, max_tokens=8)
+            routes.append((home, r.headers["x-kvroute-backend"]))
+            reasons.append(r.headers["x-kvroute-route-reason"])
+            usage = r.completion.usage
+            usages.append((usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens))
+            messages.append({"role": "assistant", "content": r.completion.choices[0].message.content})
     assert [home for home, _ in routes] == [got for _, got in routes], routes
     assert set(reasons) == {"live-route"}, reasons
     assert all(cached >= 0.5 * prompt for prompt, cached in usages), usages

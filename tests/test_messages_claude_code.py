@@ -28,8 +28,8 @@ from pathlib import Path
 
 import anthropic
 import pytest
-import harness
-from harness import BackendProcess, ProxyProcess, request
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, request
 
 from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL, MAX_POSITIONS
 
@@ -54,7 +54,7 @@ def strict_copy(model: Path, into: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(text_model, tool_model, tmp_path_factory):
+def fleet(text_model, tool_model, tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("claude-code")
     strict = strict_copy(text_model, tmp_path_factory.mktemp("strict"))
 
@@ -67,7 +67,7 @@ def fleet(text_model, tool_model, tmp_path_factory):
     def proxies(redis_url: str) -> list[ProxyProcess]:
         return [ProxyProcess(redis_url, logs, ["--api-key", f"{KEY}:claude-code"])]
 
-    with harness.fleet(backends, proxies) as f:
+    with harness.fleet(backends, proxies, redis_server.database()) as f:
         yield {**f, "proxy": f["proxies"][0]}
 
 
@@ -314,15 +314,16 @@ DOCUMENT = {"type": "document", "source": {"type": "text", "media_type": "text/p
      "messages.1.content.0: 'server_tool_use' blocks are not supported"),
     (lambda b: {**b, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "tools.0.type: Tool type 'web_search_20250305' is not supported"),
-    (lambda b: {**b, "tool_choice": {"type": "any"}},
-     "tool_choice.type: Forced tool use (tool_choice 'any' or 'tool') is not supported yet"),
-    (lambda b: {**b, "tool_choice": {"type": "tool", "name": "Bash"}},
-     "tool_choice.type: Forced tool use (tool_choice 'any' or 'tool') is not supported yet"),
+    (lambda b: {**{k: v for k, v in b.items() if k != "tools"}, "tool_choice": {"type": "any"}},
+     "tool_choice: A forced tool_choice ('any' or 'tool') needs 'tools'."),
+    (lambda b: {**b, "tool_choice": {"type": "tool"}},
+     "tool_choice.name: Field required"),
     (lambda b: {**b, "messages": [*b["messages"], {"role": "assistant", "content": "Sure"}]},
      "Prefilling assistant messages is not supported for this model."),
     (lambda b: {**b, "output_config": {"effort": "high", "format": {
-        "type": "json_schema", "schema": {"type": "object"}}}},
-     "output_config.format: Structured outputs are not supported"),
+        "type": "json_schema", "schema": {"type": "object", "properties": {
+            "a": {"type": "string", "format": "no-such-format"}}}}}},
+     "Constrained decoding cannot use the JSON schema: Unknown format: no-such-format"),
     # Found by the fuzzer: a block type that is no string crashed the refusal's wording.
     (lambda b: {**b, "system": [{"type": {}, "text": ""}]}, "system.0: "),
 ], ids=["role", "no-max_tokens", "max_tokens-0", "max_tokens-type", "no-model", "image",

@@ -11,11 +11,10 @@ from collections import defaultdict
 
 import openai
 import pytest
-from harness import BackendProcess, free_port, request, wait_until
+from tests.harness import BackendProcess, free_port, request, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.core.misses import REASONS
-from kvroute.serve.redis_server import RedisServer
 
 
 def samples(url: str) -> dict:
@@ -35,10 +34,9 @@ def value(metrics: dict, name: str, **labels) -> float:
 
 
 @pytest.fixture(scope="module")
-def system(text_model, tmp_path_factory):
+def system(text_model, tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("metrics")
-    redis = RedisServer()
-    redis.start()
+    redis = redis_server.database()
     common = ["--redis-url", redis.url, "--secret", "m"]
     backends = [BackendProcess(text_model, "alpha", logs, backend_id="alpha-1", extra=common),
                 BackendProcess(text_model, "beta", logs, backend_id="beta-1", extra=common)]
@@ -55,7 +53,6 @@ def system(text_model, tmp_path_factory):
     proxy.wait(10)
     for b in backends:
         b.stop()
-    redis.stop()
 
 
 def test_every_series_exists_before_its_first_event(system):

@@ -4,10 +4,10 @@ caches and a real disk tier: what the store holds, held, and would not keep."""
 from __future__ import annotations
 
 import mlx.core as mx
-from harness import wait_until
-from test_disk import make_cache as grown_cache
-from test_disk import make_tier
-from test_store import make_window_cache, tokens
+from tests.harness import wait_until
+from tests.test_disk import make_cache as grown_cache
+from tests.test_disk import make_tier
+from tests.test_store import make_window_cache, tokens
 
 from kvroute.backend.metrics import BackendMetrics
 from kvroute.backend.misses import Misses, view_headers

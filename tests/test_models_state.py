@@ -8,10 +8,9 @@ import time
 from kvroute.core.model_loads import (LOADED, LOADING, UNLOADED, ModelLoads, ModelState,
                                       STALE_AFTER, summarize)
 from kvroute.core import redis_keys
-from kvroute.serve.redis_server import RedisServer
 
 
-def test_publish_summarize_withdraw_and_load_requests():
+def test_publish_summarize_withdraw_and_load_requests(redis_db):
     async def main(url: str) -> None:
         a, b = ModelLoads(url), ModelLoads(url)
         await a.publish([ModelState("m1", "mac-a", LOADED, memory_bytes=10, loads=2),
@@ -41,11 +40,10 @@ def test_publish_summarize_withdraw_and_load_requests():
         await a.close()
         await b.close()
 
-    with RedisServer() as server:
-        asyncio.run(main(server.url))
+    asyncio.run(main(redis_db.url))
 
 
-def test_stale_states_are_ignored():
+def test_stale_states_are_ignored(redis_db):
     fresh = ModelState("m", "x", LOADED, updated_at=time.time())
     stale = ModelState("m", "y", LOADED, updated_at=time.time() - STALE_AFTER - 1)
 
@@ -55,8 +53,7 @@ def test_stale_states_are_ignored():
         assert [x.machine for x in (await s.states())["m"]] == ["x"]
         await s.close()
 
-    with RedisServer() as server:
-        asyncio.run(main(server.url))
+    asyncio.run(main(redis_db.url))
 
 
 def test_summary_reports_the_latest_error():

@@ -20,7 +20,7 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from harness import ServeProcess, SSEStream, get_json, request, wait_until
+from tests.harness import ServeProcess, SSEStream, chat, get_json, request, wait_until
 
 DEMO = {"path": "demo", "cache_bytes": "32MiB"}
 
@@ -45,8 +45,6 @@ class Deployment:
     def __init__(self, tmp: Path, model_cache: Path, idle: str = "6s"):
         self.serve = ServeProcess(config(idle), tmp, env={"KVROUTE_CACHE_DIR": str(model_cache)})
         self.proc, self.log, self.url = self.serve.proc, self.serve.log_path, self.serve.url
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
-                                    timeout=180)
         self.pids: set[int] = set()  # every process of the deployment seen so far
         self.most_backends = 0
         self._watching = True
@@ -84,9 +82,10 @@ class Deployment:
     def stats(self) -> dict[str, dict]:
         return {m["model"]: m for m in get_json(self.url + "/stats")["model_states"]}
 
-    def chat(self, model: str) -> str:
-        r = self.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8)
-        return r.choices[0].finish_reason
+    def finish_of(self, model: str) -> str:
+        """How a short answer of `model` finished."""
+        reply = chat(self, MESSAGES, model, timeout=180, max_tokens=8)
+        return reply.completion.choices[0].finish_reason
 
     def stop(self) -> None:
         self._watching = False
@@ -106,7 +105,7 @@ def test_models_in_any_order_never_more_than_the_limit(dep):
     assert listed["m1"]["state"] == "loaded"
     assert {listed[m]["state"] for m in ("m2", "m3", "broken")} == {"unloaded"}
     for model in ("m1", "m2", "m3", "m1", "m3", "m2"):
-        assert dep.chat(model) in ("stop", "length")
+        assert dep.finish_of(model) in ("stop", "length")
         assert dep.models()[model]["state"] == "loaded"
         assert set(dep.models()) == {"m1", "m2", "m3", "broken"}
     assert dep.most_backends <= 2, dep.most_backends
@@ -124,7 +123,7 @@ def test_concurrent_requests_for_a_cold_model_share_one_load(dep):
     stream = SSEStream(dep.url + "/v1/chat/completions",
                        {"model": "m3", "messages": MESSAGES, "max_tokens": 8}, timeout=180)
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
-        answers = list(pool.map(dep.chat, ["m3"] * 5))
+        answers = list(pool.map(dep.finish_of, ["m3"] * 5))
     assert all(a in ("stop", "length") for a in answers)
     # The stream started during the load: keep-alive comments, then the answer.
     assert stream.status == 200
@@ -183,7 +182,7 @@ def test_broken_model_gets_a_clear_error_and_the_others_keep_serving(dep):
     assert event["error"]["code"] == "model_load_failed" and done == "[DONE]", event
     # Then at once, from the recorded failure: a plain 503 that says why, no new attempt.
     with pytest.raises(openai.APIStatusError) as err:
-        dep.chat("broken")
+        dep.finish_of("broken")
     assert err.value.status_code == 503
     body = err.value.body if isinstance(err.value.body, dict) else {}
     assert body.get("code") == "model_load_failed", err.value.body
@@ -193,7 +192,7 @@ def test_broken_model_gets_a_clear_error_and_the_others_keep_serving(dep):
     assert s.status == 503 and s.headers["Content-Type"].startswith("application/json")
     assert len(re.findall(r"loading broken", dep.log.read_text())) == 1  # no retry storm
     assert dep.models()["broken"]["state"] == "unloaded"
-    assert dep.chat("m1") in ("stop", "length")
+    assert dep.finish_of("m1") in ("stop", "length")
 
 
 def test_no_room_answers_503_naming_the_limit(dep):
@@ -204,7 +203,7 @@ def test_no_room_answers_503_naming_the_limit(dep):
     wait_until(lambda: dep.models()["m2"]["state"] == "loading", 30, interval=0.05,
                what="m2 to be loading")
     with pytest.raises(openai.APIStatusError) as err:
-        dep.chat("m3")
+        dep.finish_of("m3")
     assert err.value.status_code == 503, err.value.body
     assert err.value.body["code"] == "model_capacity", err.value.body
     assert "max_loaded_models (2)" in err.value.body["message"], err.value.body
@@ -249,35 +248,33 @@ def test_sigterm_during_a_load_leaves_no_process(dep):
     stream.close()
 
 
-def test_a_proxy_wakes_a_model_on_another_machine(tmp_path, model_cache):
+def test_a_proxy_wakes_a_model_on_another_machine(tmp_path, model_cache, redis_db):
     """Two `kvroute serve` on one Redis: machine a serves `here`, machine b may load
     `there`. A request to a's proxy for `there` is loaded by b and answered."""
-    from kvroute.serve.redis_server import RedisServer
+    redis = redis_db
+    machines = []
+    try:
+        for machine, alias, preload in (("a", "here", True), ("b", "there", False)):
+            machines.append(ServeProcess(
+                {"machine": machine, "secret": "shared-secret", "internal_token": "shared-token",
+                 "redis": {"url": redis.url},
+                 "models": [{**DEMO, "alias": alias, "preload": preload}]},
+                tmp_path, name=machine, env={"KVROUTE_CACHE_DIR": str(model_cache)}))
+        url = machines[0].url
 
-    with RedisServer() as redis:
-        machines = []
-        try:
-            for machine, alias, preload in (("a", "here", True), ("b", "there", False)):
-                machines.append(ServeProcess(
-                    {"machine": machine, "secret": "shared-secret", "internal_token": "shared-token",
-                     "redis": {"url": redis.url},
-                     "models": [{**DEMO, "alias": alias, "preload": preload}]},
-                    tmp_path, name=machine, env={"KVROUTE_CACHE_DIR": str(model_cache)}))
-            url = machines[0].url
+        def listed():
+            models = {m["id"]: m["state"] for m in get_json(url + "/v1/models")["data"]}
+            return models == {"here": "loaded", "there": "unloaded"}
 
-            def listed():
-                models = {m["id"]: m["state"] for m in get_json(url + "/v1/models")["data"]}
-                return models == {"here": "loaded", "there": "unloaded"}
-
-            machines[0].wait_ready(listed, 120, what="a's model loaded and b's listed, unloaded")
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                                   timeout=180)
-            raw = client.chat.completions.with_raw_response.create(
-                model="there", messages=MESSAGES, max_tokens=8)
-            assert raw.headers["x-kvroute-backend"] == "b-there-1"
-            assert raw.parse().choices[0].finish_reason in ("stop", "length")
-            states = {m["model"]: m for m in get_json(url + "/stats")["model_states"]}
-            assert states["there"]["machine"] == "b" and states["there"]["loads"] == 1
-        finally:
-            for m in machines:
-                m.stop()
+        machines[0].wait_ready(listed, 120, what="a's model loaded and b's listed, unloaded")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=180)
+        raw = client.chat.completions.with_raw_response.create(
+            model="there", messages=MESSAGES, max_tokens=8)
+        assert raw.headers["x-kvroute-backend"] == "b-there-1"
+        assert raw.parse().choices[0].finish_reason in ("stop", "length")
+        states = {m["model"]: m for m in get_json(url + "/stats")["model_states"]}
+        assert states["there"]["machine"] == "b" and states["there"]["loads"] == 1
+    finally:
+        for m in machines:
+            m.stop()

@@ -7,7 +7,8 @@ import pytest
 
 from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
 
-from test_exit_paths import TOOLS, conversation
+from tests.harness import TOOLS
+from tests.test_exit_paths import conversation
 
 
 def client(backend) -> openai.OpenAI:
@@ -128,7 +129,7 @@ def test_sampling_parameters_accepted(backend):
 def test_errors_are_typed(backend):
     c = client(backend)
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model=backend.model_id, messages=conversation(), n=2)
+        c.chat.completions.create(model=backend.model_id, messages=conversation(), n=17)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="no-such-model", messages=conversation())

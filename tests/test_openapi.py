@@ -22,7 +22,7 @@ from typing import Any
 
 import jsonschema_rs
 import pytest
-from harness import post_json
+from tests.harness import post_json
 
 from kvroute import config
 from kvroute.api import openapi
@@ -39,6 +39,9 @@ COMPLETION = {"model": "demo", "prompt": "1 2 3", "max_tokens": 1}
 RESPONSES = {"model": "demo", "input": "Hi", "max_output_tokens": 1}
 MESSAGES = {"model": "demo", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
 COUNT = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}]}
+# A forced tool_choice needs tools (a rule over two fields): its edges are tried with one.
+WITH = {("chat", "tool_choice"): {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        ("responses", "tool_choice"): {"tools": [{"type": "function", "name": "f"}]}}
 
 # Self-contained schemas (each with its own $defs): a body judged by JSON Schema alone.
 BODIES = {  # name: (self-contained schema, base body, validation)
@@ -136,7 +139,8 @@ def _cases(name: str) -> list[tuple[str, dict, bool]]:
     for field, prop in schema["properties"].items():
         for alternative in _alternatives(prop, defs):
             for value, valid in _edges(alternative):
-                cases.append((field, {**copy.deepcopy(base), field: value}, valid))
+                cases.append((field, {**copy.deepcopy(base), **WITH.get((name, field), {}),
+                                      field: value}, valid))
     for field in schema.get("required", []):
         cases.append((field, {k: v for k, v in base.items() if k != field}, False))
     return cases
@@ -202,6 +206,9 @@ def test_described_edges_are_the_enforced_ones(name, field, body, valid):
     ("chat", {"messages": [{"role": "user"}]}, "messages[0].content"),
     ("chat", {"messages": [{"role": "tool", "content": "x", "tool_call_id": ""}]},
      "messages[0].tool_call_id"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ("chat", {"tool_choice": "required", "tools": []}, "tool_choice"),
     ("responses", {"input": [{"type": "reasoning"}]}, None),
     ("responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f"}]},
      "input[0].arguments"),

@@ -16,17 +16,16 @@ import uuid
 import mlx.core as mx
 import pytest
 import redis as redis_py
-from harness import BackendProcess, wait_until
-from test_disk import make_cache, make_tier, restore, same_state
-from test_disk_tier import chat, metric, next_turn, written
-from test_families import assert_entries_consistent, assert_same_answer, cached, conversation
-from test_store import make_window_cache, tokens
+from tests.harness import BackendProcess, chat, wait_until
+from tests.test_disk import make_cache, make_tier, restore, same_state
+from tests.test_disk_tier import GREEDY, metric, next_turn, written
+from tests.test_families import assert_entries_consistent, assert_same_answer, cached, conversation
+from tests.test_store import make_window_cache, tokens
 
 from kvroute.backend.kv_budget import describe_budgets, kv_rate
 from kvroute.backend.store import Store, cache_nbytes, prefix_cache
 from kvroute.devtools import arch_models
 from kvroute.core import redis_keys
-from kvroute.serve.redis_server import RedisServer
 
 KIB = 1024
 BUDGET = "1MiB"
@@ -211,13 +210,13 @@ def test_budgets_are_told_in_tokens_and_short_ones_warned(caplog):
 # -- real backends -------------------------------------------------------------------
 
 
-def test_a_prompt_over_the_ram_budget_is_served_from_disk_exactly(text_model, tmp_path):
-    redis = RedisServer().start()
+def test_a_prompt_over_the_ram_budget_is_served_from_disk_exactly(text_model, tmp_path, redis_db):
+    redis = redis_db
     backend = start(text_model, tmp_path, "--disk-cache-dir", str(tmp_path / "disk"),
                     "--redis-url", redis.url)
     try:
         messages = long_conversation()
-        turn1 = chat(backend, messages)
+        turn1 = chat(backend, messages, **GREEDY).body
         prompt = turn1["usage"]["prompt_tokens"]
         assert prompt > 1.5 * FITS
         wait_until(lambda: written(backend), 60, what="the whole prompt on disk")
@@ -237,13 +236,13 @@ def test_a_prompt_over_the_ram_budget_is_served_from_disk_exactly(text_model, tm
         ram, disk = wait_until(advertised, 30, what="the disk tier's keys in Redis")
         assert ram < disk
 
-        repeat = chat(backend, messages)
+        repeat = chat(backend, messages, **GREEDY).body
         assert cached(repeat) >= 0.9 * prompt
         assert_same_answer(repeat, turn1)  # turn 1 was a cold prefill
         follow = next_turn(messages, turn1)
-        hit = chat(backend, follow)
+        hit = chat(backend, follow, **GREEDY).body
         assert cached(hit) >= 0.9 * hit["usage"]["prompt_tokens"]
-        reference = chat(backend, follow, scope=uuid.uuid4().hex)
+        reference = chat(backend, follow, scope=uuid.uuid4().hex, **GREEDY).body
         assert cached(reference) == 0
         assert_same_answer(hit, reference)
         assert metric(backend, "kvroute_backend_cache_hits_total", tier="disk") >= 2
@@ -252,22 +251,21 @@ def test_a_prompt_over_the_ram_budget_is_served_from_disk_exactly(text_model, tm
         assert "is over the RAM budget (1.0 MiB): RAM keeps its first" in backend.log()
     finally:
         backend.stop()
-        redis.stop()
 
 
 def test_without_a_disk_tier_ram_keeps_the_longest_prefix_that_fits(text_model, tmp_path):
     backend = start(text_model, tmp_path)
     try:
         messages = long_conversation()
-        turn1 = chat(backend, messages)
+        turn1 = chat(backend, messages, **GREEDY).body
         assert turn1["usage"]["prompt_tokens"] > 1.5 * FITS
-        repeat = chat(backend, messages)
+        repeat = chat(backend, messages, **GREEDY).body
         assert cached(repeat) == FITS
         assert_same_answer(repeat, turn1)
         follow = next_turn(messages, turn1)
-        hit = chat(backend, follow)
+        hit = chat(backend, follow, **GREEDY).body
         assert cached(hit) == FITS
-        assert_same_answer(hit, chat(backend, follow, scope=uuid.uuid4().hex))
+        assert_same_answer(hit, chat(backend, follow, scope=uuid.uuid4().hex, **GREEDY).body)
         assert_entries_consistent(backend)
         assert metric(backend, "kvroute_backend_commits_over_budget_total", whole="dropped") >= 1
         assert metric(backend, "kvroute_backend_commits_refused_total") == 0
@@ -289,19 +287,19 @@ def test_an_untrimmable_family_keeps_its_checkpoints_that_fit_and_the_whole_on_d
     backend.start()
     try:
         messages = long_conversation(40)  # ~630 tokens, ~370 KiB of state
-        turn1 = chat(backend, messages)
+        turn1 = chat(backend, messages, **GREEDY).body
         prompt = turn1["usage"]["prompt_tokens"]
         (header,) = backend.cache()
         assert header["tokens"] < 32 and header["nbytes"] <= 100 * KIB
         if disk:
             wait_until(lambda: written(backend, 2), 60, what="the checkpoints on disk")
-        repeat = chat(backend, messages)
+        repeat = chat(backend, messages, **GREEDY).body
         assert cached(repeat) == (prompt - 1 if disk else header["tokens"])
         assert_same_answer(repeat, turn1)
         follow = next_turn(messages, turn1)
-        hit = chat(backend, follow)
+        hit = chat(backend, follow, **GREEDY).body
         assert cached(hit) >= (0.9 * prompt if disk else header["tokens"])
-        assert_same_answer(hit, chat(backend, follow, scope=uuid.uuid4().hex))
+        assert_same_answer(hit, chat(backend, follow, scope=uuid.uuid4().hex, **GREEDY).body)
         refused = metric(backend, "kvroute_backend_commits_refused_total")
         assert (refused == 0) if disk else (refused >= 2)
     finally:
@@ -317,13 +315,13 @@ def test_a_commit_kept_nowhere_is_refused_and_logged(text_model, tmp_path, disk,
     backend = start(text_model, tmp_path, *extra)
     try:
         messages = conversation()
-        first = chat(backend, messages)
+        first = chat(backend, messages, **GREEDY).body
         assert first["choices"][0]["message"]["content"] is not None  # served all the same
         wait_until(lambda: metric(backend, "kvroute_backend_commits_refused_total",
                                   reason=reason) >= 2, 10, what="checkpoint and finish refused")
         assert commits(backend) == 0
         assert backend.health()["cache"]["entries"] == 0
-        assert cached(chat(backend, messages)) == 0
+        assert cached(chat(backend, messages, **GREEDY).body) == 0
         assert "not keeping a prompt cache of" in backend.log()
     finally:
         backend.stop()

@@ -12,7 +12,7 @@ import uuid
 
 import openai
 import pytest
-from harness import BackendProcess, metric_sum, request, wait_until
+from tests.harness import BackendProcess, metric_sum, request, wait_until
 
 SYSTEM = ("You are the release assistant of a small team. Answer in short sentences, cite "
           "the ticket number when there is one, never invent a version, and keep the tone "
@@ -135,7 +135,7 @@ def test_a_restart_restores_the_shared_prompt_once(text_model, tmp_path):
     """Three sessions of one long system prompt on disk; after a SIGKILL and a restart,
     each one's next turn is cached and exact, and the shared prompt's blocks were
     written once and read back at most once."""
-    from test_disk_tier import kill
+    from tests.test_disk_tier import kill
 
     disk = tmp_path / "disk"
     first = start(text_model, tmp_path, "before", "--disk-cache-dir", str(disk))
@@ -155,7 +155,9 @@ def test_a_restart_restores_the_shared_prompt_once(text_model, tmp_path):
             follow = messages + [{"role": "assistant", "content": answer.choices[0].message.content},
                                  {"role": "user", "content": "And who reviews it?"}]
             hit = ask(again, follow)
-            assert cached(hit) >= answer.usage.prompt_tokens - 1
+            # Its turn 1 from disk; or, where RAM holds the shared prompt already and
+            # prefilling the few tokens after it beats reading them, from RAM.
+            assert cached(hit) >= answer.usage.prompt_tokens - 32
             same_answer(hit, ask(again, follow, scope=uuid.uuid4().hex))
         assert again.health()["disk"]["block_reads"] <= written["blocks"] < 1.5 * shared
         assert metric_sum(request(again.url + "/metrics")[2].decode(),

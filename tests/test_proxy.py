@@ -15,8 +15,8 @@ from pathlib import Path
 
 import openai
 import pytest
-import harness
-from harness import BackendProcess, SSEStream, request, wait_until
+from tests import harness
+from tests.harness import BackendProcess, SSEStream, chat, client, request, wait_until
 
 from kvroute.devtools.demo_model import DEMO_REPLY
 
@@ -50,15 +50,6 @@ def fleet(text_model, tmp_path_factory):
         yield f
 
 
-def client(proxy: ProxyProcess, key: str = KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0)
-
-
-def chat(proxy, messages, model=MODEL_A, **kw):
-    raw = client(proxy).chat.completions.with_raw_response.create(model=model, messages=messages, **kw)
-    return raw.parse(), raw.headers
-
-
 def new_conversation(system: str | None = None) -> list[dict]:
     system = system or f"{uuid.uuid4().hex}: you help a team of engineers. " * 4
     return [{"role": "system", "content": system}, {"role": "user", "content": "Hello there."}]
@@ -68,10 +59,10 @@ def run_turns(proxy, messages, turns, start=0):
     """Runs turns, appending replies; returns [(backend, prompt_tokens, cached_tokens)]."""
     out = []
     for i in range(turns):
-        r, headers = chat(proxy, messages)
-        out.append((headers["x-kvroute-backend"], r.usage.prompt_tokens,
-                    r.usage.prompt_tokens_details.cached_tokens))
-        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+        r = chat(proxy, messages, MODEL_A, key=KEY)
+        out.append((r.headers["x-kvroute-backend"], r.completion.usage.prompt_tokens,
+                    r.completion.usage.prompt_tokens_details.cached_tokens))
+        messages += [{"role": "assistant", "content": r.completion.choices[0].message.content},
                      {"role": "user", "content": f"Tell me more ({start + i})."}]
     return out
 
@@ -113,11 +104,11 @@ def test_partial_prefill_regression_retry_returns_to_turn1_backend(fleet):
     load. It must go back to turn 1's backend and find more than turn 1 cached."""
     proxy = fleet["proxies"][0]
     messages = new_conversation()
-    first, headers = chat(proxy, messages)
-    home = fleet["backends"][headers["x-kvroute-backend"]]
-    turn1 = first.usage.prompt_tokens + first.usage.completion_tokens
+    first = chat(proxy, messages, MODEL_A, key=KEY)
+    home = fleet["backends"][first.headers["x-kvroute-backend"]]
+    turn1 = first.completion.usage.prompt_tokens + first.completion.usage.completion_tokens
     log = " ".join(f"line {i}: request served in {i % 17} ms." for i in range(300))
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+    messages += [{"role": "assistant", "content": first.completion.choices[0].message.content},
                  {"role": "user", "content": f"Here is the log:\n{log}"}]
     stream = SSEStream(proxy.url + "/v1/chat/completions",
                        {"model": MODEL_A, "messages": messages, "max_tokens": 2,
@@ -136,11 +127,11 @@ def test_partial_prefill_regression_retry_returns_to_turn1_backend(fleet):
     wait_until(lambda: not live_pending_marks(fleet["redis"].url), timeout=10,
                what="turn 2's routing marks to lapse")
     # Through the other proxy: it knows only what Redis says, not this proxy's choices.
-    retry, headers = chat(fleet["proxies"][1], messages, max_tokens=2)
-    assert headers["x-kvroute-backend"] == home.backend_id
+    retry = chat(fleet["proxies"][1], messages, MODEL_A, key=KEY, max_tokens=2)
+    assert retry.headers["x-kvroute-backend"] == home.backend_id
     # Sent there because Redis still lists turn 1's prefix for it, not by a tie.
-    assert int(headers["x-kvroute-prefix-blocks"]) > 0, dict(headers)
-    assert retry.usage.prompt_tokens_details.cached_tokens > turn1 + 256
+    assert int(retry.headers["x-kvroute-prefix-blocks"]) > 0, dict(retry.headers)
+    assert retry.completion.usage.prompt_tokens_details.cached_tokens > turn1 + 256
 
 
 def _concurrently(fn, n):
@@ -165,7 +156,8 @@ def test_new_conversations_spread_over_both_backends(fleet):
     proxy = fleet["proxies"][0]
     # Longer prompts give each request prefill work, which is what spreads a burst.
     backends = _concurrently(
-        lambda i: chat(proxy, new_conversation(f"{uuid.uuid4().hex} " * 60))[1]["x-kvroute-backend"], 8)
+        lambda i: chat(proxy, new_conversation(f"{uuid.uuid4().hex} " * 60), MODEL_A,
+                       key=KEY).headers["x-kvroute-backend"], 8)
     counts = {b: backends.count(b) for b in set(backends)}
     assert set(counts) == {"a1", "a2"}, counts
 
@@ -175,27 +167,28 @@ def test_burst_sharing_a_new_system_prompt_lands_together(fleet):
     system = f"{uuid.uuid4().hex}: shared instructions for the whole team. " * 6
     backends = _concurrently(
         lambda i: chat(proxy, [{"role": "system", "content": system},
-                               {"role": "user", "content": f"Question {i}"}])[1]["x-kvroute-backend"], 4)
+                               {"role": "user", "content": f"Question {i}"}], MODEL_A,
+                       key=KEY).headers["x-kvroute-backend"], 4)
     assert len(set(backends)) == 1, backends
 
 
 def test_model_b_never_reaches_model_a_backends(fleet):
     proxy = fleet["proxies"][1]
     for _ in range(4):
-        r, headers = chat(proxy, new_conversation(), model=MODEL_B)
-        assert headers["x-kvroute-backend"] == "b1"
-        assert r.choices[0].message.content == DEMO_REPLY
+        r = chat(proxy, new_conversation(), model=MODEL_B, key=KEY)
+        assert r.headers["x-kvroute-backend"] == "b1"
+        assert r.completion.choices[0].message.content == DEMO_REPLY
 
 
 def test_models_lists_the_union(fleet):
-    ids = {m.id for m in client(fleet["proxies"][0]).models.list()}
+    ids = {m.id for m in client(fleet["proxies"][0], KEY).models.list()}
     assert ids == {MODEL_A, MODEL_B}
 
 
 def test_errors_unknown_model_bad_json_wrong_key(fleet):
     proxy = fleet["proxies"][0]
     with pytest.raises(openai.NotFoundError):
-        chat(proxy, new_conversation(), model="no-such-model")
+        chat(proxy, new_conversation(), model="no-such-model", key=KEY)
     status, _, data = request(proxy.url + "/v1/chat/completions", "POST", raw=b"{bad json",
                               headers={"Authorization": f"Bearer {KEY}"})
     assert status == 400 and json.loads(data)["error"]["code"] == "invalid_json"
@@ -251,16 +244,16 @@ def test_redis_stopped_requests_still_succeed(fleet):
     redis.stop()
     try:
         for _ in range(3):
-            r, headers = chat(proxy, new_conversation())
-            assert r.choices[0].message.content == DEMO_REPLY
-            assert headers["x-kvroute-route-reason"] == "no-registry"
+            r = chat(proxy, new_conversation(), MODEL_A, key=KEY)
+            assert r.completion.choices[0].message.content == DEMO_REPLY
+            assert r.headers["x-kvroute-route-reason"] == "no-registry"
     finally:
         redis.restart()
     # Back to cache-aware routing once Redis answers and backends re-advertise.
     messages = new_conversation()
     run_turns(proxy, messages, 1)
-    wait_until(lambda: chat(proxy, messages[:2])[1]["x-kvroute-route-reason"] == "cache-hit", 15,
-               interval=0.2, what="cache-aware routing to resume")
+    wait_until(lambda: chat(proxy, messages[:2], MODEL_A, key=KEY).headers["x-kvroute-route-reason"]
+               == "cache-hit", 15, interval=0.2, what="cache-aware routing to resume")
 
 
 def test_sigkill_of_the_holding_backend_fails_over_without_client_error(fleet):
@@ -292,9 +285,9 @@ def test_sigkill_of_the_holding_backend_fails_over_without_client_error(fleet):
     rest = list(events)
     assert rest[-1] == "[DONE]" and "error" in rest[-2], rest[-3:]
     t0 = time.monotonic()
-    r, headers = chat(proxy, messages)  # no client-visible error
-    assert headers["x-kvroute-backend"] == other
-    assert r.choices[0].message.content == DEMO_REPLY
+    r = chat(proxy, messages, MODEL_A, key=KEY)  # no client-visible error
+    assert r.headers["x-kvroute-backend"] == other
+    assert r.completion.choices[0].message.content == DEMO_REPLY
     assert time.monotonic() - t0 < 10
     # Restore the fleet for anything that runs after.
     restarted = BackendProcess(fleet["backends"][holder].model, MODEL_A,

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 from kvroute.backend.publisher import Publisher
 from kvroute.backend.store import Store
 from kvroute.core.registry import BackendRecord, Registry
-from test_registry import MODEL, chain_of, conv, poll, record, run, server  # noqa: F401
+from tests.test_registry import MODEL, chain_of, conv, own_server, poll, record, run, server  # noqa: F401
 
 _TOKENS = 8
 
@@ -137,9 +137,9 @@ def test_a_load_change_is_published_at_once_and_bursts_are_coalesced(server):
     run(main())
 
 
-def test_publisher_readvertises_after_redis_restarts_empty(server):
+def test_publisher_readvertises_after_redis_restarts_empty(own_server):
     async def main():
-        reg = Registry(server.url, record_ttl=1.0, retry_after=0.05)
+        reg = Registry(own_server.url, record_ttl=1.0, retry_after=0.05)
         store = Store(budget_bytes=1 << 30)
         pub = publisher(reg, record("b1"), store)
         await pub.start()
@@ -148,7 +148,7 @@ def test_publisher_readvertises_after_redis_restarts_empty(server):
         await poll(lambda: _eq(_depth(reg, chain), len(chain)), what="first publish")
         resyncs = pub.resyncs
 
-        await asyncio.to_thread(server.restart)  # same port, empty
+        await asyncio.to_thread(own_server.restart)  # same port, empty
         # No new insert: the publisher notices and re-advertises its snapshot by itself.
         await poll(lambda: _eq(_depth(reg, chain), len(chain)), what="re-advertise after restart")
         assert pub.resyncs > resyncs
@@ -158,9 +158,9 @@ def test_publisher_readvertises_after_redis_restarts_empty(server):
     run(main())
 
 
-def test_publisher_keeps_running_while_redis_is_down_and_recovers(server):
+def test_publisher_keeps_running_while_redis_is_down_and_recovers(own_server):
     async def main():
-        reg = Registry(server.url, record_ttl=1.0, op_timeout=0.3, retry_after=0.05)
+        reg = Registry(own_server.url, record_ttl=1.0, op_timeout=0.3, retry_after=0.05)
         store = Store(budget_bytes=1 << 30)
         pub = publisher(reg, record("b1"), store)
         await pub.start()
@@ -168,7 +168,7 @@ def test_publisher_keeps_running_while_redis_is_down_and_recovers(server):
         commit(store, before, 0)
         await poll(lambda: _eq(_depth(reg, before), len(before)), what="first publish")
 
-        await asyncio.to_thread(server.stop)
+        await asyncio.to_thread(own_server.stop)
 
         async def retried():
             return not pub.connected and pub.failures >= 3
@@ -178,7 +178,7 @@ def test_publisher_keeps_running_while_redis_is_down_and_recovers(server):
         commit(store, during, 100)
         assert not pub._task.done()
 
-        await asyncio.to_thread(server.start)  # same port, empty
+        await asyncio.to_thread(own_server.start)  # same port, empty
         await poll(lambda: _eq(_depth(reg, before), len(before)), what="old entries re-advertised")
         await poll(lambda: _eq(_depth(reg, during), len(during)), what="outage insert published")
         assert pub.connected
@@ -188,14 +188,14 @@ def test_publisher_keeps_running_while_redis_is_down_and_recovers(server):
     run(main())
 
 
-def test_publisher_stop_when_redis_is_down_does_not_hang(server):
+def test_publisher_stop_when_redis_is_down_does_not_hang(own_server):
     async def main():
-        reg = Registry(server.url, op_timeout=0.3)
+        reg = Registry(own_server.url, op_timeout=0.3)
         store = Store(budget_bytes=1 << 30)
         pub = publisher(reg, record("b1"), store)
         await pub.start()
         await poll(lambda: _true(pub.connected), what="connected")
-        await asyncio.to_thread(server.stop)
+        await asyncio.to_thread(own_server.stop)
         t0 = time.monotonic()
         await pub.stop(withdraw=True)
         assert time.monotonic() - t0 < 10.0  # bounded by op_timeout (0.3 s), with margin
@@ -204,14 +204,14 @@ def test_publisher_stop_when_redis_is_down_does_not_hang(server):
     run(main())
 
 
-# -- regressions found by bench/reliability.py --------------------------------------------
+# -- regressions found by bench.reliability -----------------------------------------------
 
 
-def test_regression_eviction_while_redis_is_unreachable_is_withdrawn(server):
+def test_regression_eviction_while_redis_is_unreachable_is_withdrawn(own_server):
     """A resync after an outage dropped the evictions queued meanwhile without
     withdrawing them: Redis kept advertising keys the store no longer held."""
     async def main():
-        reg = Registry(server.url, record_ttl=1.0, op_timeout=0.3, retry_after=0.05)
+        reg = Registry(own_server.url, record_ttl=1.0, op_timeout=0.3, retry_after=0.05)
         store = Store(budget_bytes=1 << 30)
         pub = publisher(reg, record("b1"), store)
         await pub.start()
@@ -221,12 +221,12 @@ def test_regression_eviction_while_redis_is_unreachable_is_withdrawn(server):
         await poll(lambda: _eq(_depth(reg, gone), len(gone)), what="both published")
         shared = next(i for i, (a, b) in enumerate(zip(kept, gone)) if a != b)
         failures = pub.failures
-        server.pause()  # hung: connections stay open, nothing answers
+        own_server.pause()  # hung: connections stay open, nothing answers
         try:
             await poll(lambda: _true(pub.failures > failures), what="the publisher to see the outage")
             store.remove(gone_id)  # releases only the keys `kept` does not share
         finally:
-            server.resume()
+            own_server.resume()
         resyncs = pub.resyncs
         await poll(lambda: _true(pub.resyncs > resyncs and pub.connected), what="a resync")
         await poll(lambda: _eq(_depth(reg, gone), shared), what="the evicted keys withdrawn")

@@ -20,7 +20,15 @@ SALT = make_salt("registry-test")
 
 
 @pytest.fixture
-def server():
+def server(redis_db):
+    """An empty database of the session's Redis."""
+    return redis_db
+
+
+@pytest.fixture
+def own_server():
+    """A redis-server of the test's own: it stops, pauses it or flushes its scripts
+    (every database's)."""
     with RedisServer() as s:
         yield s
 
@@ -245,7 +253,7 @@ def test_each_tier_sees_that_redis_lost_its_keys(server):
         assert await reg.heartbeat(rec, "ram") is False
         assert await reg.heartbeat(rec, "disk") is False  # the record exists, its keys do not
         assert await reg.heartbeat(rec, "ram") is True and await reg.heartbeat(rec, "disk") is True
-        await reg._redis.flushall()  # Redis restarted empty
+        await reg._redis.flushdb()  # Redis restarted empty
         assert await reg.heartbeat(rec, "disk") is False
         assert await reg.heartbeat(rec, "ram") is False  # though the disk beat rewrote the record
         await reg.close()
@@ -301,19 +309,19 @@ def test_pending_marks_count_and_expire(server):
 # -- failures -------------------------------------------------------------------
 
 
-def test_lookup_returns_none_within_deadline_when_redis_hangs_or_dies(server):
+def test_lookup_returns_none_within_deadline_when_redis_hangs_or_dies(own_server):
     async def main():
         # Timeouts far apart, so each bound below tells which one acted with a wide margin
         # for a loaded machine: a lookup waits at most its own deadline (0.5 s), never the
         # operations' (2 s); within retry_after (2 s) it does not wait on Redis at all.
-        reg = Registry(server.url, lookup_timeout=0.5, op_timeout=2.0, retry_after=2.0)
+        reg = Registry(own_server.url, lookup_timeout=0.5, op_timeout=2.0, retry_after=2.0)
         r1 = record("b1")
         chain = chain_of(conv(2))
         await reg.heartbeat(r1)
         await reg.advertise("b1", r1.instance_id, MODEL, chain)
         assert (await reg.lookup(MODEL, chain))["b1"].depth == len(chain)
 
-        server.pause()  # SIGSTOP: the socket accepts, nothing answers
+        own_server.pause()  # SIGSTOP: the socket accepts, nothing answers
         try:
             t0 = time.monotonic()
             assert await reg.lookup(MODEL, chain) is None
@@ -333,7 +341,7 @@ def test_lookup_returns_none_within_deadline_when_redis_hangs_or_dies(server):
                 await reg.advertise("b1", r1.instance_id, MODEL, chain)
             write = time.monotonic() - t0
         finally:
-            server.resume()
+            own_server.resume()
         print(f"\nlookup on a hung Redis: {hung * 1e3:.1f} ms, next one {fast * 1e3:.2f} ms, "
               f"advertise failed after {write * 1e3:.0f} ms")
         assert hung < 1.5, hung  # the lookup deadline acted, not op_timeout
@@ -351,7 +359,7 @@ def test_lookup_returns_none_within_deadline_when_redis_hangs_or_dies(server):
 
         await poll(answers, deadline=10.0, what="lookup after SIGCONT")
 
-        await asyncio.to_thread(server.stop)
+        await asyncio.to_thread(own_server.stop)
         t0 = time.monotonic()
         assert await reg.lookup(MODEL, chain) is None
         assert time.monotonic() - t0 < 1.5  # refused connections: within the lookup deadline
@@ -413,16 +421,16 @@ def test_a_lone_lookup_goes_at_once_and_a_burst_shares_pipelines(server):
     run(main())
 
 
-def test_a_lone_lookup_after_redis_lost_its_scripts_is_answered(server):
+def test_a_lone_lookup_after_redis_lost_its_scripts_is_answered(own_server):
     """When Redis has lost the scripts (a restart, a failover), a lookup loads them
     again and answers, instead of answering "unknown"."""
     import redis as redis_py
 
     async def main():
-        reg = Registry(server.url)
+        reg = Registry(own_server.url)
         chain = await advertise_one(reg)
         assert (await reg.lookup(MODEL, chain, timeout=10.0))["b1"].depth == len(chain)
-        redis_py.Redis.from_url(server.url).script_flush()
+        redis_py.Redis.from_url(own_server.url).script_flush()
         found = await reg.lookup(MODEL, chain, timeout=10.0)
         assert found is not None and found["b1"].depth == len(chain)
         await reg.close()
@@ -521,7 +529,7 @@ def test_redis_holds_no_prompt_text(server):
     run(main())
 
 
-# -- regressions found by bench/reliability.py --------------------------------------------
+# -- regressions found by bench.reliability -----------------------------------------------
 
 
 def test_regression_withdrawn_keys_leave_the_backend_index(server):

@@ -1,4 +1,4 @@
-"""Reliability under load and faults (the quick variant of bench/reliability.py), and
+"""Reliability under load and faults (the quick variant of `python -m bench.reliability`), and
 regression tests for the bugs its runs found.
 
 The first part runs `kvroute serve` (2 demo backends, the proxy) against an external
@@ -28,13 +28,12 @@ from pathlib import Path
 import orjson
 import pytest
 from aiohttp import web
-from harness import SSEStream, free_port, get_json, request, wait_until
+from tests.harness import SSEStream, free_port, get_json, request, wait_until
 
 from kvroute.core.prefix import DEFAULT_BLOCK_BYTES, chat_chain, fingerprint, make_salt
-from kvroute.serve.redis_server import RedisServer
 from kvroute.core.registry import BackendRecord, Registry, new_instance_id
 
-import reliability as rel
+from bench import reliability as rel
 
 SOAK = os.environ.get("KVROUTE_SOAK", "") not in ("", "0")
 # Soak: 200 clients in three rounds, SIGSTOP 15 s, Redis unreachable 30 s.
@@ -237,9 +236,9 @@ class Proxy:
 
 
 @pytest.fixture
-def fakes(tmp_path):
+def fakes(tmp_path, redis_db):
     """Redis, two fake backends (heartbeats not started) and a proxy process."""
-    redis = RedisServer().start()
+    redis = redis_db
     beats = Heartbeats(redis.url)
     backends = {bid: FakeBackend(bid) for bid in ("b1", "b2")}
     proxy = Proxy(redis.url, tmp_path)
@@ -248,7 +247,6 @@ def fakes(tmp_path):
     beats.close()
     for b in backends.values():
         b.close()
-    redis.close()
 
 
 def _conversation() -> dict:

@@ -24,8 +24,8 @@ from openai.types.responses import (Response, ResponseCustomToolCall, ResponseFu
 from openai.types.responses.response_output_item import LocalShellCall
 from pydantic import TypeAdapter
 
-import harness
-from harness import BackendProcess, ProxyProcess, get_json, request
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, get_json, request
 
 from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
 from kvroute.proxy.agents import responses as responses_api
@@ -40,7 +40,7 @@ EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
 @pytest.fixture(scope="module")
-def fleet(text_model, tool_model, tmp_path_factory):
+def fleet(text_model, tool_model, tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("codex")
     common = ["--secret", SECRET, "--internal-token", TOKEN]
 
@@ -54,7 +54,7 @@ def fleet(text_model, tool_model, tmp_path_factory):
         return [ProxyProcess(redis_url, logs, [*common, "--api-key", f"{KEY}:team-a",
                                                "--api-key", f"{OTHER_KEY}:team-b"])]
 
-    with harness.fleet(backends, proxies) as f:
+    with harness.fleet(backends, proxies, redis_server.database()) as f:
         yield f["proxies"][0].url
 
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import uuid
 
-import openai
 import pytest
 import redis
 from tokenizers import Tokenizer
-import harness
-from harness import BackendProcess, ProxyProcess, SSEStream, request, wait_until
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, SSEStream, chat, request, wait_until
 
 SECRET = "routing-secret"
 TOKEN = "routing-token"
@@ -26,7 +25,7 @@ MODEL, ODD = "routing-model", "odd-model"
 
 
 @pytest.fixture(scope="module")
-def fleet(text_model, tmp_path_factory):
+def fleet(text_model, tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("routing")
 
     def backends(redis_url: str) -> list[BackendProcess]:
@@ -46,15 +45,8 @@ def fleet(text_model, tmp_path_factory):
         return [ProxyProcess(redis_url, logs, ["--secret", SECRET, "--internal-token", TOKEN])
                 for _ in range(2)]
 
-    with harness.fleet(backends, proxies) as f:
+    with harness.fleet(backends, proxies, redis_server.database()) as f:
         yield f
-
-
-def chat(proxy: ProxyProcess, messages: list[dict], model: str = MODEL, **kw):
-    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
-    raw = c.chat.completions.with_raw_response.create(model=model, messages=messages,
-                                                      max_tokens=8, **kw)
-    return raw.parse(), raw.headers
 
 
 def system_prompt() -> str:
@@ -68,9 +60,9 @@ def test_new_conversations_spread_and_follow_ups_stick(fleet):
     for i in range(6):  # one after another: each answered before the next starts
         messages = [{"role": "system", "content": system_prompt()},
                     {"role": "user", "content": "Hello there."}]
-        r, headers = chat(proxies[i % 2], messages)
-        messages.append({"role": "assistant", "content": r.choices[0].message.content})
-        conversations.append((headers["x-kvroute-backend"], messages))
+        r = chat(proxies[i % 2], messages, MODEL, max_tokens=8)
+        messages.append({"role": "assistant", "content": r.completion.choices[0].message.content})
+        conversations.append((r.headers["x-kvroute-backend"], messages))
     homes = [bid for bid, _ in conversations]
     assert min(homes.count("r1"), homes.count("r2")) >= 2, homes  # each at least a third
 
@@ -78,12 +70,12 @@ def test_new_conversations_spread_and_follow_ups_stick(fleet):
     for i, (home, messages) in enumerate(conversations):
         for turn in range(2):
             messages.append({"role": "user", "content": f"And then ({turn})?"})
-            r, headers = chat(proxies[(i + turn + 1) % 2], messages)
-            assert headers["x-kvroute-backend"] == home, (i, turn, headers)
-            assert headers["x-kvroute-route-reason"] == "cache-hit"
-            prompt += r.usage.prompt_tokens
-            cached += r.usage.prompt_tokens_details.cached_tokens
-            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            r = chat(proxies[(i + turn + 1) % 2], messages, MODEL, max_tokens=8)
+            assert r.headers["x-kvroute-backend"] == home, (i, turn, r.headers)
+            assert r.headers["x-kvroute-route-reason"] == "cache-hit"
+            prompt += r.completion.usage.prompt_tokens
+            cached += r.completion.usage.prompt_tokens_details.cached_tokens
+            messages.append({"role": "assistant", "content": r.completion.choices[0].message.content})
     assert cached >= 0.8 * prompt, (cached, prompt)
 
     # Backends publish their bytes per token: the proxy's predictions come out close
@@ -117,7 +109,7 @@ def test_a_batch_full_of_decodes_loses_new_prefixes(fleet, text_model):
         for _ in range(3):
             messages = [{"role": "system", "content": system_prompt()},
                         {"role": "user", "content": "Hello there."}]
-            homes.append(chat(proxy, messages)[1]["x-kvroute-backend"])
+            homes.append(chat(proxy, messages, MODEL, max_tokens=8).headers["x-kvroute-backend"])
         # Still full while they were routed: otherwise this run proves nothing.
         assert busy.health()["engine"]["decoding"] == 2
         assert homes == ["r2"] * 3, homes
@@ -137,10 +129,10 @@ def test_a_backend_with_another_secret_is_reported(fleet):
     messages = [{"role": "system", "content": system_prompt()},
                 {"role": "user", "content": "Hello there."}]
     for _ in range(2):
-        r, headers = chat(proxy, messages, model=ODD)
-        assert headers["x-kvroute-backend"] == "odd"
-        assert headers["x-kvroute-route-reason"] != "cache-hit"
-        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+        r = chat(proxy, messages, model=ODD, max_tokens=8)
+        assert r.headers["x-kvroute-backend"] == "odd"
+        assert r.headers["x-kvroute-route-reason"] != "cache-hit"
+        messages += [{"role": "assistant", "content": r.completion.choices[0].message.content},
                      {"role": "user", "content": "More."}]
     # Loud, once: one warning that names the backend and what differs.
     lines = [line for line in proxy.log().splitlines() if "odd" in line and "secret" in line]
@@ -180,6 +172,6 @@ def test_a_prefill_cut_short_is_found_again_by_its_retry(fleet):
     marks = redis.Redis.from_url(fleet["redis"].url)
     wait_until(lambda: not list(marks.scan_iter(f"kvr:{{m:{MODEL}}}:p:*")), 30, interval=0.2,
                what="the routing marks to expire")
-    r, headers = chat(fleet["proxies"][1], [*head, long])
-    assert headers["x-kvroute-backend"] == holder
-    assert r.usage.prompt_tokens_details.cached_tokens >= processed
+    r = chat(fleet["proxies"][1], [*head, long], MODEL, max_tokens=8)
+    assert r.headers["x-kvroute-backend"] == holder
+    assert r.completion.usage.prompt_tokens_details.cached_tokens >= processed

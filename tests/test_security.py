@@ -11,9 +11,8 @@ from unittest import mock
 
 import openai
 import pytest
-from harness import BackendProcess, free_port, request, wait_until
+from tests.harness import BackendProcess, free_port, request, wait_until
 
-from kvroute.serve.redis_server import RedisServer
 from kvroute.proxy.auth import check_api_key
 
 TOKEN = "backend-only-token"
@@ -22,10 +21,9 @@ PHRASE = "purple-elephant-" + uuid.uuid4().hex[:8]
 
 
 @pytest.fixture(scope="module")
-def system(text_model, tmp_path_factory):
+def system(text_model, tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("security")
-    redis = RedisServer()
-    redis.start()
+    redis = redis_server.database()
     backend = BackendProcess(text_model, "demo", logs, backend_id="sec-1",
                              extra=["--redis-url", redis.url, "--secret", "sec",
                                     "--internal-token", TOKEN])
@@ -43,7 +41,6 @@ def system(text_model, tmp_path_factory):
     proxy.terminate()
     proxy.wait(10)
     backend.stop()
-    redis.stop()
 
 
 def client(system, key: str) -> openai.OpenAI:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from harness import terminate, wait_until
+from tests.harness import terminate, wait_until
 from kvroute.core.redis_keys import record_key
 from kvroute.core.prefix import chat_chain, make_salt
 from kvroute.serve.redis_server import RedisServer, _die_with_parent, free_port, ping
@@ -279,7 +279,7 @@ def test_serve_on_sentinel_keeps_serving_through_a_failover(deployment, tmp_path
     advertise again and a new conversation's turn 2 hits on its backend."""
     import openai
 
-    from harness import ServeProcess, get_json
+    from tests.harness import ServeProcess, get_json
     from kvroute.devtools import demo_model
 
     d = deployment

@@ -13,9 +13,8 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from harness import free_port, get_json, request, wait_until
+from tests.harness import free_port, get_json, request, wait_until
 
-from kvroute.serve.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,9 +129,8 @@ def serve_cmd(config: Path) -> list[str]:
     return [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config)]
 
 
-def test_two_models_supervision_and_clean_shutdown(tmp_path, model_cache):
-    redis = RedisServer()
-    redis.start()
+def test_two_models_supervision_and_clean_shutdown(tmp_path, model_cache, redis_db):
+    redis = redis_db
     port = free_port()
     log = tmp_path / "serve.log"
     proc = start_serve(serve_cmd(write_config(tmp_path, redis.url, port)),
@@ -189,7 +187,6 @@ def test_two_models_supervision_and_clean_shutdown(tmp_path, model_cache):
     except TimeoutError:
         raise AssertionError(f"left in Redis: {list(r.scan_iter('kvr:*'))}\n{log.read_text()[-3000:]}")
     r.close()
-    redis.stop()
 
 
 def test_config_over_memory_is_refused_with_the_numbers(tmp_path, model_cache):
@@ -332,3 +329,91 @@ def test_a_backend_holds_its_port_from_start_to_serving():
     finally:
         for sock in socks:
             sock.close()
+
+
+def test_a_model_is_loaded_once_one_replica_answers_and_loading_before(tmp_path, model_cache):
+    """/v1/models says `loading` while no backend of a model answers /health (a request
+    meanwhile waits, then is answered), and `loaded` as soon as one replica does, while
+    the other is still starting. The replicas are held back with SIGSTOP: slow starts."""
+    import threading
+
+    from tests.harness import ServeProcess
+
+    serve = ServeProcess({"models": [{"path": "demo", "alias": "d", "replicas": 2,
+                                      "cache_bytes": "32MiB", "disk_cache_bytes": "0"}]},
+                         tmp_path, env={"KVROUTE_CACHE_DIR": str(model_cache)})
+    stopped: dict[str, psutil.Process] = {}
+    try:
+        def replicas() -> bool:
+            for p in psutil.Process(serve.proc.pid).children():
+                try:
+                    cmd = p.cmdline()
+                except psutil.Error:  # gone already (a short-lived helper)
+                    continue
+                if "backend" in cmd and "--id" in cmd and cmd[cmd.index("--id") + 1] not in stopped:
+                    p.send_signal(signal.SIGSTOP)
+                    stopped[cmd[cmd.index("--id") + 1]] = p
+            return len(stopped) == 2
+
+        serve.wait_ready(replicas, 60, interval=0.01, what="both replicas to start")
+
+        def state() -> str | None:
+            try:
+                listed = get_json(serve.url + "/v1/models")["data"]
+                return {m["id"]: m for m in listed}["d"]["state"]
+            except (OSError, KeyError):
+                return None
+
+        serve.wait_ready(state, 60, what="the proxy to list d")
+        assert state() == "loading"
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        answers = []
+        early = threading.Thread(target=lambda: answers.append(client.chat.completions.create(
+            model="d", messages=[{"role": "user", "content": "Hello there."}], max_tokens=4)))
+        early.start()
+        time.sleep(0.5)  # it is held: nothing can answer it yet
+        assert not answers and state() == "loading"
+        stopped["d-1"].send_signal(signal.SIGCONT)
+        serve.wait_ready(lambda: state() == "loaded", 60, what="d to be loaded")
+        early.join(60)
+        assert answers and answers[0].choices[0].finish_reason in ("stop", "length")
+        # d-2 is still stopped: one replica is enough to be loaded and to serve.
+        assert stopped["d-2"].status() == psutil.STATUS_STOPPED
+        assert client.chat.completions.create(
+            model="d", messages=[{"role": "user", "content": "Hi."}], max_tokens=4).choices
+    finally:
+        for p in stopped.values():
+            try:
+                p.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+        serve.stop()
+
+
+def test_the_memory_check_counts_the_running_budget_the_serve_flag_sets(tmp_path, model_cache):
+    """The demo model's full batch (32 x 8,192 tokens of KV) does not fit a 700 MiB
+    budget; with --max-running-tokens 16384 the KV term is 16 MiB, and serve starts."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--port", str(port), "--replicas", "1",
+           "--cache-bytes", "32MiB", "--memory-budget", "700MiB",
+           "--backend-port-base", str(free_port())]
+    env = {**os.environ, "KVROUTE_CACHE_DIR": str(model_cache), "COLUMNS": "200"}
+    out = subprocess.run([*cmd, "--max-running-tokens", "0"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 2 and "KV (32 x 8192 tokens x 1.0 KiB)" in out.stderr, out.stderr
+    assert "max_running_tokens" in out.stderr  # the refusal names what to lower
+    log = tmp_path / "serve.log"
+    proc = start_serve([*cmd, "--max-running-tokens", "16384"],
+                       {"KVROUTE_CACHE_DIR": str(model_cache)}, log)
+    try:
+        health = wait_proxy(port, 1, proc, log)
+        backend = get_json(health["backends"][0]["url"] + "/health")
+        assert backend["engine"]["max_running_tokens"] == 16384
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0)
+        assert client.chat.completions.create(
+            model="kvroute-demo", messages=[{"role": "user", "content": "Hi."}],
+            max_tokens=4).choices
+    finally:
+        stop(proc)

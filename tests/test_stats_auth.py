@@ -14,14 +14,14 @@ import sys
 
 import pytest
 
-import harness
-from harness import ProxyProcess, request
+from tests import harness
+from tests.harness import ProxyProcess, request
 
 TENANT, UNSCOPED, OPERATOR = "sk-tenant", "sk-plain", "sk-ops"
 
 
 @pytest.fixture(scope="module")
-def proxies(tmp_path_factory):
+def proxies(tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("stats-auth")
     keys = ["--api-key", f"{TENANT}:team-a", "--api-key", UNSCOPED,
             "--api-key", f"{OPERATOR}:operator"]
@@ -30,7 +30,7 @@ def proxies(tmp_path_factory):
         return [ProxyProcess(redis_url, logs, ["--secret", "s", *keys]),
                 ProxyProcess(redis_url, logs, ["--secret", "s"])]
 
-    with harness.fleet(lambda redis_url: [], proxies) as f:
+    with harness.fleet(lambda redis_url: [], proxies, redis_server.database()) as f:
         yield {"keyed": f["proxies"][0], "open": f["proxies"][1]}
 
 

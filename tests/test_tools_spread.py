@@ -16,11 +16,10 @@ from __future__ import annotations
 import json
 import uuid
 
-import openai
 import pytest
 
-import harness
-from harness import BackendProcess, ProxyProcess, request, wait_until
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, chat, request, tool, wait_until
 
 SECRET = "tools-secret"
 TOKEN = "tools-token"
@@ -28,7 +27,7 @@ MODEL = "tools-model"
 
 
 @pytest.fixture(scope="module")
-def fleet(text_model, tmp_path_factory):
+def fleet(text_model, tmp_path_factory, redis_server):
     logs = tmp_path_factory.mktemp("tools-spread")
 
     def backends(redis_url: str) -> list[BackendProcess]:
@@ -41,33 +40,26 @@ def fleet(text_model, tmp_path_factory):
         return [ProxyProcess(redis_url, logs, ["--secret", SECRET, "--internal-token", TOKEN])
                 for _ in range(2)]
 
-    with harness.fleet(backends, proxies) as f:
+    with harness.fleet(backends, proxies, redis_server.database()) as f:
         yield f
 
 
-def tool(name: str, what: str) -> dict:
-    return {"type": "function", "function": {
-        "name": name, "description": f"{what} Answers in JSON; fails with an error message.",
-        "parameters": {"type": "object", "required": ["query"], "properties": {
-            "query": {"type": "string", "description": f"What to {name.split('_')[0]}."},
-            "limit": {"type": "integer", "description": "At most this many results."}}}}}
+def team_tool(name: str, what: str) -> dict:
+    return tool(name, f"{what} Answers in JSON; fails with an error message.",
+                {"type": "object", "required": ["query"], "properties": {
+                    "query": {"type": "string", "description": f"What to {name.split('_')[0]}."},
+                    "limit": {"type": "integer", "description": "At most this many results."}}})
 
 
-TOOLS = [tool("search_docs", "Searches the team's documentation."),
-         tool("read_file", "Reads a file of the repository."),
-         tool("list_tickets", "Lists the open tickets of a project."),
-         tool("create_ticket", "Opens a ticket in the tracker."),
-         tool("run_query", "Runs a read-only SQL query on the warehouse."),
-         tool("send_message", "Posts a message in a chat channel."),
-         tool("get_weather", "Gives the weather forecast of a city."),
-         tool("book_room", "Books a meeting room for a time slot.")]
-
-
-def chat(proxy: ProxyProcess, messages: list[dict]):
-    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
-    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=messages,
-                                                      tools=TOOLS, max_tokens=8)
-    return raw.parse(), raw.headers
+# A team's tools, the one thing its conversations share.
+TEAM_TOOLS = [team_tool("search_docs", "Searches the team's documentation."),
+              team_tool("read_file", "Reads a file of the repository."),
+              team_tool("list_tickets", "Lists the open tickets of a project."),
+              team_tool("create_ticket", "Opens a ticket in the tracker."),
+              team_tool("run_query", "Runs a read-only SQL query on the warehouse."),
+              team_tool("send_message", "Posts a message in a chat channel."),
+              team_tool("get_weather", "Gives the weather forecast of a city."),
+              team_tool("book_room", "Books a meeting room for a time slot.")]
 
 
 def decisions(proxies: list[ProxyProcess]) -> list[dict]:
@@ -84,9 +76,9 @@ def test_conversations_sharing_only_tools_spread_and_follow_ups_stick(fleet):
         messages = [{"role": "system", "content": f"{uuid.uuid4().hex}: you are agent {i} "
                      "of a small team; use the tools when they help, and answer briefly."},
                     {"role": "user", "content": "Hello there."}]
-        r, headers = chat(proxies[i % 2], messages)
-        messages.append({"role": "assistant", "content": r.choices[0].message.content})
-        conversations.append((headers["x-kvroute-backend"], messages))
+        r = chat(proxies[i % 2], messages, MODEL, tools=TEAM_TOOLS, max_tokens=8)
+        messages.append({"role": "assistant", "content": r.completion.choices[0].message.content})
+        conversations.append((r.headers["x-kvroute-backend"], messages))
     homes = [bid for bid, _ in conversations]
     assert 3 <= homes.count("t1") <= 5, homes
 
@@ -99,11 +91,12 @@ def test_conversations_sharing_only_tools_spread_and_follow_ups_stick(fleet):
     for i, (home, messages) in enumerate(conversations):
         for turn in range(2):
             messages.append({"role": "user", "content": f"And then ({turn})?"})
-            r, headers = chat(proxies[(i + turn + 1) % 2], messages)
-            assert headers["x-kvroute-backend"] == home, (i, turn, headers)
-            assert headers["x-kvroute-route-reason"] == "cache-hit"
-            assert r.usage.prompt_tokens_details.cached_tokens >= 0.8 * r.usage.prompt_tokens
-            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            r = chat(proxies[(i + turn + 1) % 2], messages, MODEL, tools=TEAM_TOOLS, max_tokens=8)
+            assert r.headers["x-kvroute-backend"] == home, (i, turn, r.headers)
+            assert r.headers["x-kvroute-route-reason"] == "cache-hit"
+            usage = r.completion.usage
+            assert usage.prompt_tokens_details.cached_tokens >= 0.8 * usage.prompt_tokens
+            messages.append({"role": "assistant", "content": r.completion.choices[0].message.content})
     follow_ups = [d for d in decisions(proxies) if d not in first]
     assert len(follow_ups) == 16
     for d in follow_ups:

@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 import openai
 import pytest
 
-import harness
-from harness import BackendProcess, ProxyProcess, post_json, wait_until
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, post_json, wait_until
 from kvroute.config import ModelSpec
 from kvroute.core.prefix import chat_chain, make_salt
 from kvroute.core.registry import Registry
 from kvroute.core.model_loads import LOADED, NO_CAPACITY, UNLOADED, ModelLoads, ModelState
 from kvroute.devtools import demo_model
 from kvroute.serve.launcher import replica_cost
-from netns import Machines, machines, unavailable
+from tests.harness.netns import Machines, machines, unavailable
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli not installed")
 

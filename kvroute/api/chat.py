@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, StringConstraints, WithJsonSchema, model_validator
+from pydantic import Field, StringConstraints, Tag, WithJsonSchema, model_validator
 
-from .validation import Body, NonEmpty, Stop, invalid, only, refusing
+from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
 
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+MAX_CHOICES = 16
 
 
 class TextPart(Body):
@@ -94,8 +95,58 @@ class StreamOptions(Body):
     include_usage: bool | None = None
 
 
-class ResponseFormat(Body):
+class TextFormat(Body):
     type: Literal["text"]
+
+
+class JSONObjectFormat(Body):
+    type: Literal["json_object"]
+
+
+class JSONSchema(Body):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64,
+                                           pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    # Any JSON schema; the backend compiles it and refuses what it cannot enforce.
+    schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
+    # Accepted either way: every schema kvroute takes is enforced.
+    strict: bool | None = None
+
+
+class JSONSchemaFormat(Body):
+    type: Literal["json_schema"]
+    json_schema: JSONSchema
+
+
+def _format_type(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    return kind if kind in ("text", "json_object", "json_schema") else None
+
+
+ResponseFormat = Annotated[
+    Union[Annotated[TextFormat, Tag("text")], Annotated[JSONObjectFormat, Tag("json_object")],
+          Annotated[JSONSchemaFormat, Tag("json_schema")]],
+    tagged_by("type", _format_type,
+              "response_format.type must be 'text', 'json_object' or 'json_schema'.",
+              "invalid_value"),
+]
+
+
+class NamedFunction(Body):
+    name: NonEmpty
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[
+    Annotated[Literal["auto", "none", "required"], refusing(
+        "tool_choice is 'auto', 'none', 'required' or {{'type': 'function', 'function': "
+        "{{'name': ...}}}}.")],
+    NamedToolChoice,
+]
 
 
 # Decimal token ids only (int() would also take "+5", " 5", "1_0", other scripts' digits);
@@ -139,8 +190,16 @@ class GenerationBody(Body):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and unused, but typed as in OpenAI's API
-    n: Annotated[only(1), refusing("Only n=1 is supported.")] | None = None
-    best_of: Annotated[only(1), refusing("Only best_of=1 is supported.")] | None = None
+    # Extensions (mlx_lm.server's, vLLM's): sampling filters and the repetition penalty.
+    top_k: Annotated[int, Field(ge=0)] | None = None  # 0: off
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None  # 0: off
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None  # 1: off
+    repetition_context_size: Annotated[int, Field(ge=1, le=4096)] | None = None
+    # Choices decoded side by side after one prefill of the prompt (the first choice's).
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    best_of: Annotated[only(1), refusing(
+        "best_of is not supported: kvroute does not score and rank candidate answers. "
+        "Omit it (or send 1).")] | None = None
     echo: Annotated[only(False), refusing("'echo' is not supported.")] | None = None
     suffix: Annotated[Literal[""], refusing("'suffix' is not supported.")] | None = None
 
@@ -157,22 +216,31 @@ class ChatCompletionBody(GenerationBody):
         _STREAM_OPTIONS_NEED_STREAM,
         _requires("top_logprobs", {"type": "integer"},
                   {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}),
+        _requires("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]},
+                  {"required": ["tools"], "properties": {"tools": {"type": "array",
+                                                                   "minItems": 1}}}),
     ]}}
 
     messages: Annotated[list[Message], Field(min_length=1)]
     tools: list[Tool] | None = None
-    tool_choice: Annotated[Literal["auto", "none"], refusing(
-        "Only tool_choice 'auto' and 'none' are supported.")] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    response_format: Annotated[ResponseFormat, refusing(
-        "Only response_format {{'type': 'text'}} is supported.")] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionBody":
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
+        return self
+
+    @model_validator(mode="after")
+    def _forced_tool_needs_tools(self) -> "ChatCompletionBody":
+        if self.tool_choice not in (None, "auto", "none") and not self.tools:
+            raise invalid("tool_choice", "A forced tool_choice ('required' or a named "
+                          "function) needs 'tools'.", "missing_required_parameter")
         return self
 
 

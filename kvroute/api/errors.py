@@ -47,6 +47,19 @@ def not_found(message: str, param: str | None = None, code: str | None = None) -
     return APIError(404, message, "invalid_request_error", param, code)
 
 
+def embeddings_not_served() -> APIError:
+    """/v1/embeddings, on proxy and backend alike: a 404 that says why, not a bare one."""
+    return not_found(
+        "Embeddings are not served: kvroute routes chat and completion requests to the MLX "
+        "backend holding their prompt's KV cache, and an embedding has no cache to reuse. "
+        "Serve embeddings beside it (e.g. mlx-embeddings, Ollama) and point your client's "
+        "embeddings calls there.", code="embeddings_not_served")
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    raise embeddings_not_served()
+
+
 def server_error(message: str, code: str | None = None) -> APIError:
     return APIError(500, message, "server_error", None, code)
 

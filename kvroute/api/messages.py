@@ -119,10 +119,30 @@ class ClientTool(Body):
 
 
 class ToolChoice(Body):
-    type: Annotated[Literal["auto", "none"], refusing(
-        "Forced tool use (tool_choice 'any' or 'tool') is not supported yet: kvroute cannot "
-        "constrain decoding to a tool call. Use 'auto' or 'none'.")]
-    disable_parallel_tool_use: bool | None = None  # accepted, not enforced
+    model_config = {"json_schema_extra": {"allOf": [
+        {"if": {"properties": {"type": {"const": "tool"}}},
+         "then": {"required": ["name"], "properties": {"name": {"type": "string"}}}}]}}
+
+    type: Annotated[Literal["auto", "none", "any", "tool"], refusing(
+        "tool_choice.type is 'auto', 'none', 'any' or 'tool'.")]
+    name: NonEmpty | None = None  # the tool, for type 'tool'
+    # With 'any' or 'tool': one call rather than several.
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_is_named(self) -> "ToolChoice":
+        if self.type == "tool" and self.name is None:
+            raise invalid("tool_choice.name", "tool_choice of type 'tool' names the tool in "
+                          "'name'.", "missing_required_parameter")
+        return self
+
+
+class JSONSchemaFormat(Body):
+    """Structured outputs: the answer is JSON valid against `schema`."""
+
+    type: Annotated[Literal["json_schema"], refusing(
+        "The output format's type is 'json_schema'.", "invalid_value")]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
 
 
 class Metadata(Body):
@@ -131,12 +151,17 @@ class Metadata(Body):
 
 class OutputConfig(Body):
     effort: str | None = None  # accepted, without effect: kvroute's models do not reason
-    format: Annotated[None, refusing(
-        "Structured outputs are not supported: kvroute cannot constrain decoding to a "
-        "JSON schema.")] = None
+    format: JSONSchemaFormat | None = None
 
 
 class CountTokensBody(Body):
+    model_config = {"json_schema_extra": {"allOf": [
+        {"if": {"required": ["tool_choice"],
+                "properties": {"tool_choice": {"type": "object", "required": ["type"],
+                                               "properties": {"type": {"enum": ["any", "tool"]}}}}},
+         "then": {"required": ["tools"], "properties": {"tools": {"type": "array",
+                                                                  "minItems": 1}}}}]}}
+
     model: NonEmpty
     messages: Annotated[list[Message], Field(min_length=1)]
     system: Union[str, list[SystemBlock]] | None = None
@@ -149,12 +174,18 @@ class CountTokensBody(Body):
     output_config: OutputConfig | None = None
     metadata: Metadata | None = None
     service_tier: str | None = None
-    output_format: Annotated[None, refusing(
-        "Structured outputs are not supported: kvroute cannot constrain decoding to a "
-        "JSON schema.")] = None
+    output_format: JSONSchemaFormat | None = None  # the beta's name of output_config.format
     mcp_servers: Annotated[None, refusing(
         "The MCP connector is not supported: kvroute runs no server tools; give the tools "
         "as client tools.")] = None
+
+    @model_validator(mode="after")
+    def _forced_tool_needs_tools(self) -> "CountTokensBody":
+        if self.tool_choice is not None and self.tool_choice.type in ("any", "tool") \
+                and not self.tools:
+            raise invalid("tool_choice", "A forced tool_choice ('any' or 'tool') needs "
+                          "'tools'.")
+        return self
 
     @model_validator(mode="after")
     def _ends_with_the_user(self) -> "CountTokensBody":
@@ -174,5 +205,4 @@ class MessagesBody(CountTokensBody):
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
     stream: bool | None = None
-    top_k: Annotated[None, refusing(
-        "'top_k' is not supported; use temperature or top_p.")] = None
+    top_k: Annotated[int, Field(ge=0)] | None = None

@@ -17,8 +17,9 @@ from kvroute import __version__
 from .chat import ChatCompletionBody, CompletionBody
 from .messages import CountTokensBody, MessagesBody
 from .responses import ResponsesBody
-from .routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH,
-                     MESSAGES_COUNT_PATH, MESSAGES_PATH, MODELS_PATH, RESPONSES_PATH)
+from .routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, EMBEDDINGS_PATH,
+                     HEALTH_PATH, MESSAGES_COUNT_PATH, MESSAGES_PATH, MODELS_PATH,
+                     RESPONSES_PATH)
 from .validation import Body
 
 _REF = "#/components/schemas/{model}"
@@ -234,6 +235,10 @@ def spec(role: str) -> dict:
         HEALTH_PATH: _get("Liveness and state"),
         "/metrics": _get("Prometheus metrics", "text/plain"),
         "/openapi.json": _get("This description"),
+        EMBEDDINGS_PATH: {"post": {
+            "summary": "Not served: embeddings have no prompt cache to route by",
+            "responses": {"404": {"description": "Always: the error says why and where to go",
+                                  "content": {"application/json": {"schema": _ERROR}}}}}},
     }
     if proxy:
         paths[RESPONSES_PATH] = _agent(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, Tag, WithJsonSchema, model_validator
+from pydantic import Field, StringConstraints, Tag, WithJsonSchema, model_validator
 
 from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
 
@@ -216,24 +216,69 @@ class TextFormat(Body):
     type: Literal["text"]
 
 
+class JSONObjectFormat(Body):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(Body):
+    """Responses' json_schema format: chat's `json_schema` object, flattened."""
+
+    type: Literal["json_schema"]
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64,
+                                           pattern=r"^[A-Za-z0-9_-]+$")]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+    description: str | None = None
+    strict: bool | None = None  # accepted either way: every schema taken is enforced
+
+
+def _format_type(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    return kind if kind in ("text", "json_object", "json_schema") else None
+
+
+Format = Annotated[
+    Union[Annotated[TextFormat, Tag("text")], Annotated[JSONObjectFormat, Tag("json_object")],
+          Annotated[JSONSchemaFormat, Tag("json_schema")]],
+    tagged_by("type", _format_type, "text.format.type must be 'text', 'json_object' or "
+              "'json_schema'.", "invalid_value"),
+]
+
+
 class TextConfig(Body):
-    format: Annotated[TextFormat, refusing(
-        "Only text.format {{'type': 'text'}} is supported.")] | None = None
+    format: Format | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted, without effect
 
+
+class FunctionChoice(Body):
+    type: Literal["function"]
+    name: NonEmpty
+
+
+ToolChoice = Union[
+    Annotated[Literal["auto", "none", "required"], refusing(
+        "tool_choice is 'auto', 'none', 'required' or {{'type': 'function', 'name': ...}}.")],
+    FunctionChoice,
+]
 
 _USE_INPUT = "'{name}' is not supported; send 'input' (and 'previous_response_id' to continue " \
              "a stored response)."
 
 
 class ResponsesBody(Body):
+    # A forced tool_choice needs tools, stated for the description as for validation.
+    model_config = {"json_schema_extra": {"allOf": [{
+        "if": {"required": ["tool_choice"],
+               "properties": {"tool_choice": {"anyOf": [{"const": "required"},
+                                                        {"type": "object"}]}}},
+        "then": {"required": ["tools"], "properties": {"tools": {"type": "array",
+                                                                 "minItems": 1}}}}]}}
+
     model: NonEmpty
     input: Union[str, list[Item]]
     instructions: str | None = None
     previous_response_id: str | None = None
     tools: list[Tool] | None = None
-    tool_choice: Annotated[Literal["auto", "none"], refusing(
-        "Only tool_choice 'auto' and 'none' are supported.")] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
@@ -261,6 +306,13 @@ class ResponsesBody(Body):
     stream_options: dict[str, Any] | None = None
     conversation: Annotated[None, refusing(_USE_INPUT.format(name="conversation"))] = None
     prompt: Annotated[None, refusing(_USE_INPUT.format(name="prompt"))] = None
+
+    @model_validator(mode="after")
+    def _forced_tool_needs_tools(self) -> "ResponsesBody":
+        if self.tool_choice not in (None, "auto", "none") and not self.tools:
+            raise invalid("tool_choice", "A forced tool_choice ('required' or a named "
+                          "function) needs 'tools'.", "missing_required_parameter")
+        return self
 
     @model_validator(mode="after")
     def _shell_outputs_name_their_call(self) -> "ResponsesBody":

@@ -4,6 +4,7 @@ proxy counts requests by them."""
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
+EMBEDDINGS_PATH = "/v1/embeddings"  # answered, with why it is not served
 RESPONSES_PATH = "/v1/responses"  # the proxy's only, as are the two below
 MESSAGES_PATH = "/v1/messages"
 MESSAGES_COUNT_PATH = "/v1/messages/count_tokens"

@@ -9,7 +9,9 @@ flag, which the engine honours within one step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,10 +21,10 @@ import orjson
 from aiohttp import web
 
 from kvroute.api import openapi
-from kvroute.api.errors import APIError, bad_request, error_middleware, not_found
+from kvroute.api.errors import APIError, bad_request, embeddings, error_middleware, not_found
 from kvroute.api.http import SSE_DONE, SSE_HEADERS, json_response, read_json, sse_data
-from kvroute.api.routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, HEALTH_PATH,
-                                MODELS_PATH)
+from kvroute.api.routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, EMBEDDINGS_PATH,
+                                HEALTH_PATH, MODELS_PATH)
 from kvroute.config import BackendConfig
 from kvroute.core.usage import USAGE_HEADER, usage_comment
 
@@ -30,15 +32,18 @@ from .chunks import ChatBuilder, CompletionBuilder
 from .debug import describe_entries
 from .disk import DiskTier
 from .engine import Engine
+from .grammar import Grammar, GrammarError, Grammars, GrammarSpec
 from .jobs import Delta, Finish, Job
 from .metrics import BackendMetrics
 from .misses import view_headers
 from .prompt import Template
 from .publisher import Publisher
-from .requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from .requests import (ChatRequest, CompletionRequest, SamplingParams, parse_chat,
+                       parse_completion)
 from .store import Store
 
 STATE_KEY = web.AppKey("state", object)
+log = logging.getLogger("kvroute.backend.app")
 
 
 @dataclass
@@ -58,6 +63,8 @@ class State:
     disk: DiskTier | None = None
     disk_publisher: Publisher | None = None  # keeps the disk tier's key sets in Redis
     device: dict = field(default_factory=dict)  # accelerator, memory limits, warm-up seconds
+    grammars: Grammars | None = None  # compiled grammars; None: the tokenizer has none
+    grammars_missing: str = ""  # why not, for the 400 a constrained request gets
 
 
 def _state(request: web.Request) -> State:
@@ -101,7 +108,6 @@ async def _generate(
     _check_model(state, req.model)
     scope = _scope(request)
     prompt = await asyncio.to_thread(state.template.prompt, req, body, scope)
-    builder = builder_type(state.config.model_id, logprobs=req.params.logprobs)
     prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
     max_tokens = _budget(state, prompt.tokens, req.params.max_tokens, prompt_param)
     bias = req.params.logit_bias
@@ -110,34 +116,116 @@ async def _generate(
         raise bad_request(f"logit_bias token id {max(bias)} is outside the vocabulary "
                           f"(0 to {state.vocab_size - 1}).", param="logit_bias",
                           code="invalid_value")
-    job = Job(
-        prompt=prompt.tokens,
-        params=req.params,
-        max_tokens=max_tokens,
-        tools=prompt.tools,
-        loop=asyncio.get_running_loop(),
-        events=asyncio.Queue(),
-        chain=prompt.chain,
-        checkpoints=prompt.checkpoints,
-        extend_chain=prompt.extend,
-        partial_chain=prompt.partial,
-        scope=scope,
-        fault=req.fault if state.config.enable_faults else None,
-    )
+    grammar = None
+    if isinstance(req, ChatRequest) and req.grammar is not None:
+        grammar = await _compile(state, req.grammar)
+
+    def choice(i: int, after: Job | None) -> Job:
+        return Job(
+            prompt=prompt.tokens,
+            params=_nth(req.params, i),
+            max_tokens=max_tokens,
+            tools=prompt.tools,
+            loop=asyncio.get_running_loop(),
+            events=asyncio.Queue(),
+            chain=prompt.chain,
+            checkpoints=prompt.checkpoints,
+            extend_chain=prompt.extend,
+            partial_chain=prompt.partial,
+            scope=scope,
+            fault=req.fault if state.config.enable_faults else None,
+            grammar=grammar,
+            after=after,
+        )
+
+    job = choice(0, None)
+    jobs = [job, *(choice(i, job) for i in range(1, req.n))]
     if state.disk is not None:
         job.restored = await state.disk.prefetch(
             state.config.model_id, job.prompt, scope,
             lambda: state.store.depth(state.config.model_id, job.prompt, scope),
             state.engine.prefill_tps)
-    state.engine.submit(job)
+    first = builder_type(state.config.model_id, logprobs=req.params.logprobs)
+    builders = [first, *(builder_type(first.model, logprobs=first.logprobs, index=i, id=first.id,
+                                      created=first.created) for i in range(1, req.n))]
+    choices = Choices(jobs)
     try:
+        for j in jobs:
+            state.engine.submit(j)
         if req.stream:
-            return await _stream(request, job, builder, req.include_usage)
-        return await _whole(job, builder)
+            return await _stream(request, choices, builders, req.include_usage)
+        return await _whole(choices, builders)
     finally:
         # Runs on normal completion, on errors, and when aiohttp cancels the
         # handler because the client went away: the engine then frees the slot.
-        job.cancel()
+        choices.close()
+
+
+def _nth(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i's sampling: a seeded request's choices each get their own seed (the same
+    one would make them the same answer)."""
+    if i == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + i) % (1 << 64))
+
+
+class Choices:
+    """The events of a request's choices as one stream of (choice, event); one choice's
+    are read straight from its job."""
+
+    def __init__(self, jobs: list[Job]):
+        self.jobs = jobs
+        self._queue: asyncio.Queue | None = asyncio.Queue() if len(jobs) > 1 else None
+        self._tasks = ([asyncio.create_task(self._pump(i, j)) for i, j in enumerate(jobs)]
+                       if self._queue is not None else [])
+
+    async def _pump(self, i: int, job: Job) -> None:
+        while True:
+            event = await job.events.get()
+            self._queue.put_nowait((i, event))
+            if not isinstance(event, Delta):
+                return
+
+    async def get(self) -> tuple[int, Delta | Finish | APIError]:
+        if self._queue is None:
+            return 0, await self.jobs[0].events.get()
+        return await self._queue.get()
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for job in self.jobs:
+            job.cancel()
+
+
+def _total(finishes: list[Finish]) -> Finish:
+    """The usage of all choices: the prompt once, every choice's completion tokens."""
+    return dataclasses.replace(finishes[0],
+                               completion_tokens=sum(f.completion_tokens for f in finishes))
+
+
+async def _compile(state: State, spec: GrammarSpec) -> Grammar:
+    """The grammar of `spec`, compiled off the event loop (once per spec: the cache)."""
+    if state.grammars is None:
+        param = "tool_choice" if spec.kind == "tool_call" else "response_format"
+        raise bad_request(f"Constrained decoding is not available for this model: "
+                          f"{state.grammars_missing}", param, "unsupported_parameter")
+    m, hits = state.metrics, state.grammars.hits
+    try:
+        grammar = await asyncio.to_thread(state.grammars.compile, spec)
+    except GrammarError as e:
+        m.l(m.grammar_compiles, result="refused").inc()
+        raise bad_request(str(e), e.param, "invalid_value") from None
+    except Exception as e:  # the library's own failure on an odd schema: still the client's
+        log.warning("compiling a grammar failed", exc_info=True)
+        m.l(m.grammar_compiles, result="refused").inc()
+        param = "tools" if spec.kind == "tool_call" else "response_format"
+        raise bad_request(f"Constrained decoding cannot compile this schema: {e}", param,
+                          "invalid_value") from None
+    # (another request's compile may count in between: the figure is a close estimate)
+    m.l(m.grammar_compiles, result="cached" if state.grammars.hits > hits else "compiled").inc()
+    m.l(m.constrained, kind=spec.kind).inc()
+    return grammar
 
 
 def _budget(state: State, prompt: list[int], requested: int | None, prompt_param: str) -> int:
@@ -165,15 +253,21 @@ def _budget(state: State, prompt: list[int], requested: int | None, prompt_param
     return requested if requested is not None else min(room, state.config.default_max_tokens)
 
 
-async def _whole(job: Job, builder: ChatBuilder | CompletionBuilder) -> web.Response:
-    while True:
-        event = await job.events.get()
+async def _whole(choices: Choices, builders: list) -> web.Response:
+    finishes: dict[int, Finish] = {}
+    while len(finishes) < len(builders):
+        i, event = await choices.get()
         if isinstance(event, Delta):
-            builder.add(event)
+            builders[i].add(event)
         elif isinstance(event, Finish):
-            return json_response(builder.whole(event), _cache_headers(job))
+            finishes[i] = event
         else:
             raise event
+    ordered = [finishes[i] for i in range(len(builders))]
+    body = builders[0].whole(_total(ordered))
+    if len(builders) > 1:
+        body["choices"] = [b.whole(f)["choices"][0] for b, f in zip(builders, ordered)]
+    return json_response(body, _cache_headers(choices.jobs[0]))
 
 
 def _cache_headers(job: Job) -> dict:
@@ -190,36 +284,41 @@ def _cache_headers(job: Job) -> dict:
 
 
 async def _stream(
-    request: web.Request, job: Job, builder: ChatBuilder | CompletionBuilder, include_usage: bool
+    request: web.Request, choices: Choices, builders: list, include_usage: bool
 ) -> web.StreamResponse:
     # Wait for the first event before committing to a 200, so that an engine
     # failure before any output is still reported with a proper status code.
-    first = await job.events.get()
-    if isinstance(first, APIError):
-        raise first
+    i, event = await choices.get()
+    if isinstance(event, APIError):
+        raise event
     resp = web.StreamResponse(
-        headers={**SSE_HEADERS, **_cache_headers(job)}
+        headers={**SSE_HEADERS, **_cache_headers(choices.jobs[0])}
     )
+    finishes: dict[int, Finish] = {}
     try:
         await resp.prepare(request)
-        preamble = builder.first_chunk(include_usage)
-        if preamble is not None:
-            await resp.write(sse_data(preamble))
-        event = first
+        for builder in builders:
+            preamble = builder.first_chunk(include_usage)
+            if preamble is not None:
+                await resp.write(sse_data(preamble))
         while True:
+            builder = builders[i]
             if isinstance(event, Delta):
                 await resp.write(sse_data(builder.delta_chunk(event, include_usage)))
             elif isinstance(event, Finish):
                 await resp.write(sse_data(builder.finish_chunk(event, include_usage)))
-                if include_usage:
-                    await resp.write(sse_data(builder.usage_chunk(event)))
-                if request.headers.get(USAGE_HEADER):  # the proxy counts every team's tokens
-                    await resp.write(usage_comment(event.completion_tokens))
-                break
+                finishes[i] = event
+                if len(finishes) == len(builders):
+                    total = _total([finishes[k] for k in range(len(builders))])
+                    if include_usage:
+                        await resp.write(sse_data(builder.usage_chunk(total)))
+                    if request.headers.get(USAGE_HEADER):  # the proxy counts every team's tokens
+                        await resp.write(usage_comment(total.completion_tokens))
+                    break
             else:
                 await resp.write(sse_data(event.body()))
                 break
-            event = await job.events.get()
+            i, event = await choices.get()
         await resp.write(SSE_DONE)
         await resp.write_eof()
     except ConnectionError:
@@ -273,7 +372,16 @@ async def health(request: web.Request) -> web.Response:
         "disk": state.disk.stats() if state.disk is not None else None,
         "device": state.device,
         "engine": state.engine.snapshot(),
+        "grammars": _grammar_stats(state),
     })
+
+
+def _grammar_stats(state: State) -> dict | None:
+    """The compiled-grammar cache: how many are kept, and how often one was reused."""
+    g = state.grammars
+    if g is None:
+        return None
+    return {"cached": len(g), "capacity": g.capacity, "hits": g.hits, "misses": g.misses}
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -340,6 +448,7 @@ def create_app(state: State) -> web.Application:
     app.router.add_post(COUNT_TOKENS_PATH, count_tokens)
     app.router.add_get(MODELS_PATH, models)
     app.router.add_get(HEALTH_PATH, health)
+    app.router.add_post(EMBEDDINGS_PATH, embeddings)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_json)
     app.router.add_get("/debug/cache", cache_entries)

@@ -19,6 +19,7 @@ from kvroute.core.registry import BackendRecord, Registry, new_instance_id
 from .app import State, create_app
 from .disk import open_disk_tier
 from .engine import Engine
+from .grammar import Grammars
 from .metrics import BackendMetrics
 from .misses import Misses, template_opening
 from .prompt import Template
@@ -97,19 +98,34 @@ def load_state(config: BackendConfig) -> State:
         or (config.long_prefill == "auto" and device.kind != "cpu"),
         max_batch=config.max_batch,
         max_queue=config.max_queue,
+        max_running_tokens=config.max_running_tokens,
         keep_buffers=device.kind != "cpu" and "cache_limit" in limits,
     )
     log.info("loaded %s in %.1fs (context %d)", config.model, time.perf_counter() - t0, context)
     disk = open_disk_tier(config.model, config.disk_cache_dir, config.disk_cache_bytes,
                           config.cache_bytes, store, metrics_, fsync=config.disk_fsync == "always")
+    if disk is not None:
+        disk.busy = lambda: engine.queue_depth > 0
     engine.misses = Misses(store, metrics_, disk, template_opening(tokenizer))
     template = Template(tokenizer, secret=config.secret, block_bytes=config.block_bytes,
                         checkpointing=engine.checkpointing)
+    vocab_size = _vocab_size(model_config, tokenizer)
+    grammars, missing = _grammars(tokenizer, vocab_size)
     return State(config, engine, template, metrics_, store, context, time.time(), new_instance_id(),
-                 vocab_size=_vocab_size(model_config, tokenizer), disk=disk,
+                 vocab_size=vocab_size, disk=disk, grammars=grammars, grammars_missing=missing,
                  device={"kind": device.kind, "name": device.name, "memory": device.memory,
                          "prefill_step": config.prefill_step,
                          "serial_prefill": engine.serial_prefill, **limits})
+
+
+def _grammars(tokenizer, vocab_size: int) -> tuple[Grammars | None, str]:
+    """Constrained decoding's tokenizer view, built once; a model it cannot serve
+    still serves every unconstrained request."""
+    try:
+        return Grammars(tokenizer, vocab_size), ""
+    except Exception as e:
+        log.warning("constrained decoding is off for this model: %s", e)
+        return None, str(e)
 
 
 def _evaluate_private_arrays(model) -> None:

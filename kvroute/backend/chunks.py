@@ -68,6 +68,7 @@ class _Builder:
 
     model: str
     logprobs: bool = False
+    index: int = 0  # the choice (n > 1: one builder per choice, sharing id and created)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
@@ -104,8 +105,8 @@ class ChatBuilder(_Builder):
 
     def first_chunk(self, with_usage: bool) -> dict:
         delta = {"role": "assistant", "content": ""}
-        return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None},
-                           with_usage)
+        return self._chunk({"index": self.index, "delta": delta, "logprobs": None,
+                            "finish_reason": None}, with_usage)
 
     def delta_chunk(self, d: Delta, with_usage: bool) -> dict:
         delta: dict = {}
@@ -117,12 +118,12 @@ class ChatBuilder(_Builder):
             ]
             self.tool_calls += d.tool_calls
         logprobs = chat_logprobs(d.logprobs) if self.logprobs and d.logprobs else None
-        return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None},
-                           with_usage)
+        return self._chunk({"index": self.index, "delta": delta, "logprobs": logprobs,
+                            "finish_reason": None}, with_usage)
 
     def finish_chunk(self, f: Finish, with_usage: bool) -> dict:
-        return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": f.reason,
-                            **_stop_reason(f)}, with_usage)
+        return self._chunk({"index": self.index, "delta": {}, "logprobs": None,
+                            "finish_reason": f.reason, **_stop_reason(f)}, with_usage)
 
     def add(self, d: Delta) -> None:
         self.text.append(d.text)
@@ -136,7 +137,7 @@ class ChatBuilder(_Builder):
             message["tool_calls"] = self.tool_calls
         message["refusal"] = None
         logprobs = chat_logprobs(self.logprob_entries) if self.logprobs else None
-        return self._whole({"index": 0, "message": message, "logprobs": logprobs,
+        return self._whole({"index": self.index, "message": message, "logprobs": logprobs,
                             "finish_reason": f.reason, **_stop_reason(f)}, f)
 
 
@@ -155,12 +156,12 @@ class CompletionBuilder(_Builder):
     def delta_chunk(self, d: Delta, with_usage: bool) -> dict:
         logprobs = completion_logprobs(d.logprobs, self.offset) if self.logprobs else None
         self.offset += len(d.text)
-        return self._chunk({"index": 0, "text": d.text, "logprobs": logprobs, "finish_reason": None},
-                           with_usage)
+        return self._chunk({"index": self.index, "text": d.text, "logprobs": logprobs,
+                            "finish_reason": None}, with_usage)
 
     def finish_chunk(self, f: Finish, with_usage: bool) -> dict:
-        return self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": f.reason},
-                           with_usage)
+        return self._chunk({"index": self.index, "text": "", "logprobs": None,
+                            "finish_reason": f.reason}, with_usage)
 
     def add(self, d: Delta) -> None:
         self.text.append(d.text)
@@ -168,5 +169,5 @@ class CompletionBuilder(_Builder):
 
     def whole(self, f: Finish) -> dict:
         logprobs = completion_logprobs(self.logprob_entries, 0) if self.logprobs else None
-        return self._whole({"index": 0, "text": "".join(self.text), "logprobs": logprobs,
+        return self._whole({"index": self.index, "text": "".join(self.text), "logprobs": logprobs,
                             "finish_reason": f.reason}, f)

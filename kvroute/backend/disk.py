@@ -1,9 +1,14 @@
 """The disk tier: every committed entry also lives in a directory, bounded by bytes.
 
-- Write-behind: the store's insert events queue the entry for a writer thread,
-  so the engine thread never waits on a disk. An entry superseded before its turn
-  is not written (the entry that superseded it is); a superseded entry's file is
-  removed after its successor's file is in place. A RAM eviction keeps the file.
+- Write-behind, when idle: the store's insert events queue the entry for a writer
+  thread, so the engine thread never waits on a disk; the writer starts a write
+  once the engine has been idle a moment (`idle_wait`) or the entry has waited
+  `max_delay`, because a write (copying gigabytes off the device, checksumming)
+  slows the batch it runs beside. An entry superseded before its turn is not
+  written (the entry that superseded it is): a conversation's turns during busy
+  periods end as one file, not one per turn. A superseded entry's file is removed
+  after its successor's file is in place. A RAM eviction keeps the file. Closing
+  writes what is queued at once.
 - Entries over the RAM budget: the store hands them whole to `take` (RAM keeps a
   prefix at most, which is not written again). Such an entry is queued while the
   queue is empty or it fits the queue's bytes, never while writes are failing; it
@@ -52,6 +57,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvroute.core import disk_space
+from kvroute.core.sizes import format_bytes
+
 from . import diskfile, paged
 from .diskblocks import Blocks
 from .diskfile import BadRecord, Record
@@ -59,6 +67,10 @@ from .paged import Block, Paged
 from .store import Entry, Event, Hit, common_prefix, usable_prefix
 
 log = logging.getLogger("kvroute.backend.disk")
+
+IDLE_WAIT = 0.25  # seconds the engine is idle before a write starts
+MAX_DELAY = 30.0  # seconds an entry waits for idleness at most
+POLL = 0.02
 
 
 @dataclass
@@ -95,6 +107,10 @@ class DiskTier:
         self.queue_bytes = queue_bytes  # bytes of entries waiting to be written, at most
         self.read_parallel = read_parallel
         self.fsync = fsync  # each write's file and folder (docs/SSD_TIER.md, Durability)
+        self.busy: Callable[[], bool] = lambda: False  # the engine has work (set at boot)
+        self.idle_wait = IDLE_WAIT
+        self.max_delay = MAX_DELAY
+        self._closing = False
         self.enabled = False
         self.listeners: list[Callable[[DiskEvent], None]] = []
         self.index: OrderedDict[str, Record] = OrderedDict()  # LRU order, oldest first
@@ -106,6 +122,7 @@ class DiskTier:
         self._by_entry: dict[int, str] = {}  # store entry id -> file name
         self._seen: set[int] = set()  # store entry ids queued or written
         self._wholes: list[list] = []  # queued ["whole", entry] items, not yet written
+        self._queued: dict[int, list] = {}  # entry id -> its queued ["write", entry] item
         self._superseded: set[int] = set()
         self._key_refs: dict[str, Counter] = {}
         self._queue: queue.Queue = queue.Queue()
@@ -152,9 +169,13 @@ class DiskTier:
         self._writer.start()
         self._enforce_budget(0)
         self._update_gauges()
-        log.info("disk cache %s: %d entries, %d blocks, %.1f MB (budget %.1f MB)", self.directory,
-                 len(self.index), len(self.blocks.files), self.held_bytes / 1e6,
-                 self.budget_bytes / 1e6)
+        line, over = disk_space.describe(self.directory, self.budget_bytes, self.held_bytes)
+        log.info("%s; %d entries, %d blocks", line, len(self.index), len(self.blocks.files))
+        if over:
+            log.warning("the disk tier's budget (%s) is more than %s can give (its free space "
+                        "and what the tier holds): writes will fail once the drive is full; "
+                        "lower --disk-cache-bytes", format_bytes(self.budget_bytes),
+                        self.directory)
         return True
 
     def _lock(self) -> int:
@@ -187,6 +208,7 @@ class DiskTier:
     def close(self, timeout: float = 10.0) -> None:
         """Finish the writes already queued (up to `timeout`), then stop."""
         if self.enabled:
+            self._closing = True
             self._queue.put(None)
             self._writer.join(timeout)
         self._readers.shutdown(wait=False, cancel_futures=True)
@@ -251,16 +273,23 @@ class DiskTier:
                 # The disk cannot keep up: queued entries pin their arrays in memory.
                 self.metrics.l(self.metrics.disk_writes, result="dropped").inc()
                 return
+            # Its blocks and the rest of its state as they are now (eviction may cut the
+            # entry before the writer's turn); the writer thread runs no MLX graph.
+            item = ["write", entry.for_disk()]
             with self.lock:
                 self._pending_bytes += entry.nbytes
-            # Whole and evaluated here: the store keeps it as shared blocks, and the
-            # writer thread runs no MLX graph.
-            self._queue.put(("write", entry.for_disk()))
+                self._queued[entry.id] = item
+            self._queue.put(item)
         elif event.kind == "evict" and event.reason != "trimmed":  # a cut entry's file stays whole
             # Gone from RAM: no more events for it (its file stays, unless superseded).
             self._seen.discard(entry.id)
             if event.reason == "superseded":
                 self._superseded.add(entry.id)
+                with self.lock:  # not written yet: let its arrays go now
+                    item = self._queued.pop(entry.id, None)
+                    if item is not None and item[1] is not None:
+                        self._pending_bytes -= item[1].nbytes
+                        item[1] = None
                 self._queue.put(("drop", entry.id))
             else:
                 self._by_entry.pop(entry.id, None)
@@ -319,10 +348,7 @@ class DiskTier:
             kind, payload = item
             try:
                 if kind == "write":
-                    with self.lock:
-                        self._pending_bytes -= payload.nbytes
-                    if payload.id not in self._superseded:
-                        self._write(payload)
+                    self._write_queued(item)
                 elif kind == "whole":
                     self._write_whole(item)
                 else:
@@ -333,6 +359,33 @@ class DiskTier:
             except Exception:  # a bug here must not stop later writes
                 log.exception("disk cache: write-behind error")
             self.metrics.l(self.metrics.disk_queue).set(self._queue.qsize())
+
+    def _write_queued(self, item: list) -> None:
+        self._wait_for_idle(item)
+        with self.lock:
+            entry, item[1] = item[1], None
+            if entry is None:  # superseded while it waited
+                return
+            self._queued.pop(entry.id, None)
+            self._pending_bytes -= entry.nbytes
+        self._write(entry)
+
+    def _wait_for_idle(self, item: list) -> None:
+        """Until the engine has been idle `idle_wait` seconds, the item's entry has
+        waited `max_delay` since its commit or is superseded, or the tier closes."""
+        idle_from = None
+        while not self._closing:
+            entry = item[1]
+            if entry is None or time.time() - entry.created >= self.max_delay:
+                return
+            now = time.monotonic()
+            if self.busy():
+                idle_from = None
+            elif idle_from is None:
+                idle_from = now
+            elif now - idle_from >= self.idle_wait:
+                return
+            time.sleep(POLL)
 
     def _write_whole(self, item: list) -> None:
         with self.lock:
@@ -482,7 +535,7 @@ class DiskTier:
             lambda: (self.best(model, tokens, scope), ram_depth()))
         if record is None or n <= ram:
             return None
-        if self.restore_tps and prefill_tps and (n - ram) / prefill_tps < len(record.tokens) / self.restore_tps:
+        if self.restore_tps and prefill_tps and (n - ram) / prefill_tps < self._to_read(record) / self.restore_tps:
             self.metrics.l(self.metrics.disk_skipped).inc()
             return None
         fut = self._reads.get(record.name)
@@ -494,6 +547,13 @@ class DiskTier:
         if state is None:
             return None
         return Restored(n, state, len(record.tokens))
+
+    def _to_read(self, record: Record) -> int:
+        """Tokens a restore of `record` reads: its blocks RAM or a restored state holds
+        already are not read again."""
+        held = sum(1 for k in record.blocks
+                   if k in self.blocks.loaded or self.blocks.in_ram(k) is not None)
+        return len(record.tokens) - held * paged.BLOCK_TOKENS
 
     def _load(self, record: Record) -> list[Any] | None:
         path = self.directory / record.name

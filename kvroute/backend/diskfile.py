@@ -249,7 +249,13 @@ def load(path: Path, record: Record, parallel: int = 4) -> list[Any]:
     """The layer caches a record holds, checked against its checksum before any of
     it is handed out. MLX's own reader is the fast path (one read straight into MLX's
     memory; the checksum then runs over those buffers); where its buffers cannot be
-    viewed from Python, the file is read into memory, checked, then copied in."""
+    viewed from Python, the file is read into memory, checked, then copied in. On
+    CUDA the read into memory goes first: MLX's buffers live on the device there, and
+    checksumming them would copy every byte back to the host."""
+    import mlx.core as mx
+
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return load_copy(path, record, parallel)
     try:
         return _load_mlx(path, record)
     except BadRecord:

@@ -44,6 +44,7 @@ from kvroute.core.sizes import format_bytes
 
 from . import faults
 from .attention import avoid_cudnn_plans, fast, new_cache
+from .grammar import MaskBatch
 from .jobs import Delta, Finish, Job
 from .kv_budget import REFUSALS, Warnings, describe_budgets, kv_rate, probe_tokens
 from .metrics import BackendMetrics
@@ -70,6 +71,7 @@ class Engine:
         serial_prefill: bool = False,
         max_batch: int = 32,
         max_queue: int = 64,
+        max_running_tokens: int = 0,
         keep_buffers: bool | None = None,
     ):
         self.model = model
@@ -81,6 +83,8 @@ class Engine:
         self.serial_prefill = serial_prefill
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.max_running_tokens = max_running_tokens  # 0: only max_batch bounds the batch
+        self.peak_running_tokens = 0
         self.prefill_tps = 0.0
         self.decode_steps_per_s = 0.0  # batch steps/s: each decoding sequence gains a token
         self.reply_tokens = 0.0  # mean tokens of a finished reply
@@ -106,7 +110,10 @@ class Engine:
             keep_buffer_cache()
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[int, Job] = {}
-        self._held: collections.deque[Job] = collections.deque()  # long prompts waiting their turn
+        # Requests waiting their turn: long prompts behind a long prefill, and any
+        # request beyond the running-token budget.
+        self._held: collections.deque[Job] = collections.deque()
+        self._followers: list[Job] = []  # choices n > 1 waiting for the first one's prompt
         # Events of one loop turn, handed to the event loop in one call: one wake-up
         # per decode step instead of one per token of every sequence in the batch.
         self._outbox: list[tuple[Job, Any]] = []
@@ -120,6 +127,7 @@ class Engine:
         self._faults = False  # any job with a test fault admitted: look for delays
         self._warnings = Warnings(log)
         self._kv_rate: tuple[float, int] | None = None
+        self._masks: MaskBatch | None = None  # constrained rows' masks, filled together
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
         self._gen = self._new_generator()
 
@@ -140,8 +148,9 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        # In the inbox, or held back behind a long prefill (serial_prefill).
-        return self._submitted - self._taken + len(self._held)
+        # In the inbox, held back behind a long prefill (serial_prefill), or a later
+        # choice waiting for the first one's prompt.
+        return self._submitted - self._taken + len(self._held) + len(self._followers)
 
     @property
     def queue_depth(self) -> int:
@@ -167,6 +176,9 @@ class Engine:
             "prefilling": sum(j.phase == "prefill" for j in jobs),
             "decoding": sum(j.phase == "decode" for j in jobs),
             "peak_batch": self.peak_batch,
+            "running_tokens": sum(self._need(j) for j in jobs),
+            "max_running_tokens": self.max_running_tokens,
+            "peak_running_tokens": self.peak_running_tokens,
             "prefill_tps": round(self.prefill_tps, 1),
             "jobs": [
                 {"phase": j.phase, "processed": j.processed, "prompt": len(j.prompt),
@@ -178,6 +190,7 @@ class Engine:
     # -- the engine thread ---------------------------------------------------------
 
     def _new_generator(self) -> BatchGenerator:
+        self._masks = None  # rows a failed step queued are gone with the old generator
         eos = [[t] for t in sorted(self.tokenizer.eos_token_ids)]
         gen = BatchGenerator(
             self.model,
@@ -272,7 +285,7 @@ class Engine:
         while not self._stopping:
             try:
                 self._release_held()
-                self._drain_inbox(block=not (self._jobs or self._held))
+                self._drain_inbox(block=not (self._jobs or self._held or self._followers))
                 self._reap_cancelled()
                 self._release_held()
                 if self._jobs:
@@ -344,16 +357,54 @@ class Engine:
 
     def _route(self, job: Job) -> None:
         job.outbox = self._outbox
-        if (self.serial_prefill and len(job.prompt) > self.prefill_step
-                and (self._held or self._long_prefill())
-                and self._uncached(job) > self.prefill_step):
+        if job.after is not None and job.after.phase in ("queued", "prefill"):
+            self._followers.append(job)
+            return
+        if ((self._held and not self._fits(self._held[0])) or not self._fits(job)
+                or (self.serial_prefill and len(job.prompt) > self.prefill_step
+                    and (self._held or self._long_prefill())
+                    and self._uncached(job) > self.prefill_step)):
             self._held.append(job)
             return
         self._admit_or_fail(job)
 
     def _release_held(self) -> None:
-        while self._held and not self._long_prefill():
+        while self._held and self._may_release(self._held[0]):
             self._admit_or_fail(self._held.popleft())
+        if self._followers:
+            # The first choice committed its prompt (or ended): the others now hit it.
+            ready = [j for j in self._followers if j.cancelled or j.after.cancelled
+                     or j.after.phase not in ("queued", "prefill")]
+            self._followers = [j for j in self._followers if j not in ready]
+            for job in ready:
+                self._admit_or_fail(job)
+
+    def _may_release(self, job: Job) -> bool:
+        # A short prompt waits only for room in the running budget; a long one also
+        # for the long prefill running now (serial_prefill).
+        long_ = self.serial_prefill and len(job.prompt) > self.prefill_step
+        return self._fits(job) and not (long_ and self._long_prefill())
+
+    # -- the running-token budget ------------------------------------------------
+    # A sequence's KV grows up to its prompt plus its completion cap. Admitting only
+    # while the running sequences' sum stays within max_running_tokens bounds the KV
+    # the batch can reach (what `kvroute serve`'s memory check counts): a burst waits
+    # in arrival order (a later small request never passes a waiting large one, which
+    # would then wait forever) instead of growing past the memory the check reserved.
+    # One request always runs alone, whatever it needs: the prompt limits bound it.
+
+    @staticmethod
+    def _need(job: Job) -> int:
+        return len(job.prompt) + job.max_tokens
+
+    @property
+    def running_tokens(self) -> int:
+        return sum(self._need(j) for j in self._jobs.values())
+
+    def _fits(self, job: Job) -> bool:
+        if self.max_running_tokens <= 0 or not self._jobs or job.cancelled:
+            return True
+        return self.running_tokens + self._need(job) <= self.max_running_tokens
 
     def _admit_or_fail(self, job: Job) -> None:
         try:
@@ -382,6 +433,14 @@ class Engine:
         job.aligned = set(self._alignments(hit.tokens, commits, len(job.prompt) - 1))
         job.boundaries = sorted({*commits, *job.aligned})
         sampler = make_sampler(job.params)
+        processors = [*make_processors(job.params),
+                      *faults.logits_processors(job.fault, self.tokenizer)]
+        if job.grammar is not None:
+            # Last of the row's processors, so the mask is applied to the final logits
+            # (in its sampler, after the whole batch's masks were filled at once).
+            matcher = job.grammar.matcher(self._mask_batch(job.grammar.vocab_size))
+            processors.append(matcher)
+            sampler = matcher.sampler(sampler)
         cache = fast(hit.cache) if hit.cache is not None else new_cache(self.model)
         (job.uid,) = self._gen.insert_segments(
             [self._segments(job.prompt, hit.tokens, job.boundaries)],
@@ -389,8 +448,7 @@ class Engine:
             caches=[cache],
             all_tokens=[list(job.prompt[: hit.tokens])],
             samplers=[sampler] if sampler else None,
-            logits_processors=[make_processors(job.params)
-                               + faults.logits_processors(job.fault, self.tokenizer)],
+            logits_processors=[processors],
         )
         tok = self.tokenizer
         job.detokenizer = tok.detokenizer
@@ -404,6 +462,7 @@ class Engine:
         job.phase = "prefill"
         self._faults = self._faults or bool(job.fault)
         self._jobs[job.uid] = job
+        self.peak_running_tokens = max(self.peak_running_tokens, self.running_tokens)
         if not job.readmitted:
             job.cached_tokens = hit.tokens
             if self.misses is not None:
@@ -417,6 +476,11 @@ class Engine:
                 self.metrics.l(self.metrics.hits, tier=tier).inc()
                 self.metrics.l(self.metrics.tier_tokens, tier=tier).inc(hit.tokens)
         self._update_gauges()
+
+    def _mask_batch(self, vocab_size: int) -> MaskBatch:
+        if self._masks is None or self._masks.words != (vocab_size + 31) // 32:
+            self._masks = MaskBatch(vocab_size)
+        return self._masks
 
     @staticmethod
     def _disk_hit(job: Job, hit: Any) -> tuple[Any, str]:
@@ -691,7 +755,8 @@ class Engine:
     def _fail_all(self, message: str, status: int = 500) -> None:
         held = []
         if self._stopping:  # after a failed step, waiting prompts are unaffected
-            held, self._held = list(self._held), collections.deque()
+            held, self._held = [*self._held, *self._followers], collections.deque()
+            self._followers = []
         for job in [*held, *self._jobs.values()]:
             self._fail(job, message, status)
         self._update_gauges()

@@ -53,6 +53,10 @@ class Job:
     cancelled: bool = False
     restored: Any = None  # a disk tier state for this prompt (backend/disk.py Restored)
     miss: Any = None  # why its prompt missed the cache, at admission (backend/misses.py View)
+    grammar: Any = None  # what the answer must be: a compiled backend/grammar.py Grammar
+    # Another choice of the same request (n > 1): admitted once `after` has committed its
+    # prompt, so that this one finds it in the store and prefills only its last token.
+    after: "Job | None" = None
     # Engine-side state.
     uid: int | None = None
     phase: str = "queued"  # queued, prefill, decode, done

@@ -15,6 +15,8 @@ from kvroute.core.misses import BACKEND_REASONS
 EXIT_PATHS = ("eos", "length", "stop", "tool_calls", "disconnect", "error")
 COMMIT_PATHS = ("checkpoint", "disconnect_prefill", "recovered", "finish")
 REFUSED_REASONS = ("no_disk_tier", "over_disk_budget", "disk_queue_full", "disk_failing")
+GRAMMAR_KINDS = ("json_object", "json_schema", "tool_call")  # backend/grammar.py GrammarSpec
+COMPILE_RESULTS = ("cached", "compiled", "refused")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -48,6 +50,13 @@ class BackendMetrics:
             Counter, "kvroute_backend_commits_over_budget",
             "Commits over the RAM budget: RAM kept a prefix at most; whole: disk (the disk tier "
             "took it) or dropped", ("whole",))
+        self.constrained = self._family(
+            Counter, "kvroute_backend_constrained",
+            "Requests decoded under a grammar, by kind (json_object, json_schema, tool_call)",
+            ("kind",))
+        self.grammar_compiles = self._family(
+            Counter, "kvroute_backend_grammar_compiles",
+            "Grammars asked for: cached (reused), compiled, refused (a 400)", ("result",))
         self.evictions = self._family(Counter, "kvroute_backend_evictions",
                                       "Prompt-cache entries evicted for the byte budget")
         self.cache_bytes = self._family(Gauge, "kvroute_backend_cache_bytes",
@@ -100,6 +109,10 @@ class BackendMetrics:
             self.commits_over_budget.labels(**self._labels, whole=whole)
         for tier in ("ram", "disk"):
             self.cache_blocks.labels(**self._labels, tier=tier)
+        for kind in GRAMMAR_KINDS:
+            self.constrained.labels(**self._labels, kind=kind)
+        for result in COMPILE_RESULTS:
+            self.grammar_compiles.labels(**self._labels, result=result)
         for reason in BACKEND_REASONS:
             self.cache_reasons.labels(**self._labels, reason=reason)
             self.seconds_lost.labels(**self._labels, reason=reason)

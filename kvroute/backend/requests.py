@@ -10,7 +10,11 @@ from typing import Any
 import orjson
 
 from kvroute.api.chat import ChatCompletionBody, CompletionBody, Content, GenerationBody
+from kvroute.api.errors import bad_request
 from kvroute.api.validation import validate
+
+from . import grammar
+from .grammar import GrammarError, GrammarSpec
 
 
 @dataclass
@@ -27,6 +31,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
 
 
 @dataclass
@@ -38,6 +46,8 @@ class ChatRequest:
     include_usage: bool
     params: SamplingParams
     fault: str | None = None
+    n: int = 1  # choices
+    grammar: GrammarSpec | None = None  # what the answer must be (response_format, tool_choice)
 
 
 @dataclass
@@ -48,6 +58,7 @@ class CompletionRequest:
     include_usage: bool
     params: SamplingParams
     fault: str | None = None
+    n: int = 1  # choices
 
 
 def parse_chat(body: dict) -> ChatRequest:
@@ -60,7 +71,30 @@ def parse_chat(body: dict) -> ChatRequest:
     tools = body["tools"] if req.tools and req.tool_choice != "none" else None  # as sent
     return ChatRequest(model=req.model, messages=[_message(m) for m in req.messages],
                        tools=tools, stream=bool(req.stream), include_usage=_include_usage(req),
-                       params=params, fault=_fault(body))
+                       params=params, fault=_fault(body), n=req.n or 1,
+                       grammar=_grammar(req, tools))
+
+
+def _grammar(req: ChatCompletionBody, tools: list[dict] | None) -> GrammarSpec | None:
+    """The grammar a forced tool choice or a JSON response_format asks for."""
+    try:
+        return _spec(req, tools)
+    except GrammarError as e:
+        raise bad_request(str(e), e.param, "invalid_value") from None
+
+
+def _spec(req: ChatCompletionBody, tools: list[dict] | None) -> GrammarSpec | None:
+    choice, fmt = req.tool_choice, req.response_format
+    if tools and choice == "required":
+        # OpenAI's default allows several calls; one when parallel_tool_calls is false.
+        return grammar.tool_call(tools, parallel=req.parallel_tool_calls is not False)
+    if tools and choice is not None and not isinstance(choice, str):
+        return grammar.tool_call(tools, name=choice.function.name)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return grammar.json_object()
+    return grammar.json_schema(fmt.json_schema.schema_)
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -72,7 +106,7 @@ def parse_completion(body: dict) -> CompletionRequest:
     prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
     return CompletionRequest(model=req.model, prompt=prompt, stream=bool(req.stream),
                              include_usage=_include_usage(req), params=params,
-                             fault=_fault(body))
+                             fault=_fault(body), n=req.n or 1)
 
 
 def _sampling(req: GenerationBody) -> SamplingParams:
@@ -85,6 +119,10 @@ def _sampling(req: GenerationBody) -> SamplingParams:
         presence_penalty=float(req.presence_penalty or 0.0),
         frequency_penalty=float(req.frequency_penalty or 0.0),
         logit_bias={int(k): float(v) for k, v in (req.logit_bias or {}).items()},
+        top_k=req.top_k or 0,
+        min_p=float(req.min_p or 0.0),
+        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        repetition_context_size=req.repetition_context_size or 20,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from .requests import SamplingParams
 
@@ -16,13 +16,18 @@ def make_sampler(params: SamplingParams) -> Callable | None:
     PRNG key so its samples do not depend on what else shares the batch."""
     if params.temperature == 0:
         return None
-    temp, top_p = params.temperature, params.top_p
+    temp, top_p, top_k, min_p = params.temperature, params.top_p, params.top_k, params.min_p
     key = mx.random.key(params.seed) if params.seed is not None else None
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
+        # mlx-lm's filters, in the order its make_sampler applies them.
         if 0 < top_p < 1.0:
             logprobs = apply_top_p(logprobs, top_p)
+        if min_p > 0:
+            logprobs = apply_min_p(logprobs, min_p)
+        if 0 < top_k < logprobs.shape[-1]:  # k past the vocabulary keeps every token
+            logprobs = apply_top_k(logprobs, top_k)
         if key is None:
             return mx.random.categorical(logprobs * (1.0 / temp))
         key, sub = mx.random.split(key)
@@ -37,4 +42,6 @@ def make_processors(params: SamplingParams) -> list[Callable]:
         logit_bias=params.logit_bias or None,
         presence_penalty=params.presence_penalty or None,
         frequency_penalty=params.frequency_penalty or None,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+        repetition_context_size=params.repetition_context_size,
     )

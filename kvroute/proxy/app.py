@@ -19,9 +19,10 @@ import orjson
 from aiohttp import web
 
 from kvroute.api import openapi
-from kvroute.api.errors import error_middleware, not_found
+from kvroute.api.errors import embeddings, error_middleware, not_found
 from kvroute.api.lifecycle import start_site, wait_for_stop
-from kvroute.api.routes import CHAT_PATH, COMPLETIONS_PATH, HEALTH_PATH, MODELS_PATH
+from kvroute.api.routes import (CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH, HEALTH_PATH,
+                                MODELS_PATH)
 from kvroute.core import prefix
 from kvroute.core.model_loads import ModelLoads
 from kvroute.core.registry import Registry
@@ -140,6 +141,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_get(MODELS_PATH, models)
     app.router.add_get(MODELS_PATH + "/{model:.+}", model_info)
     app.router.add_get(HEALTH_PATH, health)
+    app.router.add_post(EMBEDDINGS_PATH, embeddings)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_json)
     app.router.add_get("/stats", stats)
@@ -177,8 +179,11 @@ async def _cleanup(app: web.Application) -> None:
     await state.limits.close()
 
 
-async def serve(config: ProxyConfig) -> None:
-    runner = await start_site(create_app(config), config.host, config.port)
+async def serve(config: ProxyConfig, socks: list | None = None) -> None:
+    """Serve until stopped, on `socks` (bound by the caller before the event loop runs,
+    so a port that cannot be had fails before any background task exists) or on
+    config's host and port."""
+    runner = await start_site(create_app(config), config.host, config.port, socks)
     log.info("proxy on http://%s:%d (policy %s, registry %s)", config.host, config.port,
              config.policy, config.redis_url)
     await wait_for_stop()

@@ -96,6 +96,9 @@ class OnDemand:
         refused, or takes longer than load_timeout."""
         wait = self.waits.get(model)
         if wait is None or wait.done():
+            s = self.summaries.get(model)
+            log.info("requests for %s wait while it loads (state %s, up to %.0fs)", model,
+                     s.state if s else "unknown", self.load_timeout)
             wait = self.waits[model] = asyncio.ensure_future(self._load(model, serving))
             wait.add_done_callback(_consume_exception)
         try:
@@ -116,6 +119,8 @@ class OnDemand:
             if (failed := self.recent_failure(model)) is not None:
                 raise failed  # failed a moment ago: no new attempt yet
             if s is not None and s.state == LOADED and await serving():
+                log.info("%s serves: its waiting requests go on after %.1fs", model,
+                         time.time() - started)
                 return
             if time.monotonic() - sent > RESEND and (s is None or s.state != LOADED):
                 sent = time.monotonic()
@@ -151,11 +156,14 @@ class OnDemand:
 
 
 def public_state(s: ModelState | None, live: bool) -> str:
-    """loaded, loading or unloaded: a model being unloaded still answers."""
+    """loaded, loading or unloaded. Loaded means a backend of it is live in this
+    proxy's view (it answers /health, and a request routes at once): a model published
+    loaded whose backend this proxy has not seen yet is still loading. A model being
+    unloaded still answers."""
     if s is None:
         return LOADED if live else UNLOADED
     if s.state in (LOADED, UNLOADING):
-        return LOADED
+        return LOADED if live else LOADING
     return LOADING if s.state == LOADING else UNLOADED
 
 

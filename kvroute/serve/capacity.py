@@ -2,9 +2,11 @@
 whether a set of loaded models fits a budget.
 
 One replica costs its weights, its prompt-cache budget, the KV of the sequences it
-runs at once (max_batch x context x bytes per token, an upper bound: sliding-window
-and recurrent layers need less) and the process overhead. Refusals carry the
-arithmetic, so a user sees which term to lower.
+runs at once and the process overhead. The running KV is what the engine admits:
+sequences join while their prompts and completion caps fit `max_running_tokens`
+(one always runs alone, however long), and never more than max_batch x context; at
+the model's bytes per token, an upper bound (sliding-window and recurrent layers
+need less). Refusals carry the arithmetic, so a user sees which term to lower.
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ class Cost:
 
     weights: int
     cache: int
-    kv: int  # running sequences: batch x context x kv_per_token
+    kv: int  # running sequences: running_tokens x kv_per_token
     batch: int
     context: int
     kv_per_token: int
+    running_tokens: int = 0  # KV tokens the running sequences may hold at once
     overhead: int = PROCESS_OVERHEAD
     weights_known: bool = True
 
@@ -79,17 +82,28 @@ class Cost:
         return self.weights + self.cache + self.kv + self.overhead
 
     def explain(self) -> str:
+        tokens = (f"{self.batch} x {self.context} tokens"
+                  if self.running_tokens == self.batch * self.context
+                  else f"{self.running_tokens:,} running tokens")
         return (f"{format_bytes(self.weights)} weights + {format_bytes(self.cache)} cache + "
-                f"{format_bytes(self.kv)} KV ({self.batch} x {self.context} tokens x "
-                f"{format_bytes(self.kv_per_token)}) + {format_bytes(self.overhead)} process")
+                f"{format_bytes(self.kv)} KV ({tokens} x {format_bytes(self.kv_per_token)}) + "
+                f"{format_bytes(self.overhead)} process")
 
     def as_dict(self) -> dict[str, int]:
         return {"weights": self.weights, "cache": self.cache, "kv": self.kv,
                 "overhead": self.overhead, "total": self.total}
 
 
+def running_tokens(max_batch: int, context: int, max_running_tokens: int) -> int:
+    """KV tokens a replica's running sequences may hold at once: within the running
+    budget (0: none), but never less than one whole sequence (it runs alone) nor
+    more than a full batch of whole sequences."""
+    full = max_batch * context
+    return full if max_running_tokens <= 0 else min(full, max(max_running_tokens, context))
+
+
 def replica_cost(path: str, cache_bytes: int, max_batch: int, max_prompt_tokens: int,
-                 default_max_tokens: int) -> Cost:
+                 default_max_tokens: int, max_running_tokens: int = 0) -> Cost:
     weights = weights_bytes(path)
     cfg = _model_config(path)
     per_token = kv_bytes_per_token(cfg)
@@ -99,9 +113,10 @@ def replica_cost(path: str, cache_bytes: int, max_batch: int, max_prompt_tokens:
         context = min(context, window) if window else context
     else:
         context = window or default_max_tokens
-    return Cost(weights=weights or 0, cache=cache_bytes, kv=max_batch * context * per_token,
+    tokens = running_tokens(max_batch, context, max_running_tokens)
+    return Cost(weights=weights or 0, cache=cache_bytes, kv=tokens * per_token,
                 batch=max_batch, context=context, kv_per_token=per_token,
-                weights_known=weights is not None)
+                running_tokens=tokens, weights_known=weights is not None)
 
 
 def budget(memory_budget: int, memory_fraction: float, device: Any = None) -> tuple[int, str]:

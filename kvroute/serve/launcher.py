@@ -27,7 +27,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from kvroute.core import accel, redis_client
+from kvroute.core import accel, disk_space, redis_client
 from . import capacity
 from kvroute.devtools import demo_model
 from .capacity import weights_bytes
@@ -35,6 +35,7 @@ from kvroute.config import DEMO, ConfigError, ModelSpec, ServeConfig, limit_vari
 from .loader import Loader, Slot
 from .processes import Child
 from kvroute.api.lifecycle import health_body, health_pid
+from kvroute.core.sizes import format_bytes
 from .redis_server import RedisServer
 STOP_GRACE = 7.0  # seconds children get to exit before SIGKILL (the whole stop stays < 10 s)
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan"]
@@ -67,7 +68,7 @@ def _check_model_path(path: str) -> None:
 
 def replica_cost(spec: ModelSpec, path: str) -> capacity.Cost:
     return capacity.replica_cost(path, spec.cache_bytes, spec.max_batch, spec.max_prompt_tokens,
-                                 spec.default_max_tokens)
+                                 spec.default_max_tokens, spec.max_running_tokens)
 
 
 def disk_dir(spec: ModelSpec, name: str) -> str:
@@ -78,6 +79,24 @@ def disk_dir(spec: ModelSpec, name: str) -> str:
     base = Path(spec.disk_cache_dir).expanduser() if spec.disk_cache_dir else \
         demo_model.default_cache_dir() / "prompt-cache"
     return str(base / name)
+
+
+def disk_budgets(backends: list[tuple[ModelSpec, str]]) -> tuple[dict[str, int], list[str]]:
+    """Each backend's disk-tier budget by name (`disk_space.bound`: a default one at
+    most its share of half its volume's free space), and a line per model saying so."""
+    tiers = [(spec, name, disk_dir(spec, name)) for spec, name in backends]
+    tiers = [t for t in tiers if t[2]]
+    bounded = disk_space.bound([disk_space.Tier(folder, spec.disk_cache_bytes,
+                                                spec.disk_budget_set)
+                                for spec, _, folder in tiers])
+    budgets, lines = {}, {}
+    for (spec, name, folder), b in zip(tiers, bounded):
+        budgets[name] = b.budget
+        lines.setdefault(spec.alias, (
+            f"disk tier of {spec.alias}: {format_bytes(b.budget)} per backend on "
+            f"{Path(folder).parent} (free {format_bytes(b.free)}"
+            + (f"; at most half of it, shared by {b.sharing} backends)" if b.bounded else ")")))
+    return budgets, list(lines.values())
 
 
 # -- child processes ----------------------------------------------------------------
@@ -113,6 +132,7 @@ class Launcher:
         self.proxy: Child | None = None
         self.loader: Loader | None = None
         self.initial: list[Slot] = []
+        self.disk_notes: list[str] = []
 
     # -- start ------------------------------------------------------------------
 
@@ -131,7 +151,14 @@ class Launcher:
                  for spec in self.config.models if weights_bytes(self.paths[spec.alias]) is None]
         self._plan(accel.probe())
         self.initial, more = self.loader.initial()
-        return notes + more
+        return notes + [self._memory_note()] + self.disk_notes + more
+
+    def _memory_note(self) -> str:
+        """What the memory check counted, term by term: the figure to change is in it."""
+        loader = self.loader
+        lines = [capacity.line(s.alias, s.spec.replicas, s.cost) for s in loader.slots.values()]
+        return (f"memory budget {format_bytes(loader.budget)} ({loader.budget_source}); "
+                "each model:\n" + "\n".join(lines))
 
     def _common(self) -> list[str]:
         c = self.config
@@ -150,18 +177,22 @@ class Launcher:
                 spec.memory_limit = spec.memory_limit or min(mine)
         taken: set[int] = {c.port}
         slots, i = [], 0
+        names = {spec.alias: [f"{c.machine + '-' if c.machine else ''}{spec.alias}-{r + 1}"
+                              for r in range(spec.replicas)] for spec in c.models}
+        disk, self.disk_notes = disk_budgets(
+            [(spec, name) for spec in c.models for name in names[spec.alias]])
         for spec, cost in zip(c.models, costs):
             children = []
-            for r in range(spec.replicas):
+            for name in names[spec.alias]:
                 port = first_free_port(c.backend_port_base, taken)
                 taken.add(port)
-                name = f"{c.machine + '-' if c.machine else ''}{spec.alias}-{r + 1}"
                 args = [
                     "backend", "--model", self.paths[spec.alias], "--model-id", spec.alias,
                     "--host", c.backend_host, "--port", str(port), "--id", name,
                     "--advertise-url", f"http://{c.backend_host}:{port}",
                     *spec.backend_flags(), *self._common(),
                     "--disk-cache-dir", disk_dir(spec, name),
+                    "--disk-cache-bytes", str(disk.get(name, 0)),
                 ]
                 children.append(Child(name, args, f"http://{c.backend_host}:{port}",
                                       COLORS[i % len(COLORS)], wanted=False))
@@ -228,12 +259,15 @@ class Launcher:
         self.console.print(f"[{child.color}]{child.name:>14}[/] │ {line}", markup=True,
                            highlight=False, soft_wrap=True)
 
-    async def wait_healthy(self, children: list[Child], timeout: float) -> None:
-        """Until every child answers /health; RuntimeError, with the child's last log
-        lines, when one exits or the timeout passes (or the deployment stops)."""
+    async def wait_healthy(self, children: list[Child], timeout: float,
+                           enough: int | None = None) -> None:
+        """Until every child (or `enough` of them) answers /health; RuntimeError, with
+        the child's last log lines, when one exits or the timeout passes (or the
+        deployment stops) before that."""
         deadline = time.monotonic() + timeout
         pending = list(children)
-        while pending:
+        need = len(children) if enough is None else min(enough, len(children))
+        while True:
             for child in list(pending):
                 if child.proc.returncode is not None:
                     await asyncio.gather(*child.pumps, return_exceptions=True)
@@ -243,13 +277,14 @@ class Launcher:
                                        f"starting" + (f": {last}" if last else ""))
                 if await asyncio.to_thread(_healthy, child):
                     pending.remove(child)
-            if pending:
-                if self.stopping.is_set():
-                    raise RuntimeError("stopping")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"not healthy after {timeout:.0f}s: "
-                                       + ", ".join(c.name for c in pending))
-                await asyncio.sleep(0.1)
+            if len(children) - len(pending) >= need:
+                return
+            if self.stopping.is_set():
+                raise RuntimeError("stopping")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not healthy after {timeout:.0f}s: "
+                                   + ", ".join(c.name for c in pending))
+            await asyncio.sleep(0.1)
 
     async def start(self) -> None:
         if not self.redis_url:
@@ -263,11 +298,21 @@ class Launcher:
             for child in [*first, self.proxy]:
                 child.wanted = True
                 await self.spawn(child)
-            await self.wait_healthy([*first, self.proxy], self.config.ready_timeout)
-        for slot in self.initial:
-            await self.loader.started(slot, time.monotonic() - t0)
+            ups = [asyncio.create_task(self._first_up(slot, t0)) for slot in self.initial]
+            try:
+                await self.wait_healthy([*first, self.proxy], self.config.ready_timeout)
+                await asyncio.gather(*ups)
+            finally:
+                for up in ups:
+                    up.cancel()
         await self.loader.publish()
         self.print_ready()
+
+    async def _first_up(self, slot: Slot, t0: float) -> None:
+        """A model serves once one replica answers /health (its record is in Redis by
+        then): published `loaded` at that moment, not when its slowest replica is."""
+        await self.wait_healthy(slot.children, self.config.ready_timeout, enough=1)
+        await self.loader.started(slot, time.monotonic() - t0)
 
     def print_ready(self) -> None:
         c = self.config

@@ -122,7 +122,8 @@ class Loader:
                 "these models do not fit in memory:\n" + "\n".join(lines) + "\n" + "\n".join(
                     f"  total {s.alias}: {format_bytes(s.bytes)} > {format_bytes(self.budget)} "
                     f"({self.budget_source})" for s in too_big)
-                + "\nLower replicas, cache_bytes, max_batch or max_prompt_tokens, or use "
+                + "\nLower replicas, cache_bytes, max_running_tokens, max_batch or "
+                "max_prompt_tokens, or use "
                 "smaller models.")
 
     async def start(self, url: str) -> None:
@@ -199,7 +200,9 @@ class Loader:
                 child.wanted = True
                 self.launcher.repick_port(child)
                 await self.launcher.spawn(child)
-            await self.launcher.wait_healthy(slot.children, self.config.load_timeout)
+            # Loaded once one replica answers: the proxies route to it while the others
+            # finish starting (each is watched, restarted should it exit).
+            await self.launcher.wait_healthy(slot.children, self.config.load_timeout, enough=1)
         except asyncio.CancelledError:
             await self.launcher.stop_children(slot.children)
             raise

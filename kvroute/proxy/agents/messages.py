@@ -57,7 +57,10 @@ class MessagesRequest:
     messages: list[dict]  # chat messages, `system` first when there is one
     max_tokens: int | None = None  # None for count_tokens only
     tools: list[dict] | None = None  # chat format
-    tool_choice: str = "auto"
+    tool_choice: str | dict = "auto"  # chat's
+    parallel_tool_calls: bool = True
+    response_format: dict | None = None  # chat's, from output_config.format (output_format)
+    top_k: int | None = None
     stop_sequences: list[str] = field(default_factory=list)
     temperature: float | None = None
     top_p: float | None = None
@@ -172,13 +175,28 @@ def parse(body: dict, count_only: bool = False) -> MessagesRequest:
         raise refusal(err, body) from None
     messages, mid_system = _messages(req)
     out = MessagesRequest(model=req.model, messages=messages, tools=_tools(req),
-                          tool_choice=req.tool_choice.type if req.tool_choice else "auto",
-                          mid_system=mid_system)
+                          tool_choice=_tool_choice(req.tool_choice), mid_system=mid_system)
+    if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
+        out.parallel_tool_calls = False
+    fmt = req.output_config.format if req.output_config else None
+    if (fmt := fmt or req.output_format) is not None:
+        out.response_format = {"type": "json_schema",
+                               "json_schema": {"name": "output", "schema": fmt.schema_}}
     if isinstance(req, mw.MessagesBody):
+        out.top_k = req.top_k
         out.max_tokens = req.max_tokens
         out.stop_sequences = req.stop_sequences or []
         out.temperature, out.top_p, out.stream = req.temperature, req.top_p, bool(req.stream)
     return out
+
+
+def _tool_choice(choice: mw.ToolChoice | None) -> str | dict:
+    """Anthropic's tool_choice as chat's: 'any' is 'required', 'tool' a named function."""
+    if choice is None:
+        return "auto"
+    if choice.type == "tool":
+        return {"type": "function", "function": {"name": choice.name}}
+    return "required" if choice.type == "any" else choice.type
 
 
 def chat_body(req: MessagesRequest) -> dict:
@@ -190,9 +208,14 @@ def chat_body(req: MessagesRequest) -> dict:
     if req.tools:
         body["tools"] = req.tools
         body["tool_choice"] = req.tool_choice
+        if not req.parallel_tool_calls:
+            body["parallel_tool_calls"] = False
+    if req.response_format is not None:
+        body["response_format"] = req.response_format
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
-    for name, value in (("temperature", req.temperature), ("top_p", req.top_p)):
+    for name, value in (("temperature", req.temperature), ("top_p", req.top_p),
+                        ("top_k", req.top_k)):
         if value is not None:
             body[name] = value
     return body
@@ -431,6 +454,8 @@ def backend_refusal(err: APIError, req: MessagesRequest) -> APIError:
         return replace(err, message=(
             f"messages.{req.mid_system}: role 'system' is not supported on this model (its chat "
             f"template refused the conversation: {err.message})"))
+    if err.param == "response_format":  # the schema this API takes in output_config.format
+        return replace(err, param="output_config.format")
     return err
 
 

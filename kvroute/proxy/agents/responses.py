@@ -88,8 +88,9 @@ class ResponsesRequest:
     tools_echo: list[dict] = field(default_factory=list)  # as sent, for the response object
     routes: dict[str, ToolRoute] = field(default_factory=dict)  # by the name the model sees
     ignored_tools: list[str] = field(default_factory=list)  # hosted tool types, in order
-    tool_choice: str = "auto"
+    tool_choice: str | dict = "auto"
     parallel_tool_calls: bool = True
+    text_format: dict | None = None  # text.format as sent (json_schema, json_object), for the echo
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
@@ -235,11 +236,11 @@ def _input_messages(value: str | list) -> list[dict]:
 def parse(body: dict) -> ResponsesRequest:
     req = validate(rw.ResponsesBody, body)
     tools, routes, ignored = _chat_tools(req.tools or [])
-    return ResponsesRequest(
+    out = ResponsesRequest(
         model=req.model, input=_input_messages(req.input), instructions=req.instructions,
         tools=tools or None, tools_echo=body["tools"] if req.tools else [],  # as sent
         routes=routes, ignored_tools=ignored,
-        tool_choice=req.tool_choice or "auto",
+        tool_choice=body["tool_choice"] if req.tool_choice else "auto",  # as sent
         parallel_tool_calls=req.parallel_tool_calls is not False,
         stream=bool(req.stream), store=req.store is not False,
         previous_response_id=req.previous_response_id,
@@ -247,7 +248,28 @@ def parse(body: dict) -> ResponsesRequest:
         stop=req.stop, metadata=req.metadata or {}, user=req.user,
         verbosity=req.text.verbosity if req.text else None,
         prompt_cache_key=req.prompt_cache_key,
+        text_format=body["text"]["format"] if req.text and req.text.format else None,
     )
+    if out.tool_choice not in ("auto", "none") and not out.tools:
+        raise bad_request("A forced tool_choice needs a function tool: kvroute runs none of "
+                          "the hosted tools.", param="tool_choice", code="invalid_value")
+    return out
+
+
+def _chat_tool_choice(choice: str | dict) -> str | dict:
+    """Responses' {"type": "function", "name"} as chat's {"type": "function", "function":
+    {"name"}}."""
+    if isinstance(choice, dict):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_format(fmt: dict | None) -> dict | None:
+    """Responses' text.format as chat's response_format (json_schema's fields nested)."""
+    if fmt is None or fmt.get("type") != "json_schema":
+        return fmt
+    return {"type": "json_schema",
+            "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
 def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
@@ -261,7 +283,11 @@ def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
         body["stream_options"] = {"include_usage": True}
     if req.tools:
         body["tools"] = req.tools
-        body["tool_choice"] = req.tool_choice
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+        if not req.parallel_tool_calls:
+            body["parallel_tool_calls"] = False
+    if (fmt := _response_format(req.text_format)) is not None:
+        body["response_format"] = fmt
     for name, value in (("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
                         ("top_p", req.top_p), ("stop", req.stop)):
         if value is not None:
@@ -271,7 +297,8 @@ def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
 
 # -- response: output items --------------------------------------------------------------
 
-_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
+_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input",
+                "response_format": "text.format"}
 
 
 def _usage(u: Usage) -> dict:
@@ -402,7 +429,8 @@ class _ResponsesRelay(Relay):
             "prompt_cache_key": r.prompt_cache_key,
             "reasoning": {"effort": None, "summary": None}, "store": r.store,
             "temperature": 1.0 if r.temperature is None else r.temperature,
-            "text": {"format": {"type": "text"}, "verbosity": r.verbosity or "medium"},
+            "text": {"format": r.text_format or {"type": "text"},
+                     "verbosity": r.verbosity or "medium"},
             "tool_choice": r.tool_choice,
             "tools": r.tools_echo, "top_p": 1.0 if r.top_p is None else r.top_p,
             "truncation": "disabled", "usage": _usage(usage) if usage else None,

@@ -1,57 +1,23 @@
-"""Test harness: real processes, real sockets, polling with deadlines (no sleeps)."""
+"""kvroute's processes as a test starts them: backends, proxies, `kvroute serve`, and a
+fleet of them around one redis-server. Each logs to a file the test can read."""
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
-from urllib.parse import urlsplit
 
-from kvroute.serve.redis_server import RedisServer, free_port  # noqa: F401 (tests import it from here)
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02,
-               what: str = "condition") -> Any:
-    """Poll `predicate` until it returns something truthy, or fail at the deadline."""
-    deadline = time.monotonic() + timeout
-    last_exc = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            last_exc = exc
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_exc})")
-
-
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of `size` mounted at `path` (a full disk on demand; needs root), unmounted
-    after; skips the test where it cannot be mounted."""
-    import pytest  # here: the benchmarks import this module without the test extras
-
-    path.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
-    if subprocess.run(mount).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)])
+from tests.harness.http import get_json, request
+from tests.harness.paths import ROOT
+from tests.harness.polling import wait_until
+from tests.harness.redis import RedisServer, free_port
 
 
 def terminate(proc: subprocess.Popen | None, timeout: float, kill_wait: float | None = 5.0) -> None:
@@ -67,93 +33,6 @@ def terminate(proc: subprocess.Popen | None, timeout: float, kill_wait: float | 
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(kill_wait)
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """Sum of one sample name over its label sets that carry `labels`, from Prometheus text."""
-    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)", re.M)
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(float(v) for found, v in pattern.findall(text) if all(w in found for w in want))
-
-
-def request(url: str, method: str = "GET", body: Any = None, headers: dict | None = None,
-            raw: bytes | None = None, timeout: float = 60.0) -> tuple[int, dict, bytes]:
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    hdrs = {"Content-Type": "application/json"} if data is not None else {}
-    hdrs.update(headers or {})
-    try:
-        conn.request(method, parts.path + (f"?{parts.query}" if parts.query else ""), body=data,
-                     headers=hdrs)
-        resp = conn.getresponse()
-        return resp.status, dict(resp.getheaders()), resp.read()
-    finally:
-        conn.close()
-
-
-def post_json(url: str, body: Any, **kw) -> tuple[int, dict]:
-    status, _, data = request(url, "POST", body, **kw)
-    return status, json.loads(data)
-
-
-def get_json(url: str, **kw) -> dict:
-    status, _, data = request(url, **kw)
-    assert status == 200, (status, data[:500])
-    return json.loads(data)
-
-
-class SSEStream:
-    """A streaming POST whose connection the test can drop at any point."""
-
-    def __init__(self, url: str, body: dict, headers: dict | None = None, timeout: float = 60.0):
-        parts = urlsplit(url)
-        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-        hdrs = {"Content-Type": "application/json"}
-        hdrs.update(headers or {})
-        self.conn.request("POST", parts.path, body=json.dumps({**body, "stream": True}), headers=hdrs)
-        self._resp: http.client.HTTPResponse | None = None
-
-    @property
-    def resp(self) -> http.client.HTTPResponse:
-        # Read lazily: a backend sends its headers with the first token, and a test
-        # may want to act (e.g. disconnect) before that.
-        if self._resp is None:
-            self._resp = self.conn.getresponse()
-        return self._resp
-
-    @property
-    def status(self) -> int:
-        return self.resp.status
-
-    @property
-    def headers(self) -> dict:
-        return dict(self.resp.getheaders())
-
-    def events(self) -> Iterator[dict | str]:
-        """Parsed `data:` payloads; the string "[DONE]" ends the stream."""
-        while True:
-            line = self.resp.readline()
-            if not line:
-                return
-            line = line.strip()
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[6:]
-            if payload == b"[DONE]":
-                yield "[DONE]"
-                return
-            yield json.loads(payload)
-
-    def close(self) -> None:
-        # Shut the socket down hard, as a client that crashed or gave up would.
-        sock = self.conn.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self.conn.close()
 
 
 class BackendProcess:
@@ -265,11 +144,14 @@ class ProxyProcess:
 
 @contextlib.contextmanager
 def fleet(backends: Callable[[str], list[BackendProcess]],
-          proxies: Callable[[str], list[ProxyProcess]]) -> Iterator[dict]:
-    """A redis-server, the backends that advertise to it and the proxies that route over
-    them, each given the Redis URL. Yields {"redis", "backends" (by id), "proxies"}; a
-    test may swap a backend in that dict, and the one there at the end is stopped."""
-    redis = RedisServer().start()
+          proxies: Callable[[str], list[ProxyProcess]], redis: Any = None) -> Iterator[dict]:
+    """The backends that advertise to a Redis and the proxies that route over them,
+    each given its URL. `redis` (anything with a `url`: the session's database) is
+    shared; without it the fleet starts a redis-server of its own, which its tests may
+    stop or pause. Yields {"redis", "backends" (by id), "proxies"}; a test may swap a
+    backend in that dict, and the one there at the end is stopped."""
+    own = redis is None
+    redis = RedisServer().start() if own else redis
     running: dict = {"redis": redis, "backends": {}, "proxies": []}
     try:
         running["backends"] = {b.backend_id: b for b in backends(redis.url)}
@@ -282,7 +164,8 @@ def fleet(backends: Callable[[str], list[BackendProcess]],
         # Every process is stopped even when stopping one fails: a fleet left running
         # would slow down (and share ports with) every test after it.
         with contextlib.ExitStack() as stack:
-            stack.callback(redis.close)
+            if own:
+                stack.callback(redis.close)
             for proc in [*running["backends"].values(), *running["proxies"]]:
                 stack.callback(proc.stop)
 

@@ -25,7 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from harness import ROOT, get_json, toml_text, wait_until
+from tests.harness.http import get_json
+from tests.harness.paths import ROOT
+from tests.harness.polling import wait_until
+from tests.harness.processes import toml_text
 
 
 def unavailable() -> str | None:
@@ -221,7 +224,7 @@ def machines(configs: dict[str, dict], workdir: Path, backends: int) -> Iterator
     on each host `kvroute serve` with its config plus what every machine shares (the
     cluster's URL, the secret, the internal token); yields once every proxy sees
     `backends` backends. Everything is stopped after, whatever fails, the network last."""
-    from test_cluster import LocalCluster
+    from tests.test_cluster import LocalCluster
 
     with contextlib.ExitStack() as stack:
         hosts = Hosts(list(configs)).start()
