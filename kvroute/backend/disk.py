@@ -49,7 +49,7 @@ import queue
 import shutil
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +111,9 @@ class DiskTier:
         self.idle_wait = IDLE_WAIT
         self.max_delay = MAX_DELAY
         self._closing = False
+        self._deferred: deque = deque()  # "write" and "drop" items waiting for an idle engine
+        self._idle_from: float | None = None  # when the engine was last seen going idle
+        self._writing = 0  # 1 while the writer handles an item (stats: nothing pending at 0)
         self.enabled = False
         self.listeners: list[Callable[[DiskEvent], None]] = []
         self.index: OrderedDict[str, Record] = OrderedDict()  # LRU order, oldest first
@@ -293,7 +296,7 @@ class DiskTier:
                 self._queue.put(("drop", entry.id))
             else:
                 self._by_entry.pop(entry.id, None)
-        self.metrics.l(self.metrics.disk_queue).set(self._queue.qsize())
+        self._update_queue_gauge()
 
     def take(self, entry: Entry) -> str:
         """Queue an entry the RAM budget cannot hold (engine thread: only enqueue).
@@ -320,7 +323,7 @@ class DiskTier:
             item = ["whole", entry]
             self._wholes.append(item)
         self._queue.put(item)
-        self.metrics.l(self.metrics.disk_queue).set(self._queue.qsize())
+        self._update_queue_gauge()
         return ""
 
     def _covered(self, entry: Entry) -> bool:
@@ -341,27 +344,66 @@ class DiskTier:
     # -- the writer thread -----------------------------------------------------
 
     def _write_loop(self) -> None:
+        # Entries to write and files to drop wait in `_deferred`, in order, for an idle
+        # engine; an entry over the RAM budget ("whole") is written at once: RAM does not
+        # hold it, and its bytes would otherwise fill the queue and refuse later ones.
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            kind, payload = item
             try:
-                if kind == "write":
-                    self._write_queued(item)
-                elif kind == "whole":
-                    self._write_whole(item)
-                else:
-                    self._superseded.discard(payload)
-                    name = self._by_entry.pop(payload, None)
-                    if name is not None:
-                        self._remove(name)
-            except Exception:  # a bug here must not stop later writes
-                log.exception("disk cache: write-behind error")
-            self.metrics.l(self.metrics.disk_queue).set(self._queue.qsize())
+                item = self._queue.get(timeout=POLL if self._deferred else None)
+            except queue.Empty:
+                item = ()
+            if item is None:  # closing: what waits is written now
+                while self._deferred:
+                    self._handle(self._deferred.popleft())
+                return
+            if item and item[0] == "whole":
+                self._handle(item)
+            elif item:
+                self._deferred.append(item)
+            self._note_idle()
+            while self._deferred and self._due(self._deferred[0]):
+                self._handle(self._deferred.popleft())
+            self._update_queue_gauge()
+
+    def _update_queue_gauge(self) -> None:
+        self.metrics.l(self.metrics.disk_queue).set(self._queue.qsize() + len(self._deferred)
+                                                    + self._writing)
+
+    def _handle(self, item: Any) -> None:
+        kind, payload = item
+        self._writing = 1
+        try:
+            if kind == "write":
+                self._write_queued(item)
+            elif kind == "whole":
+                self._write_whole(item)
+            else:
+                self._superseded.discard(payload)
+                name = self._by_entry.pop(payload, None)
+                if name is not None:
+                    self._remove(name)
+        except Exception:  # a bug here must not stop later writes
+            log.exception("disk cache: write-behind error")
+        finally:
+            self._writing = 0
+
+    def _note_idle(self) -> None:
+        if self.busy():
+            self._idle_from = None
+        elif self._idle_from is None:
+            self._idle_from = time.monotonic()
+
+    def _due(self, item: Any) -> bool:
+        """Whether the oldest waiting item goes now: the engine has been idle
+        `idle_wait` seconds, its entry waited `max_delay` since its commit or was
+        superseded meanwhile (nothing to write), or the tier is closing."""
+        if item[0] != "write" or item[1] is None or self._closing:
+            return True
+        if time.time() - item[1].created >= self.max_delay:
+            return True
+        return self._idle_from is not None and time.monotonic() - self._idle_from >= self.idle_wait
 
     def _write_queued(self, item: list) -> None:
-        self._wait_for_idle(item)
         with self.lock:
             entry, item[1] = item[1], None
             if entry is None:  # superseded while it waited
@@ -369,23 +411,6 @@ class DiskTier:
             self._queued.pop(entry.id, None)
             self._pending_bytes -= entry.nbytes
         self._write(entry)
-
-    def _wait_for_idle(self, item: list) -> None:
-        """Until the engine has been idle `idle_wait` seconds, the item's entry has
-        waited `max_delay` since its commit or is superseded, or the tier closes."""
-        idle_from = None
-        while not self._closing:
-            entry = item[1]
-            if entry is None or time.time() - entry.created >= self.max_delay:
-                return
-            now = time.monotonic()
-            if self.busy():
-                idle_from = None
-            elif idle_from is None:
-                idle_from = now
-            elif now - idle_from >= self.idle_wait:
-                return
-            time.sleep(POLL)
 
     def _write_whole(self, item: list) -> None:
         with self.lock:
@@ -642,7 +667,7 @@ class DiskTier:
             "bytes": self.held_bytes,
             **self.blocks.stats(),
             "budget_bytes": self.budget_bytes,
-            "write_queue": self._queue.qsize(),
+            "write_queue": self._queue.qsize() + len(self._deferred) + self._writing,
             "restore_bytes_per_s": round(self.restore_bps),
             "restore_tokens_per_s": round(self.restore_tps),
         }
