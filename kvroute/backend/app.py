@@ -37,6 +37,7 @@ from .prompt import Template
 from .publisher import Publisher
 from .requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from .store import Store
+from .vision import Vision
 
 STATE_KEY = web.AppKey("state", object)
 
@@ -58,6 +59,7 @@ class State:
     disk: DiskTier | None = None
     disk_publisher: Publisher | None = None  # keeps the disk tier's key sets in Redis
     device: dict = field(default_factory=dict)  # accelerator, memory limits, warm-up seconds
+    vision: Vision | None = None  # the vision step of a model that takes images
 
 
 def _state(request: web.Request) -> State:
@@ -129,8 +131,11 @@ async def _generate(
             state.config.model_id, job.prompt, scope,
             lambda: state.store.depth(state.config.model_id, job.prompt, scope),
             state.engine.prefill_tps)
-    state.engine.submit(job)
+    if prompt.images and state.vision is not None:
+        # The encoder reads them when the prefill reaches them (vision.py).
+        state.vision.hold(prompt.images)
     try:
+        state.engine.submit(job)
         if req.stream:
             return await _stream(request, job, builder, req.include_usage)
         return await _whole(job, builder)
@@ -138,6 +143,17 @@ async def _generate(
         # Runs on normal completion, on errors, and when aiohttp cancels the
         # handler because the client went away: the engine then frees the slot.
         job.cancel()
+        if prompt.images and state.vision is not None:
+            _release_when_done(state.vision, job, prompt.images)
+
+
+def _release_when_done(vision: Vision, job: Job, images: list) -> None:
+    """Let the images go once the engine is done with the job (its phase "done"): a
+    cancelled job may still be waiting for, or in, a prefill step that reads them."""
+    if job.phase == "done":
+        vision.release(images)
+        return
+    asyncio.get_running_loop().call_later(0.05, _release_when_done, vision, job, images)
 
 
 def _budget(state: State, prompt: list[int], requested: int | None, prompt_param: str) -> int:
@@ -273,6 +289,8 @@ async def health(request: web.Request) -> web.Response:
         "disk": state.disk.stats() if state.disk is not None else None,
         "device": state.device,
         "engine": state.engine.snapshot(),
+        # A model that takes images: images run through its encoder, and those held.
+        "vision": state.vision.snapshot() if state.vision is not None else None,
     })
 
 

@@ -1,0 +1,205 @@
+"""Images in, cached: a vision-language model behind the same endpoint and cache.
+
+Real backend processes serve the tiny random-weight Gemma 3 VLM built locally
+(kvroute/devtools/vision_models.py) over real HTTP, with the official `openai`
+client; the proxy test runs two of them behind a real proxy and Redis. The tiny
+model's text layers have 32-token sliding windows, so its caches cannot be trimmed
+and hits come from the checkpoints the engine keeps, as in tests/test_families.py.
+"Cold" is the same request in a fresh cache scope, which no entry can serve.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import uuid
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, chat, get_json
+from tests.test_families import GREEDY, assert_same_answer, cached, cold, prompt_tokens
+
+from kvroute.core import prefix
+from kvroute.devtools import vision_models
+
+SYSTEM = ("You describe pictures for a team's incident reports: say what the screenshot "
+          "shows, name any error message, and keep it to two short sentences. ") * 2
+SECRET = "vision-secret"
+
+
+def image_url(seed: int, fmt: str = "PNG", size: int = 64) -> str:
+    """A data URL of a random-noise image (each seed its own picture)."""
+    pixels = np.random.default_rng(seed).integers(0, 255, (size, size, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, fmt)
+    kind = "png" if fmt == "PNG" else "jpeg"
+    return f"data:image/{kind};base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def conversation(*images: str, question: str = "What does this screenshot show?") -> list[dict]:
+    return [{"role": "system", "content": f"{uuid.uuid4().hex[:8]} {SYSTEM}"},
+            {"role": "user", "content": [{"type": "text", "text": question},
+                                         *(image_part(u) for u in images)]}]
+
+
+@pytest.fixture(scope="module")
+def vlm_model(model_cache):
+    return vision_models.ensure("gemma3", cache_dir=model_cache)
+
+
+@pytest.fixture(scope="module")
+def vlm(vlm_model, tmp_path_factory) -> BackendProcess:
+    proc = BackendProcess(vlm_model, model_id="vlm", log_dir=tmp_path_factory.mktemp("vlm-logs"),
+                          extra=["--prefill-step", "32", "--enable-faults"])
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def encoded(backend: BackendProcess) -> int:
+    return backend.health()["vision"]["encoded"]
+
+
+def test_image_turn2_hits_exactly_and_skips_the_encoder(vlm):
+    messages = conversation(image_url(1))
+    first = chat(vlm, messages, **GREEDY).body
+    tokens = prompt_tokens(first)
+    assert tokens > vision_models.TOKENS_PER_IMAGE + 100
+
+    before = encoded(vlm)
+    repeat = chat(vlm, messages, **GREEDY).body
+    assert cached(repeat) == tokens - 1
+    assert_same_answer(repeat, first)
+    assert encoded(vlm) == before  # the hit covered the image: no encoder run
+
+    turn2 = messages + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": "Which error is it?"}]
+    second = chat(vlm, turn2, **GREEDY).body
+    assert cached(second) >= tokens - 1, second["usage"]
+    assert_same_answer(second, cold(vlm, turn2, **GREEDY))
+
+
+def test_changed_image_is_not_a_hit(vlm):
+    messages = conversation(image_url(2))
+    first = chat(vlm, messages, **GREEDY).body
+    other = [messages[0], {**messages[1], "content": [messages[1]["content"][0],
+                                                      image_part(image_url(3))]}]
+    answer = chat(vlm, other, **GREEDY).body
+    # At most the text before the image is shared: the rest is prefilled, image included.
+    assert cached(answer) <= prompt_tokens(first) - vision_models.TOKENS_PER_IMAGE - 1
+    assert_same_answer(answer, cold(vlm, other, **GREEDY))
+    assert first["choices"][0]["message"]["content"] != answer["choices"][0]["message"]["content"]
+
+
+def test_four_images_and_a_jpeg_hit_exactly(vlm):
+    urls = [image_url(10), image_url(11, "JPEG"), image_url(12), image_url(13, "JPEG", 97)]
+    messages = conversation(*urls, question="Compare these four screenshots.")
+    first = chat(vlm, messages, **GREEDY).body
+    assert prompt_tokens(first) > 4 * vision_models.TOKENS_PER_IMAGE
+    repeat = chat(vlm, messages, **GREEDY).body
+    assert cached(repeat) == prompt_tokens(first) - 1
+    assert_same_answer(repeat, first)
+    # The same images in another order are another prompt.
+    swapped = conversation(*urls[::-1], question="Compare these four screenshots.")
+    swapped[0] = messages[0]
+    answer = chat(vlm, swapped, **GREEDY).body
+    assert_same_answer(answer, cold(vlm, swapped, **GREEDY))
+    assert cached(answer) < prompt_tokens(first) - 4 * vision_models.TOKENS_PER_IMAGE
+
+
+def test_streamed_image_answer_and_penalties(vlm):
+    messages = conversation(image_url(4))
+    whole = chat(vlm, messages, max_tokens=5, temperature=0, presence_penalty=1.0,
+                 frequency_penalty=0.5).text
+    streamed = chat(vlm, messages, max_tokens=5, temperature=0, presence_penalty=1.0,
+                    frequency_penalty=0.5, stream=True).text
+    assert streamed == whole and whole
+
+
+BAD_IMAGES = [
+    ("https://example.com/cat.png", "only data: URLs"),
+    ("data:image/png;base64,!!!notbase64", "base64"),
+    ("data:image/gif;base64,R0lGODlhAQABAAAAACw=", "image/gif"),
+    ("data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"junk" * 10).decode(),
+     "could not be decoded"),
+    ("data:image/jpeg;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n").decode(), "not image/jpeg"),
+    ("data:image/png,rawbytes", "base64"),
+]
+
+
+@pytest.mark.parametrize("url,message", BAD_IMAGES, ids=[m for _, m in BAD_IMAGES])
+def test_bad_image_is_a_400(vlm, url, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(vlm, conversation(url), max_tokens=2)
+    error = e.value.body
+    assert message in error["message"] and error["param"] == "messages", error
+    assert chat(vlm, conversation(image_url(5)), max_tokens=2).text is not None  # still serving
+
+
+def test_typed_image_token_is_a_400(vlm):
+    text = "look: " + "<image_soft_token>" * 3
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(vlm, conversation(image_url(6), question=text), max_tokens=2)
+    assert e.value.body["code"] == "invalid_image"
+
+
+def test_text_model_refuses_images(backend):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(backend, conversation(image_url(1)), max_tokens=2)
+    error = e.value.body
+    assert error["code"] == "images_unsupported" and "does not take images" in error["message"]
+    assert error["param"] == "messages"
+
+
+def test_prefix_keys_name_images_by_content():
+    salt = prefix.make_salt(SECRET)
+
+    def chain(*urls: str) -> list[int]:
+        messages = conversation(*urls)
+        messages[0]["content"] = SYSTEM
+        return prefix.chat_chain({"messages": messages}, model="vlm", salt=salt)
+
+    a, b = image_url(1), image_url(2)
+    assert chain(a) == chain(a)
+    same_head = prefix.common_prefix(chain(a), chain(b))
+    assert 0 < same_head < len(chain(a))  # the system prompt is shared, the image is not
+    assert chain(a) != chain()  # an image is part of the prefix, not dropped
+    with pytest.raises(ValueError, match="only data: URLs"):
+        chain("http://example.com/x.png")
+
+
+@pytest.fixture(scope="module")
+def vlm_fleet(vlm_model, tmp_path_factory, redis_server):
+    logs = tmp_path_factory.mktemp("vlm-fleet-logs")
+
+    def backends(redis_url: str) -> list[BackendProcess]:
+        common = ["--redis-url", redis_url, "--secret", SECRET, "--prefill-step", "32"]
+        return [BackendProcess(vlm_model, "vlm", logs, backend_id=f"vlm-{i}", extra=common)
+                for i in range(2)]
+
+    def proxies(redis_url: str) -> list[ProxyProcess]:
+        return [ProxyProcess(redis_url, logs, ["--secret", SECRET])]
+
+    with harness.fleet(backends, proxies, redis_server.database()) as f:
+        yield f
+
+
+def test_image_conversation_through_the_proxy(vlm_fleet):
+    proxy = vlm_fleet["proxies"][0]
+    messages = conversation(image_url(20))
+    first = chat(proxy, messages, model="vlm", max_tokens=8, temperature=0)
+    messages += [first.message, {"role": "user", "content": "And what is the error message?"}]
+    second = chat(proxy, messages, model="vlm", max_tokens=8, temperature=0)
+    assert second.headers["x-kvroute-backend"] == first.headers["x-kvroute-backend"]
+    usage = second.body["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.8 * usage["prompt_tokens"], usage
+
+    models = {m["id"]: m for m in get_json(proxy.url + "/v1/models")["data"]}
+    assert models["vlm"]["input_modalities"] == ["text", "image"]
