@@ -203,3 +203,49 @@ def test_image_conversation_through_the_proxy(vlm_fleet):
 
     models = {m["id"]: m for m in get_json(proxy.url + "/v1/models")["data"]}
     assert models["vlm"]["input_modalities"] == ["text", "image"]
+
+
+def test_anthropic_image_blocks_through_the_proxy(vlm_fleet):
+    import anthropic
+
+    proxy = vlm_fleet["proxies"][0]
+    claude = anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0)
+    data = image_url(21).split(",", 1)[1]
+    system = f"{uuid.uuid4().hex[:8]} {SYSTEM}"
+    turn1 = [{"role": "user", "content": [
+        {"type": "text", "text": "What does this screenshot show?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]}]
+    first = claude.messages.with_raw_response.create(
+        model="vlm", system=system, messages=turn1, max_tokens=8)
+    reply = first.parse()
+    turn2 = turn1 + [{"role": "assistant", "content": reply.content},
+                     {"role": "user", "content": "And the error message?"}]
+    second = claude.messages.with_raw_response.create(
+        model="vlm", system=system, messages=turn2, max_tokens=8)
+    assert second.headers["x-kvroute-backend"] == first.headers["x-kvroute-backend"]
+    usage = second.parse().usage
+    total = usage.input_tokens + usage.cache_read_input_tokens
+    assert usage.cache_read_input_tokens >= 0.8 * total, usage
+
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="vlm", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
+    assert "base64" in str(e.value)
+
+
+def test_responses_input_image_through_the_proxy(vlm_fleet):
+    proxy = vlm_fleet["proxies"][0]
+    oai = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+    system = f"{uuid.uuid4().hex[:8]} {SYSTEM}"
+    turn1 = [{"role": "user", "content": [
+        {"type": "input_text", "text": "What does this screenshot show?"},
+        {"type": "input_image", "image_url": image_url(22)}]}]
+    first = oai.responses.create(model="vlm", instructions=system, input=turn1,
+                                 max_output_tokens=8, temperature=0)
+    assert first.store is False  # a conversation with images never goes to Redis
+    turn2 = turn1 + [{"role": "assistant", "content": first.output_text},
+                     {"role": "user", "content": "And the error message?"}]
+    second = oai.responses.create(model="vlm", instructions=system, input=turn2,
+                                  max_output_tokens=8, temperature=0)
+    usage = second.usage
+    assert usage.input_tokens_details.cached_tokens >= 0.8 * usage.input_tokens, usage

@@ -46,7 +46,7 @@ from typing import Any, Callable
 import orjson
 import xxhash
 
-from .images import decode_data_url, image_url_of
+from .images import ImageError, decode_data_url, image_url_of
 
 DEFAULT_BLOCK_BYTES = 256
 
@@ -327,8 +327,8 @@ def _content_text(content: Any, where: str) -> bytes:
             elif kind == "image_url":
                 try:
                     image = decode_data_url(image_url_of(part))
-                except ValueError as exc:
-                    raise ValueError(f"{where}.content[{j}]: {exc}") from None
+                except ImageError as exc:
+                    raise ImageError(f"{where}.content[{j}]: {exc}") from None
                 out.append(_IMAGE_MARK + image.sha256)
             # Other non-text parts (audio) are not part of the prefix.
         else:
