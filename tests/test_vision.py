@@ -249,3 +249,26 @@ def test_responses_input_image_through_the_proxy(vlm_fleet):
                                   max_output_tokens=8, temperature=0)
     usage = second.usage
     assert usage.input_tokens_details.cached_tokens >= 0.8 * usage.input_tokens, usage
+
+
+def test_readme_example_runs(vlm):
+    """The README's image example, as written, against a backend of the tiny VLM."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.harness import ROOT
+
+    section = (ROOT / "README.md").read_text().split("## Images (vision-language models)")[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace("http://127.0.0.1:8000", vlm.url).replace('"tiny-vlm"', '"vlm"')
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    found = re.match(r"turn 2: (\d+) of (\d+) prompt tokens cached; turn 1's prompt, image "
+                     r"included, was (\d+)", out.stdout)
+    assert found, out.stdout
+    cached_, total, turn1 = map(int, found.groups())
+    # At least turn 1's prompt, image included (a random model's reply may not
+    # tokenize back as it was generated: its part of the entry can miss).
+    assert turn1 - 1 <= cached_ < total

@@ -154,7 +154,12 @@ def load_vision(path: str, model_config: dict, model: Any, tokenizer: Any) -> Vi
         log.warning("%s models are served without images (kvroute's vision families: %s)",
                     kind, ", ".join(FAMILIES))
         return None
-    return _gemma3(Path(path), model_config, model, tokenizer)
+    try:
+        return _gemma3(Path(path), model_config, model, tokenizer)
+    except ImportError as exc:
+        log.warning("serving %s without images: %s (install kvroute's `vision` extra, "
+                    "scripts/install.sh does)", path, exc)
+        return None
 
 
 def _vision_weights(path: Path, prefix: str) -> dict[str, mx.array]:

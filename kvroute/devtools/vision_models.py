@@ -20,10 +20,11 @@ from mlx.utils import tree_flatten
 from tokenizers import AddedToken
 
 from . import arch_models, demo_model
+from .names import VISION_FAMILIES
 
 VERSION = 1
 SEED = 0
-FAMILIES = ("gemma3",)
+FAMILIES = VISION_FAMILIES
 BOI, IMAGE_TOKEN, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 TOKENS_PER_IMAGE = 16
 VISION_CONFIG = {
