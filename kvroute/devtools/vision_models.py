@@ -38,27 +38,35 @@ VISION_CONFIG = {
     "num_channels": 3,
     "layer_norm_eps": 1e-6,
 }
+# For benchmarks on a CPU: an encoder with a cost to skip (224x224 images, 256 patches
+# through 4 layers, pooled to 64 image tokens).
+SMALL = {"tokens_per_image": 64, "vision": {
+    "hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 256,
+    "num_attention_heads": 4, "patch_size": 14, "image_size": 224}}
+SIZES = ("tiny", "small")
 
 
-def model_config(tokenizer) -> dict:
+def model_config(tokenizer, size: str = "tiny") -> dict:
     text = arch_models.model_config("gemma3_text", tokenizer)
     for key in ("kvroute_arch", "architectures", "torch_dtype", "bos_token_id"):
         text.pop(key, None)
     ids = {name: tokenizer.token_to_id(t) for name, t in
            (("boi_token_index", BOI), ("image_token_index", IMAGE_TOKEN),
             ("eoi_token_index", EOI))}
+    small = size == "small"
+    n = SMALL["tokens_per_image"] if small else TOKENS_PER_IMAGE
     return {
         "model_type": "gemma3",
         "architectures": ["Gemma3ForConditionalGeneration"],
-        "text_config": {**text, "mm_tokens_per_image": TOKENS_PER_IMAGE},
-        "vision_config": dict(VISION_CONFIG),
-        "mm_tokens_per_image": TOKENS_PER_IMAGE,
+        "text_config": {**text, "mm_tokens_per_image": n},
+        "vision_config": {**VISION_CONFIG, **(SMALL["vision"] if small else {})},
+        "mm_tokens_per_image": n,
         **ids,
         "vocab_size": text["vocab_size"],
         "eos_token_id": text["eos_token_id"],
         "pad_token_id": text["pad_token_id"],
         "torch_dtype": "float32",
-        "kvroute_vlm": {"family": "gemma3", "version": VERSION},
+        "kvroute_vlm": {"family": "gemma3", "version": VERSION, "size": size},
     }
 
 
@@ -81,31 +89,37 @@ def _vision_weights(config: dict) -> dict[str, mx.array]:
     return weights
 
 
-def build(out_dir: str | Path, family: str = "gemma3") -> Path:
-    """Write the tiny VLM of `family` to `out_dir` and return it."""
+def _check(family: str, size: str) -> None:
     if family not in FAMILIES:
         raise ValueError(f"Unknown family {family!r}, expected one of {FAMILIES}")
+    if size not in SIZES:
+        raise ValueError(f"Unknown size {size!r}, expected one of {SIZES}")
+
+
+def build(out_dir: str | Path, family: str = "gemma3", size: str = "tiny") -> Path:
+    """Write the random-weight VLM of `family` at `size` to `out_dir` and return it."""
+    _check(family, size)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = demo_model.train_tokenizer()
     tokenizer.add_special_tokens([AddedToken(t, special=True) for t in (BOI, IMAGE_TOKEN, EOI)])
-    config = model_config(tokenizer)
+    config = model_config(tokenizer, size)
     text = arch_models.build_model({**config["text_config"], "model_type": "gemma3_text",
                                     "torch_dtype": "float32"})
     weights = {f"language_model.{k}": a for k, a in tree_flatten(text.parameters())}
     weights.update(_vision_weights(config))
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    side = config["vision_config"]["image_size"]
     (out_dir / "preprocessor_config.json").write_text(json.dumps(
         {"image_processor_type": "Gemma3ImageProcessor", "image_mean": [0.5] * 3,
-         "image_std": [0.5] * 3, "size": {"height": 64, "width": 64}}, indent=2) + "\n")
+         "image_std": [0.5] * 3, "size": {"height": side, "width": side}}, indent=2) + "\n")
     demo_model.write_tokenizer(out_dir, tokenizer)
     return out_dir
 
 
-def ensure(family: str = "gemma3", cache_dir: Path | None = None) -> Path:
-    """The cached tiny VLM of `family`, built on first use (as demo_model.ensure)."""
-    if family not in FAMILIES:
-        raise ValueError(f"Unknown family {family!r}, expected one of {FAMILIES}")
-    return demo_model.cached_build(f"vision-model-{family}-v{VERSION}",
-                                   lambda path: build(path, family), cache_dir)
+def ensure(family: str = "gemma3", cache_dir: Path | None = None, size: str = "tiny") -> Path:
+    """The cached VLM of `family` at `size`, built on first use (as demo_model.ensure)."""
+    _check(family, size)
+    name = f"vision-model-{family}-v{VERSION}" + ("" if size == "tiny" else f"-{size}")
+    return demo_model.cached_build(name, lambda path: build(path, family, size), cache_dir)
