@@ -19,11 +19,15 @@ import openai
 import pytest
 from PIL import Image
 from tests import harness
-from tests.harness import BackendProcess, ProxyProcess, chat, get_json
-from tests.test_families import GREEDY, assert_same_answer, cached, cold, prompt_tokens
+from tests.harness import (TOOLS, BackendProcess, ProxyProcess, SSEStream, chat, get_json,
+                           post_json, wait_until)
+from tests.test_families import (GREEDY, assert_entries_consistent, assert_prompt_kept,
+                                 assert_same_answer, cached, cold, follow_up, idle,
+                                 prompt_tokens)
 
 from kvroute.core import prefix
 from kvroute.devtools import vision_models
+from kvroute.devtools.demo_model import DEMO_TOOL_REPLY
 
 SYSTEM = ("You describe pictures for a team's incident reports: say what the screenshot "
           "shows, name any error message, and keep it to two short sentences. ") * 2
@@ -272,3 +276,103 @@ def test_readme_example_runs(vlm):
     # At least turn 1's prompt, image included (a random model's reply may not
     # tokenize back as it was generated: its part of the entry can miss).
     assert turn1 - 1 <= cached_ < total
+
+
+# -- every exit path keeps an image prompt cached (as tests/test_families.py for text) --
+
+
+def test_image_exit_eos_stop_and_max_tokens(vlm):
+    for kw, reply in (({"kvroute_fault": "force:All clear."}, "All clear."),
+                      ({"stop": ["STOP"], "kvroute_fault": "force:ship it STOP and wait"},
+                       "ship it "),
+                      ({"max_tokens": 3}, None)):
+        messages = conversation(image_url(30))
+        first = chat(vlm, messages, **kw).body
+        text = first["choices"][0]["message"]["content"]
+        assert reply is None or text == reply
+        assert_prompt_kept(vlm, first, follow_up(vlm, messages, text))
+
+
+def test_image_exit_tool_call_only(vlm):
+    messages = conversation(image_url(31), question="What is the weather in Paris?")
+    first = chat(vlm, messages, tools=TOOLS, kvroute_fault=f"force:{DEMO_TOOL_REPLY}").body
+    choice = first["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    turn2 = messages + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 21 C"}]
+    assert_prompt_kept(vlm, first, chat(vlm, turn2, tools=TOOLS, max_tokens=2).body)
+
+
+def test_image_exit_disconnect_mid_decode_and_errors(vlm):
+    messages = conversation(image_url(32))
+    stream = SSEStream(vlm.url + "/v1/chat/completions",
+                       {"model": vlm.model_id, "messages": messages, "max_tokens": 400,
+                        "kvroute_fault": "force:" + " ".join(["tick"] * 200)})
+    events = stream.events()
+    for _ in range(4):
+        assert isinstance(next(events), dict)
+    stream.close()
+    wait_until(lambda: idle(vlm), timeout=10, what="the sequence to leave the batch")
+    repeat = chat(vlm, messages, max_tokens=1).body
+    assert cached(repeat) == prompt_tokens(repeat) - 1
+
+    for step in (0, 2):  # the step completing the prompt, and one in decode
+        messages = conversation(image_url(33 + step))
+        status, body = post_json(vlm.url + "/v1/chat/completions",
+                                 {"model": vlm.model_id, "messages": messages,
+                                  "kvroute_fault": f"decode_error:{step}"})
+        assert status == 500, body
+        repeat = chat(vlm, messages, **GREEDY).body
+        assert cached(repeat) == prompt_tokens(repeat) - 1
+        assert_same_answer(repeat, cold(vlm, messages, **GREEDY))
+    assert_entries_consistent(vlm)
+    assert vlm.health()["vision"]["held"] == 0  # every request let its images go
+
+
+def test_image_disconnect_mid_prefill_resumes_exactly(vlm):
+    messages = conversation(*(image_url(40 + i) for i in range(6)))
+    stream = SSEStream(vlm.url + "/v1/chat/completions",
+                       {"model": vlm.model_id, "messages": messages, "max_tokens": 4,
+                        "kvroute_fault": "slow_prefill:0.05"})
+    header = chat(vlm, messages[:1] + [{"role": "user", "content": "hi"}], scope="probe",
+                  max_tokens=1).body
+
+    def past_header():
+        jobs = vlm.health()["engine"]["jobs"]
+        return [j for j in jobs if j["phase"] == "prefill"
+                and j["processed"] >= prompt_tokens(header) + 40]
+
+    wait_until(past_header, timeout=60, what="prefill into the images")
+    stream.close()
+    wait_until(lambda: idle(vlm), timeout=10, what="the prefill to be abandoned")
+    retry = chat(vlm, messages, **GREEDY).body
+    assert cached(retry) >= prompt_tokens(header) - 12
+    assert_same_answer(retry, cold(vlm, messages, **GREEDY))
+    assert_entries_consistent(vlm)
+
+
+def test_image_prompt_restored_from_disk_after_restart(vlm_model, tmp_path):
+    def start(port: int | None = None) -> BackendProcess:
+        proc = BackendProcess(vlm_model, model_id="vlm", log_dir=tmp_path, port=port,
+                              extra=["--prefill-step", "32", "--disk-cache-dir",
+                                     str(tmp_path / "disk")])
+        proc.start()
+        return proc
+
+    first = start()
+    messages = conversation(image_url(50), image_url(51))
+    try:
+        turn1 = chat(first, messages, **GREEDY).body
+        wait_until(lambda: (d := first.health()["disk"])["entries"] >= 1
+                   and d["write_queue"] == 0, 60, what="turn 1 on disk")
+    finally:
+        first.stop()
+    again = start(first.port)
+    try:
+        repeat = chat(again, messages, **GREEDY).body
+        assert cached(repeat) == prompt_tokens(repeat) - 1  # from disk, images included
+        assert again.health()["vision"]["encoded"] == 0  # the encoder never ran
+        assert_same_answer(repeat, turn1)
+    finally:
+        again.stop()
