@@ -376,3 +376,17 @@ def test_image_prompt_restored_from_disk_after_restart(vlm_model, tmp_path):
         assert_same_answer(repeat, turn1)
     finally:
         again.stop()
+
+
+def test_concurrent_image_prompts_batch_exactly(vlm):
+    """Prompts with different images prefilled and decoded in one batch each answer as
+    alone (the vision step embeds several images of several rows in one chunk)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    conversations = [conversation(image_url(60 + i), image_url(70 + i)) for i in range(4)]
+    alone = [cold(vlm, m, **GREEDY) for m in conversations]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda m: cold(vlm, m, **GREEDY), conversations))
+    for a, b in zip(together, alone):
+        assert_same_answer(a, b)
+    assert vlm.health()["engine"]["peak_batch"] >= 2
