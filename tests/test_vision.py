@@ -148,10 +148,14 @@ def test_bad_image_is_a_400(vlm, url, message):
 
 
 def test_typed_image_token_is_a_400(vlm):
-    text = "look: " + "<image_soft_token>" * 3
-    with pytest.raises(openai.BadRequestError) as e:
-        chat(vlm, conversation(image_url(6), question=text), max_tokens=2)
-    assert e.value.body["code"] == "invalid_image"
+    from kvroute.backend.image_prompt import sentinel
+
+    for text, images in (("look: " + "<image_soft_token>" * 3, [image_url(6)]),
+                         ("look: " + sentinel(1), [image_url(6)]),
+                         ("look: " + sentinel(0), [])):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(vlm, conversation(*images, question=text), max_tokens=2)
+        assert e.value.body["code"] == "invalid_image"
 
 
 def test_text_model_refuses_images(backend):

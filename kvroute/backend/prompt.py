@@ -75,6 +75,9 @@ class Template:
         prompt = self.chains(req, body, scope, tokens, marks)
         if order:
             assert self.images is not None  # _pixels refused images otherwise
+            if max(order) >= len(pixels):  # a client who typed the sentinel itself
+                raise bad_request("Invalid image prompt: the text holds kvroute's image "
+                                  "marker.", param="messages", code="invalid_image")
             try:
                 prompt.tokens = self.images.substitute(tokens, [pixels[k].sha256 for k in order])
             except ImageError as exc:
