@@ -51,15 +51,20 @@ def image_ids(sha256: bytes, n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Pixels:
-    """An image decoded and preprocessed for the vision encoder."""
+    """An image decoded and preprocessed for the vision encoder, and what the prompt
+    holds for it."""
 
     sha256: bytes
     values: np.ndarray  # (1, height, width, channels) float32, normalized
+    text: str  # the model's image text for it (its image tokens and markers)
+    tokens: int  # image tokens in `text`: the rows the encoder gives for it
 
 
 @dataclass(frozen=True)
 class ImagePrompt:
-    """What one model family writes for an image and how its encoder takes pixels."""
+    """What one model family writes for an image and how its encoder takes pixels:
+    here a fixed square and a fixed text (Gemma 3); `PixtralPrompt` sizes both by the
+    image."""
 
     image_text: str  # what the template's image becomes: `tokens_per_image` image tokens
     image_token_id: int
@@ -69,40 +74,50 @@ class ImagePrompt:
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     max_bytes: int | None = None
 
-    def render(self, text: str) -> tuple[str, list[int]]:
-        """`text` with each sentinel replaced by the image text, and the request's
-        image indices in the order they now appear."""
+    def layout(self, width: int, height: int) -> tuple[tuple[int, int], str, int]:
+        """(width, height) to resize an image to, its text and its image tokens."""
+        return (self.image_size, self.image_size), self.image_text, self.tokens_per_image
+
+    def render(self, text: str, texts: list[str]) -> tuple[str, list[int]]:
+        """`text` with sentinel k replaced by `texts[k]` (the request's k-th image), as
+        a model's processor replaces the template's image marker; and the request's
+        image indices in the order they now appear. ImageError for a sentinel of no
+        image (a client who typed it)."""
         order: list[int] = []
 
         def one(m: re.Match) -> str:
-            order.append(int(m.group(1)))
-            return self.image_text
+            k = int(m.group(1))
+            if k >= len(texts):
+                raise ImageError("the text holds kvroute's image marker")
+            order.append(k)
+            return texts[k]
 
         return _SENTINEL_RE.sub(one, text), order
 
-    def substitute(self, tokens: list[int], shas: list[bytes]) -> list[int]:
-        """`tokens` with the k-th run of image tokens replaced by the ids of the k-th
-        image (same length: checkpoint positions stay). ImageError when the text holds
-        other image tokens (a client who typed the model's image token)."""
-        n = self.tokens_per_image
+    def substitute(self, tokens: list[int], images: list[Pixels]) -> list[int]:
+        """`tokens` with the image tokens of each image, in order, replaced by its ids
+        (same length: checkpoint positions stay). ImageError when the text holds other
+        image tokens (a client who typed the model's image token)."""
         at = [i for i, t in enumerate(tokens) if t == self.image_token_id]
-        runs = [at[k:k + n] for k in range(0, len(at), n)]
-        if len(at) != n * len(shas) or any(r[-1] - r[0] != n - 1 for r in runs):
-            raise ImageError(f"the prompt has {len(at)} image tokens for {len(shas)} images; "
+        if len(at) != sum(p.tokens for p in images):
+            raise ImageError(f"the prompt has {len(at)} image tokens for {len(images)} images; "
                              "the text may not contain the model's image token")
         if at and at[-1] == len(tokens) - 1:
             raise ImageError("a prompt may not end with an image")
-        out = list(tokens)
-        for run, sha in zip(runs, shas):
-            out[run[0]:run[0] + n] = image_ids(sha, n)
+        out, i = list(tokens), 0
+        for p in images:
+            for position, token in zip(at[i:i + p.tokens], image_ids(p.sha256, p.tokens)):
+                out[position] = token
+            i += p.tokens
         return out
 
     def pixels(self, url: Any) -> Pixels:
         """An image part's URL decoded, checked and preprocessed (ImageError: a 400)."""
         image = decode_data_url(url, **({"max_bytes": self.max_bytes} if self.max_bytes else {}))
-        return Pixels(image.sha256, self._preprocess(image))
+        values, text, tokens = self._preprocess(image)
+        return Pixels(image.sha256, values, text, tokens)
 
-    def _preprocess(self, image: DecodedImage) -> np.ndarray:
+    def _preprocess(self, image: DecodedImage) -> tuple[np.ndarray, str, int]:
         from PIL import Image, UnidentifiedImageError
 
         try:
@@ -110,10 +125,10 @@ class ImagePrompt:
                 if im.width * im.height > MAX_PIXELS:
                     raise ImageError(f"the image is {im.width}x{im.height} pixels, over "
                                      f"{MAX_PIXELS}")
-                # As the model's image processor: RGB, resized to the encoder's square
-                # (bilinear), scaled to [0, 1], normalized.
-                rgb = im.convert("RGB").resize((self.image_size, self.image_size),
-                                               Image.Resampling.BILINEAR)
+                size, text, tokens = self.layout(im.width, im.height)
+                # As the model's image processor: RGB, resized (bilinear), scaled to
+                # [0, 1], normalized.
+                rgb = im.convert("RGB").resize(size, Image.Resampling.BILINEAR)
                 values = np.asarray(rgb, dtype=np.float32) / 255.0
         except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError,
                 ValueError) as exc:
@@ -121,4 +136,26 @@ class ImagePrompt:
                 raise
             raise ImageError(f"the image could not be decoded ({type(exc).__name__})") from None
         values = (values - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
-        return values[None]
+        return values[None], text, tokens
+
+
+@dataclass(frozen=True)
+class PixtralPrompt(ImagePrompt):
+    """Pixtral's layout (Mistral 3): the image keeps its aspect ratio within
+    `image_size` on its longer side, in whole cells of `cell` pixels (a patch times
+    the spatial merge); each row of cells is that many image tokens and a row break,
+    the last row ending with the image end instead."""
+
+    cell: int = 28
+    row_break: str = "[IMG_BREAK]"
+    image_end: str = "[IMG_END]"
+    image_token: str = "[IMG]"
+
+    def layout(self, width: int, height: int) -> tuple[tuple[int, int], str, int]:
+        ratio = max(width / self.image_size, height / self.image_size)
+        if ratio > 1:
+            width, height = int(width / ratio), int(height / ratio)
+        cols, rows = (width - 1) // self.cell + 1, (height - 1) // self.cell + 1
+        text = (self.image_token * cols + self.row_break) * rows
+        text = text[:-len(self.row_break)] + self.image_end
+        return (cols * self.cell, rows * self.cell), text, cols * rows

@@ -71,15 +71,13 @@ class Template:
         if not isinstance(req, ChatRequest):
             return self.chains(req, body, scope, list(self.tokenizer.encode(req.prompt)), {})
         pixels = self._pixels(req)
+        req.image_texts = [p.text for p in pixels]
         tokens, marks, order = self._chat_tokens(req)
         prompt = self.chains(req, body, scope, tokens, marks)
         if order:
             assert self.images is not None  # _pixels refused images otherwise
-            if max(order) >= len(pixels):  # a client who typed the sentinel itself
-                raise bad_request("Invalid image prompt: the text holds kvroute's image "
-                                  "marker.", param="messages", code="invalid_image")
             try:
-                prompt.tokens = self.images.substitute(tokens, [pixels[k].sha256 for k in order])
+                prompt.tokens = self.images.substitute(tokens, [pixels[k] for k in order])
             except ImageError as exc:
                 raise bad_request(f"Invalid image prompt: {exc}.", param="messages",
                                   code="invalid_image")
@@ -141,12 +139,23 @@ class Template:
     # -- chat ------------------------------------------------------------------------
 
     def _render(self, messages: list[dict], tools: list[dict] | None, generation: bool,
-                tokenize: bool = True) -> Any:
+                tokenize: bool = True, image_texts: list[str] | None = None) -> Any:
         out = self.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=generation, tokenize=tokenize)
         if tokenize:
             return list(out)
-        return self.images.render(out)[0] if self.images is not None else out
+        return self._images(out, image_texts or [])[0]
+
+    def _images(self, text: str, image_texts: list[str]) -> tuple[str, list[int]]:
+        """The rendered `text` with each image's text where the template put it, and the
+        order of the request's images in it (render errors are the request's: a 400)."""
+        if self.images is None:
+            return text, []
+        try:
+            return self.images.render(text, image_texts)
+        except ImageError as exc:
+            raise bad_request(f"Invalid image prompt: {exc}.", param="messages",
+                              code="invalid_image")
 
     def _chat_text(self, req: ChatRequest) -> tuple[str, list[int]]:
         """The rendered prompt, and the request's images in the order it shows them."""
@@ -158,7 +167,7 @@ class Template:
         except Exception as exc:  # template errors are the request's fault (bad role order, ...)
             raise bad_request(f"The messages could not be rendered by the chat template: {exc}.",
                               param="messages")
-        return self.images.render(text) if self.images is not None else (text, [])
+        return self._images(text, req.image_texts)
 
     def _chat_prompt(self, req: ChatRequest) -> list[int]:
         # As apply_chat_template(tokenize=True) tokenizes its rendering, reusing the
@@ -174,7 +183,8 @@ class Template:
         marks: dict[int, int] = {}
         if self.checkpointing:
             for n in {_header_messages(req.messages), len(req.messages)}:
-                position = self._position(prompt, text, req.messages[:n], req.tools)
+                position = self._position(prompt, text, req.messages[:n], req.tools,
+                                          req.image_texts)
                 if position:
                     marks[position] = n
         return prompt, marks, order
@@ -184,7 +194,7 @@ class Template:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _position(self, prompt: list[int], text: str, messages: list[dict],
-                  tools: list[dict] | None) -> int | None:
+                  tools: list[dict] | None, image_texts: list[str] | None = None) -> int | None:
         """Where the rendering of `messages` ends inside `prompt` (rendered as
         `text`), or None where the template renders that part differently or refuses
         it. Only a position is chosen here: the checkpoint holds the prompt's own
@@ -192,7 +202,7 @@ class Template:
         if not messages:
             return None
         try:
-            head = self._render(messages, tools, False, tokenize=False)
+            head = self._render(messages, tools, False, tokenize=False, image_texts=image_texts)
         except Exception:
             return None
         if not (0 < len(head) < len(text) and text.startswith(head)):
@@ -238,11 +248,13 @@ class Template:
             heads only; a head the template renders otherwise counts as too long (fewer
             keys, never a wrong one)."""
             messages = body["messages"]
-            text = self._render(req.messages, req.tools, True, tokenize=False)
+            text = self._render(req.messages, req.tools, True, tokenize=False,
+                                image_texts=req.image_texts)
             lo, hi, best = 1, len(messages) - 1, (0, [])
             while lo <= hi:
                 n = (lo + hi) // 2
-                position = self._position(prompt, text, req.messages[:n], req.tools)
+                position = self._position(prompt, text, req.messages[:n], req.tools,
+                                          req.image_texts)
                 if position is not None and position <= n_tokens:
                     best, lo = (position, n), n + 1
                 else:

@@ -44,6 +44,7 @@ class ChatRequest:
     # The data URLs of the messages' images; message k's text holds sentinel(k) where
     # its image goes (image_prompt.py).
     images: list[str] = field(default_factory=list)
+    image_texts: list[str] = field(default_factory=list)  # the model's text for each image
 
 
 @dataclass

@@ -58,7 +58,7 @@ class Vision:
             for p in images:
                 pixels, n = self._held.get(p.sha256, (p, 0))
                 self._held[p.sha256] = (pixels, n + 1)
-                for row, i in enumerate(image_ids(p.sha256, self.prompt.tokens_per_image)):
+                for row, i in enumerate(image_ids(p.sha256, p.tokens)):
                     self._ids[i] = (p.sha256, row)
 
     def release(self, images: list[Pixels]) -> None:
@@ -69,7 +69,7 @@ class Vision:
                     self._held[p.sha256] = (pixels, n - 1)
                     continue
                 self._held.pop(p.sha256, None)
-                for i in image_ids(p.sha256, self.prompt.tokens_per_image):
+                for i in image_ids(p.sha256, p.tokens):
                     self._ids.pop(i, None)
 
     @property
@@ -77,8 +77,7 @@ class Vision:
         return bool(self._held)
 
     def snapshot(self) -> dict:
-        return {"encoded": self.encoded, "held": len(self._held),
-                "tokens_per_image": self.prompt.tokens_per_image}
+        return {"encoded": self.encoded, "held": len(self._held)}
 
     # -- the engine thread's side ----------------------------------------------------
 
@@ -91,10 +90,12 @@ class Vision:
             found = [self._ids.get(int(i)) for i in ids[image]]
         if any(f is None for f in found):
             raise RuntimeError("a prompt holds an image id of no image in flight")
+        offset = 0
         for (sha, row) in found:
             if sha not in table:
-                table[sha] = len(rows) * self.prompt.tokens_per_image
+                table[sha] = offset
                 rows.append(self._features_of(sha))
+                offset += rows[-1].shape[0]
         index[image] = [table[sha] + row for sha, row in found]
         features = mx.concatenate(rows, axis=0).astype(h.dtype)
         return mx.where(mx.array(image)[..., None], features[mx.array(index)], h)
@@ -106,6 +107,9 @@ class Vision:
         with self._lock:
             pixels = self._held[sha][0]
         features = self._encode(mx.array(pixels.values))
+        if features.shape[0] != pixels.tokens:  # the layout and the encoder disagree
+            raise RuntimeError(f"the encoder gave {features.shape[0]} rows for an image of "
+                               f"{pixels.tokens} tokens")
         mx.eval(features)
         self.encoded += 1
         self._features[sha] = features
