@@ -34,9 +34,10 @@ SYSTEM = ("You describe pictures for a team's incident reports: say what the scr
 SECRET = "vision-secret"
 
 
-def image_url(seed: int, fmt: str = "PNG", size: int = 64) -> str:
+def image_url(seed: int, fmt: str = "PNG", size: int = 64, height: int | None = None) -> str:
     """A data URL of a random-noise image (each seed its own picture)."""
-    pixels = np.random.default_rng(seed).integers(0, 255, (size, size, 3), dtype=np.uint8)
+    shape = (height or size, size, 3)
+    pixels = np.random.default_rng(seed).integers(0, 255, shape, dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, fmt)
     kind = "png" if fmt == "PNG" else "jpeg"
@@ -53,9 +54,13 @@ def conversation(*images: str, question: str = "What does this screenshot show?"
                                          *(image_part(u) for u in images)]}]
 
 
-@pytest.fixture(scope="module")
-def vlm_model(model_cache):
-    return vision_models.ensure("gemma3", cache_dir=model_cache)
+# What each family's text calls an image token (a client may type it).
+IMAGE_TOKENS = {"gemma3": vision_models.IMAGE_TOKEN, "mistral3": vision_models.PIXTRAL_TOKENS[0]}
+
+
+@pytest.fixture(scope="module", params=vision_models.FAMILIES)
+def vlm_model(request, model_cache):
+    return vision_models.ensure(request.param, cache_dir=model_cache)
 
 
 @pytest.fixture(scope="module")
@@ -99,14 +104,17 @@ def test_changed_image_is_not_a_hit(vlm):
     # At most the text before the image is shared: the rest is prefilled, image included.
     assert cached(answer) <= prompt_tokens(first) - vision_models.TOKENS_PER_IMAGE - 1
     assert_same_answer(answer, cold(vlm, other, **GREEDY))
-    assert first["choices"][0]["message"]["content"] != answer["choices"][0]["message"]["content"]
+    # The image reaches the model: another image, other log-probabilities.
+    logprob = [a["choices"][0]["logprobs"]["content"][0]["logprob"] for a in (first, answer)]
+    assert abs(logprob[0] - logprob[1]) > 1e-5, logprob
 
 
 def test_four_images_and_a_jpeg_hit_exactly(vlm):
     urls = [image_url(10), image_url(11, "JPEG"), image_url(12), image_url(13, "JPEG", 97)]
+    urls.append(image_url(14, "PNG", 64, 40))  # not square: Pixtral gives it fewer tokens
     messages = conversation(*urls, question="Compare these four screenshots.")
     first = chat(vlm, messages, **GREEDY).body
-    assert prompt_tokens(first) > 4 * vision_models.TOKENS_PER_IMAGE
+    assert prompt_tokens(first) > 4 * vision_models.TOKENS_PER_IMAGE + 4
     repeat = chat(vlm, messages, **GREEDY).body
     assert cached(repeat) == prompt_tokens(first) - 1
     assert_same_answer(repeat, first)
@@ -150,7 +158,8 @@ def test_bad_image_is_a_400(vlm, url, message):
 def test_typed_image_token_is_a_400(vlm):
     from kvroute.backend.image_prompt import sentinel
 
-    for text, images in (("look: " + "<image_soft_token>" * 3, [image_url(6)]),
+    family = vlm.model.rstrip("/").split("vision-model-")[1].split("-v")[0]
+    for text, images in (("look: " + IMAGE_TOKENS[family] * 3, [image_url(6)]),
                          ("look: " + sentinel(1), [image_url(6)]),
                          ("look: " + sentinel(0), [])):
         with pytest.raises(openai.BadRequestError) as e:

@@ -12,9 +12,10 @@ ids, and kept while a request holds it: a cache hit past the image never runs th
 encoder. Attention over image tokens is causal, like every other token, so a
 prompt can be prefilled in chunks and committed at any checkpoint exactly.
 
-Families: Gemma 3 (1D RoPE, one fixed-size image per image token run). Models
-whose text positions depend on the image's shape (Qwen2.5-VL's M-RoPE) are not
-served with images.
+Families: Gemma 3 (a fixed square image, 256 tokens) and Mistral 3 (Pixtral: the
+image's own aspect ratio, a token per cell and a break per row); both have 1D RoPE.
+Models whose text positions depend on the image's shape (Qwen2.5-VL's M-RoPE) are
+not served with images.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .image_prompt import ImagePrompt, Pixels, image_ids
+from .image_prompt import ImagePrompt, Pixels, PixtralPrompt, image_ids
 
 log = logging.getLogger("kvroute.backend.vision")
 
 FEATURES_KEPT = 16  # encoded images kept beyond those requests hold (LRU)
-FAMILIES = ("gemma3",)
+FAMILIES = ("gemma3", "mistral3")
 
 
 class Vision:
@@ -159,7 +160,8 @@ def load_vision(path: str, model_config: dict, model: Any, tokenizer: Any) -> Vi
                     kind, ", ".join(FAMILIES))
         return None
     try:
-        return _gemma3(Path(path), model_config, model, tokenizer)
+        load = _gemma3 if kind == "gemma3" else _mistral3
+        return load(Path(path), model_config, model, tokenizer)
     except ImportError as exc:
         log.warning("serving %s without images: %s (install kvroute's `vision` extra, "
                     "scripts/install.sh does)", path, exc)
@@ -181,6 +183,12 @@ def _load_module(module: nn.Module, weights: dict[str, mx.array], config: dict) 
         nn.quantize(module, group_size=quant.get("group_size", 64), bits=quant.get("bits", 4),
                     class_predicate=lambda p, _m: f"{p}.scales" in weights)
     module.load_weights(list(weights.items()))
+    # Every array, those of helper objects too (Pixtral's rotary frequencies): one left
+    # lazy on this loading thread fails on the engine thread, where MLX finds no stream.
+    values = [v for _, m in module.named_modules() for v in [*m.values(), *vars(m).values()]]
+    values += [a for v in values if hasattr(v, "__dict__") and not isinstance(v, nn.Module)
+               for a in vars(v).values()]
+    mx.eval([v for v in values if isinstance(v, mx.array)])
     mx.eval(module.parameters())
 
 
@@ -226,6 +234,43 @@ def _gemma3(path: Path, config: dict, model: Any, tokenizer: Any) -> Vision:
     embed = model.language_model.model.embed_tokens
     log.info("vision: gemma3, %d tokens per image, %dx%d pixels", prompt.tokens_per_image,
              prompt.image_size, prompt.image_size)
+    return Vision(prompt, encode, embed)
+
+
+def _mistral3(path: Path, config: dict, model: Any, tokenizer: Any) -> Vision:
+    from mlx_vlm.models.mistral3.config import ModelConfig, TextConfig, VisionConfig
+    from mlx_vlm.models.mistral3.mistral3 import Mistral3MultiModalProjector
+    from mlx_vlm.models.pixtral.vision import VisionModel as Tower
+
+    cfg = ModelConfig.from_dict(config)
+    cfg.text_config = TextConfig.from_dict(config["text_config"])
+    cfg.vision_config = VisionConfig.from_dict(config["vision_config"])
+    tower, projector = Tower(cfg.vision_config), Mistral3MultiModalProjector(cfg)
+    _load_module(tower, tower.sanitize(_vision_weights(path, "vision_tower.")), config)
+    _load_module(projector, _vision_weights(path, "multi_modal_projector."), config)
+    vocab = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
+    image_token = cfg.image_token_index if cfg.image_token_index is not None else 10
+    processor = _processor_config(path)
+    patch = processor.get("patch_size", cfg.vision_config.patch_size)
+    patch = patch.get("height", cfg.vision_config.patch_size) if isinstance(patch, dict) else patch
+    longest = (processor.get("size") or {}).get("longest_edge", cfg.vision_config.image_size)
+
+    def encode(pixels: mx.array) -> mx.array:
+        sizes = [tuple(pixels.shape[1:3])]
+        _, states = tower(pixels, output_hidden_states=True, image_sizes=sizes)
+        features = states[cfg.vision_feature_layer][0]
+        return projector(features, sizes)
+
+    prompt = PixtralPrompt(
+        image_text="", image_token_id=image_token, tokens_per_image=0, image_size=longest,
+        mean=tuple(processor.get("image_mean", (0.48145466, 0.4578275, 0.40821073))),
+        std=tuple(processor.get("image_std", (0.26862954, 0.26130258, 0.27577711))),
+        cell=patch * cfg.spatial_merge_size,
+        image_token=vocab.convert_ids_to_tokens(image_token),  # [IMG]; [IMG_BREAK], [IMG_END]
+    )
+    embed = model.language_model.model.embed_tokens
+    log.info("vision: mistral3 (Pixtral), images up to %d pixels a side in %d-pixel cells",
+             longest, prompt.cell)
     return Vision(prompt, encode, embed)
 
 
