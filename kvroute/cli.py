@@ -146,7 +146,7 @@ def _demo_parser(sub) -> None:
                    "recurrent layers, mamba2 recurrent only")
     p.add_argument("--vision", choices=VISION_FAMILIES, default=None,
                    help="instead, a random-weight vision-language model of this family "
-                   "(Gemma 3 layout, 64x64 images as 16 tokens), to try images")
+                   "(images up to 64 pixels a side, 16 tokens), to try images")
     p.add_argument("--context", type=int, default=None, metavar="TOKENS",
                    help="the context length the model declares (default 8192); coding "
                    "agents need ~131072 for their default prompts")
