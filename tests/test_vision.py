@@ -235,6 +235,8 @@ def test_anthropic_image_blocks_through_the_proxy(vlm_fleet):
     first = claude.messages.with_raw_response.create(
         model="vlm", system=system, messages=turn1, max_tokens=8)
     reply = first.parse()
+    counted = claude.messages.count_tokens(model="vlm", system=system, messages=turn1)
+    assert counted.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
     turn2 = turn1 + [{"role": "assistant", "content": reply.content},
                      {"role": "user", "content": "And the error message?"}]
     second = claude.messages.with_raw_response.create(

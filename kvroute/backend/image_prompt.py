@@ -111,13 +111,14 @@ class ImagePrompt:
             i += p.tokens
         return out
 
-    def pixels(self, url: Any) -> Pixels:
-        """An image part's URL decoded, checked and preprocessed (ImageError: a 400)."""
+    def pixels(self, url: Any, decode: bool = True) -> Pixels:
+        """An image part's URL decoded, checked and preprocessed (ImageError: a 400);
+        without `decode`, only its header is read: its text and tokens, no pixels."""
         image = decode_data_url(url, **({"max_bytes": self.max_bytes} if self.max_bytes else {}))
-        values, text, tokens = self._preprocess(image)
+        values, text, tokens = self._preprocess(image, decode)
         return Pixels(image.sha256, values, text, tokens)
 
-    def _preprocess(self, image: DecodedImage) -> tuple[np.ndarray, str, int]:
+    def _preprocess(self, image: DecodedImage, decode: bool = True) -> tuple[np.ndarray, str, int]:
         from PIL import Image, UnidentifiedImageError
 
         try:
@@ -126,6 +127,8 @@ class ImagePrompt:
                     raise ImageError(f"the image is {im.width}x{im.height} pixels, over "
                                      f"{MAX_PIXELS}")
                 size, text, tokens = self.layout(im.width, im.height)
+                if not decode:
+                    return np.zeros((0,), np.float32), text, tokens
                 # As the model's image processor: RGB, resized (bilinear), scaled to
                 # [0, 1], normalized.
                 rgb = im.convert("RGB").resize(size, Image.Resampling.BILINEAR)

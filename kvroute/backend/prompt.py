@@ -84,9 +84,10 @@ class Template:
             prompt.images = list({pixels[k].sha256: pixels[k] for k in order}.values())
         return prompt
 
-    def _pixels(self, req: ChatRequest) -> list[Pixels]:
-        """The request's images decoded for the encoder; a 400 for a model without
-        images or an image that cannot be read."""
+    def _pixels(self, req: ChatRequest, decode: bool = True) -> list[Pixels]:
+        """The request's images decoded for the encoder (or, without `decode`, only
+        their texts and token counts); a 400 for a model without images or an image
+        that cannot be read."""
         if not req.images:
             return []
         if self.images is None:
@@ -96,7 +97,7 @@ class Template:
         out = []
         for k, url in enumerate(req.images):
             try:
-                out.append(self.images.pixels(url))
+                out.append(self.images.pixels(url, decode))
             except ImageError as exc:
                 raise bad_request(f"Invalid image (the request's image {k + 1}): {exc}.",
                                   param="messages", code="invalid_image")
@@ -104,6 +105,7 @@ class Template:
 
     def count(self, req: ChatRequest) -> int:
         """The prompt tokens a chat body renders to, as `usage.prompt_tokens` counts them."""
+        req.image_texts = [p.text for p in self._pixels(req, decode=False)]
         return len(self._chat_prompt(req))
 
     def chains(self, req: ChatRequest | CompletionRequest, body: dict, scope: str | None,
