@@ -405,3 +405,37 @@ def test_concurrent_image_prompts_batch_exactly(vlm):
     for a, b in zip(together, alone):
         assert_same_answer(a, b)
     assert vlm.health()["engine"]["peak_batch"] >= 2
+
+
+def test_a_one_token_prefill_chunk_of_an_image_is_embedded(vlm_model):
+    """A prefill chunk can be one token wide (a segment's tail): an image id there is
+    embedded like in any chunk. Logits of a prompt prefilled whole and in chunks of
+    which one is a single image id agree."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvroute.backend.mlx_patches import prefilling
+    from kvroute.backend.vision import VisionModel, load_vision
+
+    model, tokenizer, config = load(str(vlm_model), return_config=True)
+    vision = load_vision(str(vlm_model), config, model, tokenizer)
+    wrapped = VisionModel(model, vision)
+    pixels = vision.prompt.pixels(image_url(80))
+    text = "look " + pixels.text + " now"
+    tokens = vision.prompt.substitute(tokenizer.encode(text, add_special_tokens=False), [pixels])
+    at = next(i for i, t in enumerate(tokens) if t < 0) + 3  # an image id inside the run
+    vision.hold([pixels])
+    try:
+        def last_logits(cuts: list[int]) -> mx.array:
+            cache, out = make_prompt_cache(wrapped), None
+            with prefilling():
+                for a, b in zip(cuts, cuts[1:]):
+                    out = wrapped(mx.array([tokens[a:b]]), cache=cache)
+            return out[0, -1]
+
+        whole = last_logits([0, len(tokens)])
+        narrow = last_logits([0, at, at + 1, len(tokens)])
+        assert mx.abs(whole - narrow).max().item() < 1e-4
+    finally:
+        vision.release([pixels])

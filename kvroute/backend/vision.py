@@ -32,6 +32,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .image_prompt import ImagePrompt, Pixels, PixtralPrompt, image_ids
+from .mlx_patches import in_prefill, mark_prefill
 
 log = logging.getLogger("kvroute.backend.vision")
 
@@ -126,15 +127,16 @@ class VisionModel:
     def __init__(self, model: Any, vision: Vision):
         self._model = model
         self._vision = vision
+        mark_prefill()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
-        # Decode steps (one token a row) feed sampled tokens, never an image id, and
-        # reading them back would cost a device sync per step: only prefill chunks,
-        # whose ids came from a list, are looked at.
-        if self._vision.holding and inputs.ndim == 2 and inputs.shape[1] > 1:
+        # Decode steps feed sampled tokens, never an image id, and reading them back
+        # would wait for the device every step: only prefill chunks (mlx_patches), whose
+        # ids came from a list, are looked at, however narrow.
+        if self._vision.holding and in_prefill() and inputs.ndim == 2:
             ids = np.array(inputs)
             if (ids < 0).any():
                 return self._model(mx.array(np.maximum(ids, 0)), cache=cache,
