@@ -1,8 +1,8 @@
 """The vision step of a vision-language model: images to embeddings, spliced into
 the prompt's input embeddings on the engine thread.
 
-mlx-lm loads such a checkpoint's language model (its `gemma3` class reads the VLM's
-files and drops the vision weights); mlx-vlm provides the vision encoder and the
+mlx-lm loads such a checkpoint's language model (its `gemma3` and `mistral3` classes
+read the VLM's files and drop the vision weights); mlx-vlm provides the vision encoder and the
 projector, built here from the same files. `VisionModel` wraps the language model
 for the engine's `BatchGenerator`: a prefill chunk holding image ids (negative,
 image_prompt.py) is embedded by the language model's own embedding for its text and
@@ -145,10 +145,6 @@ class VisionModel:
 
 
 # -- loading ------------------------------------------------------------------------
-
-
-def takes_images(model_config: dict) -> bool:
-    return model_config.get("model_type") in FAMILIES and "vision_config" in model_config
 
 
 def load_vision(path: str, model_config: dict, model: Any, tokenizer: Any) -> Vision | None:
