@@ -439,3 +439,19 @@ def test_a_one_token_prefill_chunk_of_an_image_is_embedded(vlm_model):
         assert mx.abs(whole - narrow).max().item() < 1e-4
     finally:
         vision.release([pixels])
+
+
+def test_demo_model_cli_builds_a_vlm(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "demo-model", str(tmp_path / "m"),
+                          "--vision", "mistral3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["model_type"] == "mistral3" and "vision_config" in config
+    refused = subprocess.run([sys.executable, "-m", "kvroute.cli", "demo-model", str(tmp_path / "n"),
+                              "--vision", "gemma3", "--arch", "qwen3"], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode != 0 and "--vision takes no --arch" in refused.stderr
