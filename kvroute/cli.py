@@ -142,13 +142,16 @@ def _demo_parser(sub) -> None:
     p.add_argument("--variant", default="text", choices=["text", "tool"],
                    help="'text' replies with a fixed sentence, 'tool' with a tool call")
     # From the mlx-free names module: arch_models imports mlx, which the proxy's image lacks.
-    from .devtools.names import ARCHES
+    from .devtools.names import ARCHES, VISION_FAMILIES
 
     p.add_argument("--arch", choices=ARCHES, default=None,
                    help="instead, a random-weight model of this mlx-lm family (its output is "
                    "gibberish), to try another cache kind: qwen3 full attention, gemma3_text "
                    "and gpt_oss sliding windows, qwen3_next, lfm2 and falcon_h1 hybrids with "
                    "recurrent layers, mamba2 recurrent only")
+    p.add_argument("--vision", choices=VISION_FAMILIES, default=None,
+                   help="instead, a random-weight vision-language model of this family "
+                   "(images up to 64 pixels a side, 16 tokens), to try images")
     p.add_argument("--context", type=int, default=None, metavar="TOKENS",
                    help="the context length the model declares (default 8192); coding "
                    "agents need ~131072 for their default prompts")
@@ -184,6 +187,13 @@ def run_backend(s: dict[str, Any]) -> int:
 def run_demo_model(args: dict[str, Any]) -> int:
     from .devtools import arch_models, demo_model
 
+    if args.get("vision"):
+        if args.get("arch") or args.get("context") or args.get("tool_call"):
+            raise config.ConfigError("--vision takes no --arch, --context or --tool-call")
+        from .devtools import vision_models
+
+        print(vision_models.build(args["dir"], args["vision"]))
+        return 0
     if args.get("arch"):
         if args.get("context") or args.get("tool_call"):
             raise config.ConfigError("--context and --tool-call apply to the demo model, "

@@ -43,6 +43,11 @@ fi
 pip_install() { .venv/bin/python -m pip install -qq --disable-pip-version-check "$@"; }
 pip_install --upgrade pip
 pip_install -e ".${test_mode:+[test]}"
+# Images (pyproject's `vision` extra): mlx-vlm without its dependencies, which would
+# move mlx and transformers off the versions kvroute runs with.
+vision_pin=$(sed -n 's/^vision = \["\(mlx-vlm==[^"]*\)".*/\1/p' pyproject.toml)
+pip_install "Pillow>=10.3.0" "requests>=2.31.0"
+pip_install --no-deps "$vision_pin"
 
 if ! command -v redis-server >/dev/null 2>&1; then
   echo "installing redis-server ..." >&2

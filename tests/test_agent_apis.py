@@ -18,6 +18,7 @@ import openai
 import pytest
 import redis as redis_py
 from tests import harness
+from tests.test_vision import image_url
 from tests.harness import BackendProcess, ProxyProcess, get_json, request
 
 from kvroute.devtools.demo_model import DEMO_REPLY, DEMO_TOOL_CALL
@@ -190,8 +191,16 @@ def test_responses_refusals_name_the_responses_parameter(fleet):
     assert e.value.body["param"] == "max_output_tokens"
     with pytest.raises(openai.BadRequestError) as e:  # refused by the translation
         c.responses.create(model=TEXT, input=[{"type": "message", "role": "user", "content": [
-            {"type": "input_image", "image_url": "data:,"}]}])
+            {"type": "input_file", "file_id": "f"}]}])
     assert e.value.body["param"] == "input[0].content[0].type"
+    with pytest.raises(openai.BadRequestError) as e:  # an image that is none: the proxy's 400
+        c.responses.create(model=TEXT, input=[{"type": "message", "role": "user", "content": [
+            {"type": "input_image", "image_url": "data:,"}]}])
+    assert (e.value.body["param"], e.value.body["code"]) == ("input", "invalid_image")
+    with pytest.raises(openai.BadRequestError) as e:  # an image, to a text model: the backend's
+        c.responses.create(model=TEXT, input=[{"type": "message", "role": "user", "content": [
+            {"type": "input_image", "image_url": image_url(1)}]}])
+    assert (e.value.body["param"], e.value.body["code"]) == ("input", "images_unsupported")
     with pytest.raises(openai.BadRequestError) as e:  # hosted tools are ignored, but not here
         c.responses.create(model=TEXT, input="Hi", tools=[
             {"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}])

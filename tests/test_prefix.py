@@ -1,5 +1,6 @@
 """Prefix chains: equal prefixes share keys, any change changes every later key."""
 
+import base64
 import time
 
 import orjson
@@ -109,10 +110,37 @@ def test_content_parts_concatenate_like_a_string():
     s = {"messages": [{"role": "user", "content": "hello world"}]}
     parts = {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "hello "},
-        {"type": "image_url", "image_url": {"url": "data:..."}},
+        {"type": "input_audio", "input_audio": {"data": "..."}},
         {"type": "text", "text": "world"},
     ]}]}
     assert chain(s) == chain(parts)
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _image(data: bytes) -> dict:
+    return {"type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(PNG + data).decode()}}
+
+
+def test_an_image_is_its_content_hash_where_it_stands():
+    def body(*parts: dict | str) -> dict:
+        return {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": p} if isinstance(p, str) else p for p in parts]}]}
+
+    a = chain(body("hello ", _image(b"a"), "world"))
+    assert a == chain(body("hello ", _image(b"a"), "world"))
+    assert a != chain(body("hello world"))  # an image is never dropped
+    assert a != chain(body("hello ", _image(b"b"), "world"))
+    assert a != chain(body("hello world", _image(b"a")))  # its place counts
+    # A different data URL of the same bytes (its media-type parameters) is the same image.
+    same = {"type": "image_url", "image_url": {
+        "url": "data:image/png;charset=x;base64," + base64.b64encode(PNG + b"a").decode()}}
+    assert a == chain(body("hello ", same, "world"))
+    for bad in ("data:...", "https://example.com/a.png", 5):
+        with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]"):
+            chain(body({"type": "image_url", "image_url": {"url": bad}}))
 
 
 TOOLS_A = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
@@ -325,7 +353,7 @@ def test_tool_choice_none_hashes_no_tools():
 def test_fingerprint_names_secret_and_block_size_without_the_secret():
     a = fingerprint("s1", 256)
     assert a == fingerprint("s1", 256)
-    assert a["prefix_scheme"] == PREFIX_SCHEME == 3
+    assert a["prefix_scheme"] == PREFIX_SCHEME == 4
     assert a["secret_tag"] != fingerprint("s2", 256)["secret_tag"]
     assert fingerprint("s1", 128)["block_bytes"] == 128
     assert "s1" not in a["secret_tag"] and len(a["secret_tag"]) == 16

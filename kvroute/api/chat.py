@@ -21,12 +21,33 @@ MAX_CHOICES = 16
 
 
 class TextPart(Body):
-    type: Annotated[Literal["text"], refusing(
-        "Content part type {value} is not supported; only 'text' is.", "unsupported_content")]
+    type: Literal["text"]
     text: str
 
 
-Content = Union[str, list[TextPart]]
+class ImageURL(Body):
+    # Only data: URLs (checked with the image itself: kvroute/core/images.py).
+    url: NonEmpty
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(Body):
+    """An image, for models that take images (the backend refuses it otherwise)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+def _part_type(part: Any) -> str | None:
+    return part.get("type") if isinstance(part, dict) else None
+
+
+Part = Annotated[
+    Union[Annotated[TextPart, Tag("text")], Annotated[ImageURLPart, Tag("image_url")]],
+    tagged_by("type", _part_type, "Content part type not supported; only 'text' and "
+              "'image_url' are.", "unsupported_content"),
+]
+Content = Union[str, list[Part]]
 
 
 class ToolCallFunction(Body):

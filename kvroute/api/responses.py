@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, StringConstraints, Tag, WithJsonSchema, model_validator
+from pydantic import Discriminator, Field, StringConstraints, Tag, WithJsonSchema, model_validator
 
 from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
 
@@ -24,11 +24,28 @@ from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
 class InputTextPart(Body):
     type: Annotated[Literal["input_text", "output_text", "text"], refusing(
         "Content part type {value} is not supported; only text parts (input_text, "
-        "output_text, text) are.", "unsupported_content")]
+        "output_text, text) and, in messages, input_image are.", "unsupported_content")]
     text: str
 
 
+class InputImagePart(Body):
+    """An image (a data URL), for models that take images."""
+
+    type: Literal["input_image"]
+    image_url: NonEmpty
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+def _part_type(part: Any) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    return "input_image" if kind == "input_image" else "text"
+
+
 Text = Union[str, list[InputTextPart]]
+# A message's content: text parts, and images where a user may send them.
+Content = Union[str, list[Annotated[
+    Union[Annotated[InputTextPart, Tag("text")], Annotated[InputImagePart, Tag("input_image")]],
+    Discriminator(_part_type)]]]
 
 
 # -- input items -----------------------------------------------------------------------
@@ -41,7 +58,7 @@ class MessageItem(Body):
     role: Annotated[Literal["user", "assistant", "system", "developer"], refusing(
         "Invalid role {value}; expected one of user, assistant, system, developer.",
         "invalid_value")]
-    content: Text
+    content: Content
 
 
 class FunctionCallItem(Body):

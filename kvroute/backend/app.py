@@ -41,6 +41,7 @@ from .publisher import Publisher
 from .requests import (ChatRequest, CompletionRequest, SamplingParams, parse_chat,
                        parse_completion)
 from .store import Store
+from .vision import Vision
 
 STATE_KEY = web.AppKey("state", object)
 log = logging.getLogger("kvroute.backend.app")
@@ -65,6 +66,7 @@ class State:
     device: dict = field(default_factory=dict)  # accelerator, memory limits, warm-up seconds
     grammars: Grammars | None = None  # compiled grammars; None: the tokenizer has none
     grammars_missing: str = ""  # why not, for the 400 a constrained request gets
+    vision: Vision | None = None  # the vision step of a model that takes images
 
 
 def _state(request: web.Request) -> State:
@@ -149,6 +151,10 @@ async def _generate(
     builders = [first, *(builder_type(first.model, logprobs=first.logprobs, index=i, id=first.id,
                                       created=first.created) for i in range(1, req.n))]
     choices = Choices(jobs)
+    if prompt.images and state.vision is not None:
+        # The encoder reads them when the prefill reaches them (vision.py).
+        for _ in jobs:
+            state.vision.hold(prompt.images)
     try:
         for j in jobs:
             state.engine.submit(j)
@@ -159,6 +165,18 @@ async def _generate(
         # Runs on normal completion, on errors, and when aiohttp cancels the
         # handler because the client went away: the engine then frees the slot.
         choices.close()
+        if prompt.images and state.vision is not None:
+            for j in jobs:
+                _release_when_done(state.vision, j, prompt.images)
+
+
+def _release_when_done(vision: Vision, job: Job, images: list) -> None:
+    """Let the images go once the engine is done with the job (its phase "done"): a
+    cancelled job may still be waiting for, or in, a prefill step that reads them."""
+    if job.phase == "done":
+        vision.release(images)
+        return
+    asyncio.get_running_loop().call_later(0.05, _release_when_done, vision, job, images)
 
 
 def _nth(params: SamplingParams, i: int) -> SamplingParams:
@@ -373,6 +391,8 @@ async def health(request: web.Request) -> web.Response:
         "device": state.device,
         "engine": state.engine.snapshot(),
         "grammars": _grammar_stats(state),
+        # A model that takes images: images run through its encoder, and those held.
+        "vision": state.vision.snapshot() if state.vision is not None else None,
     })
 
 

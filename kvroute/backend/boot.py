@@ -25,6 +25,7 @@ from .misses import Misses, template_opening
 from .prompt import Template
 from .publisher import Publisher
 from .store import Store
+from .vision import VisionModel, load_vision
 
 log = logging.getLogger("kvroute.backend")
 
@@ -74,6 +75,9 @@ def load_state(config: BackendConfig) -> State:
     config.prefill_step = config.prefill_step or (512 if device.kind == "cpu" else 2048)
     model, tokenizer, model_config = load(config.model, return_config=True)
     _evaluate_private_arrays(model)
+    vision = load_vision(config.model, model_config, model, tokenizer)
+    if vision is not None:  # the engine's model embeds the images of a prompt
+        model = VisionModel(model, vision)
     config.model_id = config.model_id or Path(config.model.rstrip("/")).name
     # Hostname and port: unique across the Macs or containers of one deployment.
     config.backend_id = config.backend_id or f"{socket.gethostname().split('.')[0]}-{config.port}"
@@ -108,11 +112,13 @@ def load_state(config: BackendConfig) -> State:
         disk.busy = lambda: engine.queue_depth > 0
     engine.misses = Misses(store, metrics_, disk, template_opening(tokenizer))
     template = Template(tokenizer, secret=config.secret, block_bytes=config.block_bytes,
-                        checkpointing=engine.checkpointing)
+                        checkpointing=engine.checkpointing,
+                        images=vision.prompt if vision is not None else None)
     vocab_size = _vocab_size(model_config, tokenizer)
     grammars, missing = _grammars(tokenizer, vocab_size)
     return State(config, engine, template, metrics_, store, context, time.time(), new_instance_id(),
                  vocab_size=vocab_size, disk=disk, grammars=grammars, grammars_missing=missing,
+                 vision=vision,
                  device={"kind": device.kind, "name": device.name, "memory": device.memory,
                          "prefill_step": config.prefill_step,
                          "serial_prefill": engine.serial_prefill, **limits})
@@ -189,6 +195,7 @@ def _record(state: State) -> BackendRecord:
         tools_at=state.template.layout.tools_at,
         system_at=state.template.layout.system_at,
         tools_mark=state.template.layout.tools_mark,
+        images=state.vision is not None,
         started_at=state.started,
         updated_at=time.time(),
     )

@@ -422,6 +422,7 @@ class Engine:
 
     def _admit(self, job: Job) -> None:
         if job.cancelled:
+            job.phase = "done"  # never prefilled: what it holds (images) may go
             job.emit(APIError(499, "Client closed the request.", "server_error"))
             return
         hit = self.store.lookup(self.model_id, job.prompt, job.scope)

@@ -3,9 +3,11 @@ changes and why, so an mlx-lm upgrade knows what to check."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import threading
 import types
-from typing import Any
+from typing import Any, Iterator
 
 import mlx.core as mx
 
@@ -64,3 +66,41 @@ def fast_gated_delta() -> bool:
     ops.kvroute_fast = True  # type: ignore[attr-defined]
     gated_delta.gated_delta_ops = ops
     return True
+
+
+_prefill = threading.local()
+
+
+@contextlib.contextmanager
+def prefilling() -> Iterator[None]:
+    """Marks this thread as running a prompt's prefill (see `mark_prefill`)."""
+    before = getattr(_prefill, "on", False)
+    _prefill.on = True
+    try:
+        yield
+    finally:
+        _prefill.on = before
+
+
+def in_prefill() -> bool:
+    return getattr(_prefill, "on", False)
+
+
+def mark_prefill() -> None:
+    """mlx-lm's generator calls the model for prefill chunks and for decode steps alike,
+    and a chunk can be one token wide (the tail of a segment). The vision step
+    (backend/vision.py) must look at a prefill chunk's ids, which come from a list and
+    cost nothing to read, but never at a decode step's, whose reading would wait for
+    the device every step: `PromptProcessingBatch.prompt` runs inside `prefilling()`."""
+    generate = importlib.import_module("mlx_lm.generate")
+    cls = generate.PromptProcessingBatch
+    if getattr(cls.prompt, "kvroute_prefill", False):
+        return
+    original = cls.prompt
+
+    def prompt(self, tokens):
+        with prefilling():
+            return original(self, tokens)
+
+    prompt.kvroute_prefill = True
+    cls.prompt = prompt

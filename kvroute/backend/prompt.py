@@ -14,12 +14,14 @@ a prefill cut short, the keys of the messages it holds whole (`partial`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvroute.api.errors import bad_request
 from kvroute.core import prefix
+from kvroute.core.images import ImageError
 
+from .image_prompt import ImagePrompt, Pixels
 from .requests import ChatRequest, CompletionRequest
 from .tokenize import PrefixTokenizer
 
@@ -40,6 +42,7 @@ class Prompt:
     # (token end, keys) of the most leading messages held whole within n tokens.
     partial: Callable[[int], tuple[int, list[int]]] | None = None
     tools: list[dict] | None = None  # as the template rendered them: calls of these are parsed
+    images: list[Pixels] = field(default_factory=list)  # the encoder's input, one per image
 
 
 class Template:
@@ -50,8 +53,10 @@ class Template:
     (proxies have no tokenizer: they turn request bytes into tokens with it)."""
 
     def __init__(self, tokenizer: Any, *, secret: str, block_bytes: int, checkpointing: bool,
-                 layout: prefix.Layout | None = None, drops_reasoning: str | None = None):
+                 layout: prefix.Layout | None = None, drops_reasoning: str | None = None,
+                 images: ImagePrompt | None = None):
         self.tokenizer = tokenizer
+        self.images = images  # how the model takes images; None: it takes none
         self.secret, self.block_bytes = secret, block_bytes
         self.checkpointing = checkpointing  # the model keeps checkpoints mid-prompt (engine.py)
         self.layout = chat_layout(tokenizer) if layout is None else layout
@@ -63,14 +68,44 @@ class Template:
     # -- what a handler asks (tokenizing and hashing: off the event loop) --------------
 
     def prompt(self, req: ChatRequest | CompletionRequest, body: dict, scope: str | None) -> Prompt:
-        if isinstance(req, ChatRequest):
-            tokens, marks = self._chat_tokens(req)
-        else:
-            tokens, marks = list(self.tokenizer.encode(req.prompt)), {}
-        return self.chains(req, body, scope, tokens, marks)
+        if not isinstance(req, ChatRequest):
+            return self.chains(req, body, scope, list(self.tokenizer.encode(req.prompt)), {})
+        pixels = self._pixels(req)
+        req.image_texts = [p.text for p in pixels]
+        tokens, marks, order = self._chat_tokens(req)
+        prompt = self.chains(req, body, scope, tokens, marks)
+        if order:
+            assert self.images is not None  # _pixels refused images otherwise
+            try:
+                prompt.tokens = self.images.substitute(tokens, [pixels[k] for k in order])
+            except ImageError as exc:
+                raise bad_request(f"Invalid image prompt: {exc}.", param="messages",
+                                  code="invalid_image")
+            prompt.images = list({pixels[k].sha256: pixels[k] for k in order}.values())
+        return prompt
+
+    def _pixels(self, req: ChatRequest, decode: bool = True) -> list[Pixels]:
+        """The request's images decoded for the encoder (or, without `decode`, only
+        their texts and token counts); a 400 for a model without images or an image
+        that cannot be read."""
+        if not req.images:
+            return []
+        if self.images is None:
+            raise bad_request(f"The model '{req.model}' does not take images; send text only "
+                              "or use a vision-language model.", param="messages",
+                              code="images_unsupported")
+        out = []
+        for k, url in enumerate(req.images):
+            try:
+                out.append(self.images.pixels(url, decode))
+            except ImageError as exc:
+                raise bad_request(f"Invalid image (the request's image {k + 1}): {exc}.",
+                                  param="messages", code="invalid_image")
+        return out
 
     def count(self, req: ChatRequest) -> int:
         """The prompt tokens a chat body renders to, as `usage.prompt_tokens` counts them."""
+        req.image_texts = [p.text for p in self._pixels(req, decode=False)]
         return len(self._chat_prompt(req))
 
     def chains(self, req: ChatRequest | CompletionRequest, body: dict, scope: str | None,
@@ -106,42 +141,62 @@ class Template:
     # -- chat ------------------------------------------------------------------------
 
     def _render(self, messages: list[dict], tools: list[dict] | None, generation: bool,
-                tokenize: bool = True) -> Any:
+                tokenize: bool = True, image_texts: list[str] | None = None) -> Any:
         out = self.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=generation, tokenize=tokenize)
-        return list(out) if tokenize else out
+        if tokenize:
+            return list(out)
+        return self._images(out, image_texts or [])[0]
 
-    def _chat_text(self, req: ChatRequest) -> str:
+    def _images(self, text: str, image_texts: list[str]) -> tuple[str, list[int]]:
+        """The rendered `text` with each image's text where the template put it, and the
+        order of the request's images in it (render errors are the request's: a 400)."""
+        if self.images is None:
+            return text, []
         try:
-            return self._render(req.messages, req.tools, True, tokenize=False)
+            return self.images.render(text, image_texts)
+        except ImageError as exc:
+            raise bad_request(f"Invalid image prompt: {exc}.", param="messages",
+                              code="invalid_image")
+
+    def _chat_text(self, req: ChatRequest) -> tuple[str, list[int]]:
+        """The rendered prompt, and the request's images in the order it shows them."""
+        if req.images and self.images is None:
+            self._pixels(req)  # refuses
+        try:
+            text = self.tokenizer.apply_chat_template(
+                req.messages, tools=req.tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # template errors are the request's fault (bad role order, ...)
             raise bad_request(f"The messages could not be rendered by the chat template: {exc}.",
                               param="messages")
+        return self._images(text, req.image_texts)
 
     def _chat_prompt(self, req: ChatRequest) -> list[int]:
         # As apply_chat_template(tokenize=True) tokenizes its rendering, reusing the
         # tokens of an earlier prompt this one extends (tokenize.py).
-        return self.tokens.encode(self._chat_text(req))
+        return self.tokens.encode(self._chat_text(req)[0])
 
-    def _chat_tokens(self, req: ChatRequest) -> tuple[list[int], dict[int, int]]:
-        """The prompt, and {token position: number of messages it ends} for the
-        checkpoints a model with untrimmable caches keeps (see engine.py)."""
-        text = self._chat_text(req)
+    def _chat_tokens(self, req: ChatRequest) -> tuple[list[int], dict[int, int], list[int]]:
+        """The prompt (each image still its run of image tokens), {token position:
+        number of messages it ends} for the checkpoints a model with untrimmable
+        caches keeps (see engine.py), and the order of the images in the prompt."""
+        text, order = self._chat_text(req)
         prompt = self.tokens.encode(text)
         marks: dict[int, int] = {}
         if self.checkpointing:
             for n in {_header_messages(req.messages), len(req.messages)}:
-                position = self._position(prompt, text, req.messages[:n], req.tools)
+                position = self._position(prompt, text, req.messages[:n], req.tools,
+                                          req.image_texts)
                 if position:
                     marks[position] = n
-        return prompt, marks
+        return prompt, marks, order
 
     def _template_tokens(self, text: str) -> list[int]:
         # As apply_chat_template tokenizes: the template writes BOS itself.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _position(self, prompt: list[int], text: str, messages: list[dict],
-                  tools: list[dict] | None) -> int | None:
+                  tools: list[dict] | None, image_texts: list[str] | None = None) -> int | None:
         """Where the rendering of `messages` ends inside `prompt` (rendered as
         `text`), or None where the template renders that part differently or refuses
         it. Only a position is chosen here: the checkpoint holds the prompt's own
@@ -149,7 +204,7 @@ class Template:
         if not messages:
             return None
         try:
-            head = self._render(messages, tools, False, tokenize=False)
+            head = self._render(messages, tools, False, tokenize=False, image_texts=image_texts)
         except Exception:
             return None
         if not (0 < len(head) < len(text) and text.startswith(head)):
@@ -195,11 +250,13 @@ class Template:
             heads only; a head the template renders otherwise counts as too long (fewer
             keys, never a wrong one)."""
             messages = body["messages"]
-            text = self._render(req.messages, req.tools, True, tokenize=False)
+            text = self._render(req.messages, req.tools, True, tokenize=False,
+                                image_texts=req.image_texts)
             lo, hi, best = 1, len(messages) - 1, (0, [])
             while lo <= hi:
                 n = (lo + hi) // 2
-                position = self._position(prompt, text, req.messages[:n], req.tools)
+                position = self._position(prompt, text, req.messages[:n], req.tools,
+                                          req.image_texts)
                 if position is not None and position <= n_tokens:
                     best, lo = (position, n), n + 1
                 else:

@@ -9,12 +9,14 @@ from typing import Any
 
 import orjson
 
-from kvroute.api.chat import ChatCompletionBody, CompletionBody, Content, GenerationBody
+from kvroute.api.chat import (ChatCompletionBody, CompletionBody, Content, GenerationBody,
+                              ImageURLPart)
 from kvroute.api.errors import bad_request
 from kvroute.api.validation import validate
 
 from . import grammar
 from .grammar import GrammarError, GrammarSpec
+from .image_prompt import sentinel
 
 
 @dataclass
@@ -48,6 +50,10 @@ class ChatRequest:
     fault: str | None = None
     n: int = 1  # choices
     grammar: GrammarSpec | None = None  # what the answer must be (response_format, tool_choice)
+    # The data URLs of the messages' images; message k's text holds sentinel(k) where
+    # its image goes (image_prompt.py).
+    images: list[str] = field(default_factory=list)
+    image_texts: list[str] = field(default_factory=list)  # the model's text for each image
 
 
 @dataclass
@@ -69,9 +75,10 @@ def parse_chat(body: dict) -> ChatRequest:
     params.logprobs = bool(req.logprobs)
     params.top_logprobs = req.top_logprobs or 0
     tools = body["tools"] if req.tools and req.tool_choice != "none" else None  # as sent
-    return ChatRequest(model=req.model, messages=[_message(m) for m in req.messages],
+    images: list[str] = []
+    return ChatRequest(model=req.model, messages=[_message(m, images) for m in req.messages],
                        tools=tools, stream=bool(req.stream), include_usage=_include_usage(req),
-                       params=params, fault=_fault(body), n=req.n or 1,
+                       params=params, fault=_fault(body), n=req.n or 1, images=images,
                        grammar=_grammar(req, tools))
 
 
@@ -136,10 +143,20 @@ def _fault(body: dict) -> str | None:
     return fault if isinstance(fault, str) else None
 
 
-def _text(content: Content | None) -> str:
+def _text(content: Content | None, images: list[str]) -> str:
+    """The content as text; each image becomes a sentinel, its URL appended to `images`."""
     if content is None:
         return ""
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+    if isinstance(content, str):
+        return content
+    out = []
+    for p in content:
+        if isinstance(p, ImageURLPart):
+            out.append(sentinel(len(images)))
+            images.append(p.image_url.url)
+        else:
+            out.append(p.text)
+    return "".join(out)
 
 
 def _arguments(raw: str | dict) -> Any:
@@ -152,8 +169,8 @@ def _arguments(raw: str | dict) -> Any:
         return raw
 
 
-def _message(msg: Any) -> dict:
-    out: dict = {"role": msg.role, "content": _text(msg.content)}
+def _message(msg: Any, images: list[str]) -> dict:
+    out: dict = {"role": msg.role, "content": _text(msg.content, images)}
     if msg.name is not None:
         out["name"] = msg.name
     if msg.role == "assistant" and msg.tool_calls:

@@ -38,10 +38,22 @@ def make_sampler(params: SamplingParams) -> Callable | None:
 
 
 def make_processors(params: SamplingParams) -> list[Callable]:
-    return make_logits_processors(
+    processors = make_logits_processors(
         logit_bias=params.logit_bias or None,
         presence_penalty=params.presence_penalty or None,
         frequency_penalty=params.frequency_penalty or None,
         repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
         repetition_context_size=params.repetition_context_size,
     )
+    if params.presence_penalty or params.frequency_penalty:
+        # The penalties index the logits by the tokens seen, prompt included; an
+        # image's ids are negative (image_prompt.py): they count as token 0 instead
+        # of reading outside the logits.
+        return [_no_image_ids(p) for p in processors]
+    return processors
+
+
+def _no_image_ids(processor: Callable) -> Callable:
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        return processor(mx.maximum(tokens, 0), logits)
+    return process

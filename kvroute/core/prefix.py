@@ -9,7 +9,9 @@ byte stream made of segments:
              tool_choice is not "none": the template then never sees them)
     mark     one byte saying tools are given, for templates that then change what
              they write before the tools (Llama 3.1)
-    message  one segment per message: role, name, text content, tool calls, tool_call_id
+    message  one segment per message: role, name, content (text, and each image as a
+             marker and the SHA-256 of its decoded bytes, where it stands), tool calls,
+             tool_call_id
     prompt   for /v1/completions: the prompt text (a one-element list counts as its string)
 
 The segments come in the order the model's chat template renders them (a `Layout`,
@@ -44,16 +46,23 @@ from typing import Any, Callable
 import orjson
 import xxhash
 
+from .images import ImageError, decode_data_url, image_url_of
+
 DEFAULT_BLOCK_BYTES = 256
 
 # Bump when the canonical stream changes: old and new keys must never meet.
 # 3: segments follow the chat template's layout (tools, system prompt, tools mark).
-PREFIX_SCHEME = 3
+# 4: images in message content hash as a marker and the SHA-256 of their bytes.
+PREFIX_SCHEME = 4
 _VERSION = b"kvroute-prefix-v%d" % PREFIX_SCHEME
 
 _H = xxhash.xxh3_64_intdigest
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct("<Q")
+
+# An image in a message's content: never a byte of UTF-8 text (0xFF is not one), so
+# no text can spell it; followed by the 32-byte SHA-256 of the image's bytes.
+_IMAGE_MARK = b"\xffimg"
 
 # Segment tags: the first byte of each segment says what it is.
 _TAG_HEADER = b"H"
@@ -294,27 +303,37 @@ def _canonical_tool_calls(calls: Any, where: str) -> bytes:
 
 
 def _content_text(content: Any, where: str) -> bytes:
-    """A string, or the text parts of a list concatenated (as chat templates render them)."""
+    """A string, or the parts of a list concatenated as chat templates render them: the
+    text of text parts, and for each image a marker and its content hash where it
+    stands (the same conversation with the same images keeps its keys; another image
+    changes them; Redis never sees an image's bytes, only keys derived from the hash)."""
     if content is None:
         return b""
     if isinstance(content, str):
         return _text(content)
     if not isinstance(content, list):
         raise ValueError(f"{where}.content must be a string or a list, not {type(content).__name__}")
-    texts = []
+    out = []
     for j, part in enumerate(content):
         if isinstance(part, str):
-            texts.append(part)
+            out.append(_text(part))
         elif isinstance(part, dict):
-            text = part.get("text")
-            if part.get("type", "text") == "text":
+            kind = part.get("type", "text")
+            if kind == "text":
+                text = part.get("text")
                 if not isinstance(text, str):
                     raise ValueError(f"{where}.content[{j}].text must be a string")
-                texts.append(text)
-            # Non-text parts (images, audio) are not part of the text prefix.
+                out.append(_text(text))
+            elif kind == "image_url":
+                try:
+                    image = decode_data_url(image_url_of(part))
+                except ImageError as exc:
+                    raise ImageError(f"{where}.content[{j}]: {exc}") from None
+                out.append(_IMAGE_MARK + image.sha256)
+            # Other non-text parts (audio) are not part of the prefix.
         else:
             raise ValueError(f"{where}.content[{j}] must be an object or a string")
-    return _text("".join(texts))
+    return b"".join(out)
 
 
 def _optional_str(msg: dict, name: str, where: str) -> bytes:

@@ -86,6 +86,7 @@ class BackendRecord:
     tools_at: str = "start"
     system_at: str = "first"
     tools_mark: bool = False
+    images: bool = False  # the model takes images (a vision-language model)
     disk_bytes: int = 0  # the disk tier (0 and 0: none)
     disk_budget: int = 0
     restore_tps: float = 0.0  # measured tokens/s restored from the disk tier; 0 = not yet

@@ -183,6 +183,10 @@ class Fleet:
     def models(self) -> list[str]:
         return sorted({m for b in self.listed() for m in b.record.models})
 
+    def image_models(self) -> set[str]:
+        """The models a live backend serves with images (vision-language models)."""
+        return {m for b in self.listed() if b.record.images for m in b.record.models}
+
     def describe(self) -> list[dict]:
         """The rows of /health and /stats, by backend id."""
         return [b.describe() for b in sorted(self.listed(), key=lambda b: b.id)]

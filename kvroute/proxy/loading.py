@@ -131,21 +131,24 @@ class OnDemand:
                        f"{self.load_timeout:.0f}s (load_timeout).", "server_error", "model",
                        "model_load_timeout")
 
-    def listing(self, live: list[str]) -> list[dict]:
-        """/v1/models: every configured model, and any other model a live backend serves."""
+    def listing(self, live: list[str], images: set[str] = frozenset()) -> list[dict]:
+        """/v1/models: every configured model, and any other model a live backend serves;
+        for a live one, what it takes (`input_modalities`: text, and image for `images`)."""
         out = []
         for model in sorted(set(self.summaries) | set(live)):
             s = self.summaries.get(model)
             entry = {"id": model, "object": "model", "created": 0, "owned_by": "kvroute",
                      "state": public_state(s, model in live)}
+            if model in live:
+                entry["input_modalities"] = ["text", "image"] if model in images else ["text"]
             if s is not None and s.state == FAILED and s.error:
                 entry["error"] = s.error
             out.append(entry)
         return out
 
-    def entry(self, model: str, live: list[str]) -> dict | None:
+    def entry(self, model: str, live: list[str], images: set[str] = frozenset()) -> dict | None:
         """/v1/models/{id}: the listing's entry for `model`, None when it lists none."""
-        return next((e for e in self.listing(live) if e["id"] == model), None)
+        return next((e for e in self.listing(live, images) if e["id"] == model), None)
 
     def stats(self) -> list[dict]:
         return [{"model": m, "state": s.state, "machine": s.machine, "pinned": s.pinned,

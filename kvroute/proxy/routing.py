@@ -25,6 +25,7 @@ from kvroute.api.errors import APIError, bad_request, not_found
 from kvroute.api.http import read_json
 from kvroute.api.routes import CHAT_PATH
 from kvroute.core import prefix
+from kvroute.core.images import ImageError
 from kvroute.core.registry import RegistryUnavailable
 
 from . import loading
@@ -104,7 +105,10 @@ async def _chain(config: ProxyConfig, req: RoutedRequest, layout: prefix.Layout)
     no tokenizer (docs/DESIGN.md invariant 6), with the same function the backend
     advertises with, in the layout of the model's chat template as its backends
     publish it (proxy/fleet.py). A large body's chain is computed off the event loop."""
-    pairs = await off_loop_if_large(len(req.raw), _chain_pairs, config, req, layout)
+    try:
+        pairs = await off_loop_if_large(len(req.raw), _chain_pairs, config, req, layout)
+    except APIError as err:  # in the words of the API the client called
+        raise req.relay.refusal(err) if req.relay is not None else err
     req.keys = [k for k, _ in pairs]
     req.ends = [end for _, end in pairs]
 
@@ -115,6 +119,8 @@ def _chain_pairs(config: ProxyConfig, req: RoutedRequest,
     try:
         return prefix.request_chain(prefix.request_kind(req.path), req.body, model=req.model,
                                     salt=salt, block_bytes=config.block_bytes, layout=layout)
+    except ImageError as exc:  # the backend would refuse it too
+        raise bad_request(f"Invalid image: {exc}.", param="messages", code="invalid_image")
     except ValueError as exc:
         # The backend would refuse it too; answer without a round trip.
         raise bad_request(f"Invalid request: {exc}.")

@@ -98,22 +98,39 @@ def _user(content: str | list) -> list[dict]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     out: list[dict] = []
-    texts: list[str] = []
+    blocks: list = []  # text and image blocks of one user message
 
     def flush() -> None:
-        if texts:
-            out.append({"role": "user", "content": BLOCK_SEPARATOR.join(texts)})
-            texts.clear()
+        if blocks:
+            out.append({"role": "user", "content": _user_content(blocks)})
+            blocks.clear()
 
     for block in content:
-        if isinstance(block, mw.TextBlock):
-            texts.append(block.text)
+        if isinstance(block, (mw.TextBlock, mw.ImageBlock)):
+            blocks.append(block)
         else:
             flush()
             out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                         "content": _tool_result_text(block)})
     flush()
     return out or [{"role": "user", "content": ""}]
+
+
+def _user_content(blocks: list) -> str | list[dict]:
+    """Text blocks joined; with images, chat content parts with the images where they
+    stand (a data URL each) and the same separators between blocks."""
+    if all(isinstance(b, mw.TextBlock) for b in blocks):
+        return BLOCK_SEPARATOR.join(b.text for b in blocks)
+    parts: list[dict] = []
+    for i, b in enumerate(blocks):
+        if i:
+            parts.append({"type": "text", "text": BLOCK_SEPARATOR})
+        if isinstance(b, mw.TextBlock):
+            parts.append({"type": "text", "text": b.text})
+        else:
+            url = f"data:{b.source.media_type};base64,{b.source.data}"
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
 
 
 def _assistant(content: str | list) -> dict:

@@ -183,6 +183,16 @@ def _text(content: rw.Text) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
+def _content(content: rw.Content) -> str | list[dict]:
+    """A message's content as chat takes it: its text, or with images, chat content
+    parts with each image where it stands."""
+    if isinstance(content, str) or not any(isinstance(p, rw.InputImagePart) for p in content):
+        return _text(content)  # type: ignore[arg-type]
+    return [{"type": "image_url", "image_url": {"url": p.image_url}}
+            if isinstance(p, rw.InputImagePart) else {"type": "text", "text": p.text}
+            for p in content]
+
+
 def _json(value: Any) -> str:
     return orjson.dumps(value).decode()
 
@@ -215,7 +225,7 @@ def _input_messages(value: str | list) -> list[dict]:
     out: list[dict] = []
     for item in value:
         if isinstance(item, rw.MessageItem):
-            out.append({"role": item.role, "content": _text(item.content)})
+            out.append({"role": item.role, "content": _content(item.content)})
         elif (call := _call_of(item)) is not None:
             prev = out[-1] if out else None
             if prev is not None and prev["role"] == "assistant":
@@ -236,13 +246,17 @@ def _input_messages(value: str | list) -> list[dict]:
 def parse(body: dict) -> ResponsesRequest:
     req = validate(rw.ResponsesBody, body)
     tools, routes, ignored = _chat_tools(req.tools or [])
+    messages = _input_messages(req.input)
+    # Stored conversations live in Redis, which never holds an image (DESIGN.md
+    # invariant 3): a response with images in its input is not stored.
+    images = any(isinstance(m["content"], list) for m in messages)
     out = ResponsesRequest(
-        model=req.model, input=_input_messages(req.input), instructions=req.instructions,
+        model=req.model, input=messages, instructions=req.instructions,
         tools=tools or None, tools_echo=body["tools"] if req.tools else [],  # as sent
         routes=routes, ignored_tools=ignored,
         tool_choice=body["tool_choice"] if req.tool_choice else "auto",  # as sent
         parallel_tool_calls=req.parallel_tool_calls is not False,
-        stream=bool(req.stream), store=req.store is not False,
+        stream=bool(req.stream), store=req.store is not False and not images,
         previous_response_id=req.previous_response_id,
         max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
         stop=req.stop, metadata=req.metadata or {}, user=req.user,
