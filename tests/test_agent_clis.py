@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT, ServeProcess, get_json, request, wait_until
+from tests.harness import ROOT, ServeProcess, get_json, metric_sum, request, wait_until
 from kvroute.devtools import demo_model
 from kvroute.devtools.demo_model import DEMO_REPLY
 
@@ -175,6 +175,14 @@ def half_prefilled(serve) -> int:
     return 0
 
 
+def partial_commits(serve) -> float:
+    """Commits of prompts cut off mid-prefill, over the backends (a loaded machine may
+    still be copying the prefilled part when the job has left the batch)."""
+    return sum(metric_sum(request(f"{b['url']}/metrics")[2].decode(),
+                          "kvroute_backend_commits_total", path="disconnect_prefill")
+               for b in stats(serve)["backends"])
+
+
 def kill_mid_prefill(serve, proc: subprocess.Popen) -> int:
     """SIGKILL the agent once its prompt is half prefilled; the tokens processed by then."""
     try:
@@ -261,6 +269,7 @@ def test_claude_code_killed_mid_request_keeps_its_prompt(serve, claude_env, tmp_
     # A prompt of its own (a new long user message), so nothing of it is cached yet.
     ask = "Summarize these numbers: " + " ".join(str(i) for i in range(4000, 7000))
     watch = Watch(serve, "messages")
+    commits_before = partial_commits(serve)
     proc = subprocess.Popen([str(CLAUDE), "-p", *CLAUDE_TRIMS, ask], cwd=tmp_path,
                             env=claude_env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -268,6 +277,8 @@ def test_claude_code_killed_mid_request_keeps_its_prompt(serve, claude_env, tmp_
     processed = kill_mid_prefill(serve, proc)
     wait_until(lambda: not any(b["running"] for b in stats(serve)["backends"]), 60,
                what="the backend to let the dropped request go")
+    wait_until(lambda: partial_commits(serve) > commits_before, 60,
+               what="the prefilled part committed")
     assert watch.api_counts()[1] == 0
     again = Watch(serve, "messages")
     claude(claude_env, tmp_path, ask)
@@ -362,6 +373,7 @@ def test_codex_killed_mid_request_keeps_its_prompt(serve, codex_home, tmp_path):
     ask = "Summarize these numbers: " + " ".join(str(i) for i in range(7000, 10000))
     watch = Watch(serve, "responses")
     trims = [*CODEX_TRIMS, "-c", f'model_instructions_file="{codex_home / "instructions.md"}"']
+    commits_before = partial_commits(serve)
     proc = subprocess.Popen([str(CODEX), "exec", "--skip-git-repo-check", *trims, ask],
                             cwd=tmp_path, env=codex_env(serve, codex_home),
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -369,6 +381,8 @@ def test_codex_killed_mid_request_keeps_its_prompt(serve, codex_home, tmp_path):
     processed = kill_mid_prefill(serve, proc)
     wait_until(lambda: not any(b["running"] for b in stats(serve)["backends"]), 60,
                what="the backend to let the dropped request go")
+    wait_until(lambda: partial_commits(serve) > commits_before, 60,
+               what="the prefilled part committed")
     assert watch.api_counts()[1] == 0
     again = Watch(serve, "responses")
     out = codex(serve, codex_home, tmp_path, ask)

@@ -289,7 +289,9 @@ def with_message(body: dict, index: int, message: dict) -> dict:
     return body
 
 
-IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}}
+# A real 1x1 PNG: the refusal is the text model's, not the image's.
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC")}}
 DOCUMENT = {"type": "document", "source": {"type": "text", "media_type": "text/plain",
                                            "data": "notes"}}
 
@@ -304,7 +306,7 @@ DOCUMENT = {"type": "document", "source": {"type": "text", "media_type": "text/p
     (lambda b: {k: v for k, v in b.items() if k != "model"}, "model: Field required"),
     (lambda b: with_message(b, 0, {"role": "user", "content": [{"type": "text", "text": "see"},
                                                                 IMAGE]}),
-     "messages.0.content.1: image content is not supported on this model"),
+     "The model 'cc-text' does not take images"),
     (lambda b: with_message(b, 0, {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_1", "content": [DOCUMENT]}]}),
      "messages.0.content.0.content.0: document content is not supported on this model"),

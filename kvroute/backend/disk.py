@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import mlx.core as mx
 import numpy as np
 
 from kvroute.core import disk_space
@@ -626,9 +627,13 @@ class DiskTier:
         blocks = [self.blocks.load(k, lambda key, kv, size: Block(key, kv, size))
                   for k in record.blocks]
         try:
-            return paged.from_disk(cache, blocks, len(record.tokens))
+            state = paged.from_disk(cache, blocks, len(record.tokens))
         except ValueError as exc:
             raise BadRecord("corrupt", str(exc))
+        # Its tail is sliced here: evaluated on this thread, whose streams (on CUDA) the
+        # engine thread cannot run.
+        mx.eval([x for pair in state.tail for x in pair])
+        return state
 
     def _folder_writable(self) -> bool:
         probe = self.directory / ".probe"

@@ -324,6 +324,9 @@ def arrays_from_bytes(blob: bytearray, header: dict, data_offset: int) -> dict[s
             arrays[name] = arr.view(mx.bfloat16) if kind == "bfloat16" else arr
     except (KeyError, TypeError, ValueError) as exc:
         raise BadRecord("corrupt", f"tensor table: {exc}")
+    # Evaluated here, on the reader thread: MLX's CUDA streams belong to the thread that
+    # made them, and the engine thread cannot run a graph recorded on this one's.
+    mx.eval(list(arrays.values()))
     return arrays
 
 
