@@ -531,7 +531,13 @@ def report(args, got: dict) -> str:
                     kv[f"decode{n}"], ref[f"decode{n}"], rate)
         f, t = kv["first_vs_tenth"]
         add("first request after ready (the tenth)", f, t, secs, "~1x")
-        if "restore" in kv:
+        if "restore" in kv and kv["restore"]["cached_tokens"] < kv["restore"]["prompt_tokens"] // 2:
+            r = kv["restore"]
+            rows.append((f"~{r['size']}-token conversation after a restart", secs(r["restored_ttft"]),
+                         secs(r["cold_ttft"]), "not restored", "<= 0.33x"))
+            rows.append(("", f"cached {r['cached_tokens']} of {r['prompt_tokens']}: the backend "
+                         "judged its prefill faster than reading the disk", "", "", ""))
+        elif "restore" in kv:
             r = kv["restore"]
             add(f"~{r['size']}-token conversation restored from disk after a restart "
                 "(its cold prefill)", r["restored_ttft"], r["cold_ttft"], secs, "<= 0.33x")
