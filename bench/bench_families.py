@@ -19,7 +19,6 @@ On an accelerator, 7B-class shapes of a sliding-window and a hybrid family:
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import tempfile
 from pathlib import Path
@@ -28,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.bench_ttft import prompt_of, ttft
-from bench.command import command_line
+from bench.command import command_line, machine
 from kvroute.devtools import arch_models
 from tests.harness import BackendProcess
 
@@ -87,8 +86,7 @@ def main() -> None:
                 backend.stop()
     console = Console(width=160)
     console.print(f"command: {command_line()}")
-    console.print(f"machine: {platform.machine()} {platform.system()} {platform.release()}, "
-                  f"python {platform.python_version()}")
+    console.print(machine())
     console.print(table)
 
 

@@ -20,7 +20,6 @@ import argparse
 import base64
 import io
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -32,7 +31,7 @@ from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
-from bench.command import command_line
+from bench.command import command_line, machine
 from kvroute.devtools import vision_models
 from tests.harness import BackendProcess, SSEStream, get_json
 
@@ -138,8 +137,7 @@ def main() -> None:
             backend.stop()
     console = Console(width=160)
     console.print(f"command: {command_line()}")
-    console.print(f"machine: {platform.machine()} {platform.system()} {platform.release()}, "
-                  f"python {platform.python_version()}")
+    console.print(machine())
     console.print(table)
 
 

@@ -12,3 +12,12 @@ def command_line() -> str:
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     name = spec.name if spec is not None else f"bench.{Path(sys.argv[0]).stem}"
     return shlex.join(["python", "-m", name, *sys.argv[1:]])
+
+
+def machine(detail: str = "") -> str:
+    """The `machine:` line every benchmark prints under its command."""
+    import platform
+
+    line = (f"machine: {platform.machine()} {platform.system()} {platform.release()}, "
+            f"python {platform.python_version()}")
+    return f"{line}, {detail}" if detail else line
