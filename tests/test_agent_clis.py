@@ -275,8 +275,10 @@ def test_claude_code_killed_mid_request_keeps_its_prompt(serve, claude_env, tmp_
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     processed = kill_mid_prefill(serve, proc)
-    wait_until(lambda: not any(b["running"] for b in stats(serve)["backends"]), 60,
-               what="the backend to let the dropped request go")
+    # Gone from the backend and from the proxy's own count of requests in flight there,
+    # which otherwise makes the retry avoid that backend as busy (route reason "load").
+    wait_until(lambda: not any(b["running"] or b["inflight"] for b in stats(serve)["backends"]),
+               60, what="the backend and the proxy to let the dropped request go")
     wait_until(lambda: partial_commits(serve) > commits_before, 60,
                what="the prefilled part committed")
     assert watch.api_counts()[1] == 0
@@ -379,8 +381,10 @@ def test_codex_killed_mid_request_keeps_its_prompt(serve, codex_home, tmp_path):
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     processed = kill_mid_prefill(serve, proc)
-    wait_until(lambda: not any(b["running"] for b in stats(serve)["backends"]), 60,
-               what="the backend to let the dropped request go")
+    # Gone from the backend and from the proxy's own count of requests in flight there,
+    # which otherwise makes the retry avoid that backend as busy (route reason "load").
+    wait_until(lambda: not any(b["running"] or b["inflight"] for b in stats(serve)["backends"]),
+               60, what="the backend and the proxy to let the dropped request go")
     wait_until(lambda: partial_commits(serve) > commits_before, 60,
                what="the prefilled part committed")
     assert watch.api_counts()[1] == 0

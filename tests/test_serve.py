@@ -87,7 +87,9 @@ def test_readme_serve_command_serves_and_caches(tmp_path, model_cache):
         stop(proc, 30)
     # Regression: the shell in front of the launcher used to take the SIGTERM alone,
     # and every run of this test left a whole deployment behind.
-    wait_until(lambda: all(gone(pid) for pid in pids), 15, interval=0.1,
+    # 30 s: a backend inside an fsync of its disk tier cannot die, even by SIGKILL, until
+    # the drive answers, which a loaded CI disk can take seconds to do.
+    wait_until(lambda: all(gone(pid) for pid in pids), 30, interval=0.1,
                what="the README deployment's processes to exit")
 
 
