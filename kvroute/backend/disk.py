@@ -366,9 +366,12 @@ class DiskTier:
                 self._handle(self._deferred.popleft())
             self._update_queue_gauge()
 
+    def _waiting(self) -> int:
+        """Items not on disk yet: queued, deferred for an idle engine, being written."""
+        return self._queue.qsize() + len(self._deferred) + self._writing
+
     def _update_queue_gauge(self) -> None:
-        self.metrics.l(self.metrics.disk_queue).set(self._queue.qsize() + len(self._deferred)
-                                                    + self._writing)
+        self.metrics.l(self.metrics.disk_queue).set(self._waiting())
 
     def _handle(self, item: Any) -> None:
         kind, payload = item
@@ -672,7 +675,7 @@ class DiskTier:
             "bytes": self.held_bytes,
             **self.blocks.stats(),
             "budget_bytes": self.budget_bytes,
-            "write_queue": self._queue.qsize() + len(self._deferred) + self._writing,
+            "write_queue": self._waiting(),
             "restore_bytes_per_s": round(self.restore_bps),
             "restore_tokens_per_s": round(self.restore_tps),
         }
