@@ -42,7 +42,6 @@ import json
 import os
 import platform
 import random
-import re
 import shutil
 import signal
 import statistics
@@ -55,6 +54,8 @@ from pathlib import Path
 import aiohttp
 
 from bench.command import command_line
+from kvroute.serve.redis_server import free_port
+from tests.harness import metric_sum
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("raw", "mlx-server", "kvroute", "no-disk")
@@ -301,11 +302,6 @@ def get(url: str, headers: dict | None = None) -> bytes:
         return r.read()
 
 
-def metric_sum(text: str, name: str) -> float:
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+(\S+)",
-                                            text, re.M))
-
-
 class Proc:
     def __init__(self, name: str, cmd: list[str], url: str, logs: Path, env: dict | None = None):
         self.name, self.url = name, url
@@ -357,14 +353,6 @@ def run_mlx_server(args, tok, logs: Path) -> dict:
     finally:
         server.stop()
     return out
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stack:
