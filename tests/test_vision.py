@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import uuid
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -70,6 +72,10 @@ def vlm(vlm_model, tmp_path_factory) -> BackendProcess:
     proc.start()
     yield proc
     proc.stop()
+
+
+def vlm_family(backend: BackendProcess) -> str:
+    return backend.model.rstrip("/").split("vision-model-")[1].split("-v")[0]
 
 
 def encoded(backend: BackendProcess) -> int:
@@ -158,13 +164,26 @@ def test_bad_image_is_a_400(vlm, url, message):
 def test_typed_image_token_is_a_400(vlm):
     from kvroute.backend.image_prompt import sentinel
 
-    family = vlm.model.rstrip("/").split("vision-model-")[1].split("-v")[0]
+    family = vlm_family(vlm)
     for text, images in (("look: " + IMAGE_TOKENS[family] * 3, [image_url(6)]),
                          ("look: " + sentinel(1), [image_url(6)]),
                          ("look: " + sentinel(0), [])):
         with pytest.raises(openai.BadRequestError) as e:
             chat(vlm, conversation(*images, question=text), max_tokens=2)
         assert e.value.body["code"] == "invalid_image"
+
+
+def test_replies_never_hold_the_image_token(vlm):
+    # A reply that held it would come back in the next turn's text as one image token
+    # too many, and every later turn of that conversation would be refused.
+    config = json.loads((Path(vlm.model) / "config.json").read_text())
+    pushed = {str(config["image_token_index"]): 100}
+    messages = conversation(image_url(7))
+    first = chat(vlm, messages, max_tokens=3, logit_bias=pushed).body
+    text = first["choices"][0]["message"]["content"]
+    family = vlm_family(vlm)
+    assert IMAGE_TOKENS[family] not in text, text
+    assert_prompt_kept(vlm, first, follow_up(vlm, messages, text))
 
 
 def test_text_model_refuses_images(backend):
@@ -442,7 +461,6 @@ def test_a_one_token_prefill_chunk_of_an_image_is_embedded(vlm_model):
 
 
 def test_demo_model_cli_builds_a_vlm(tmp_path):
-    import json
     import subprocess
     import sys
 

@@ -121,11 +121,12 @@ async def _generate(
     grammar = None
     if isinstance(req, ChatRequest) and req.grammar is not None:
         grammar = await _compile(state, req.grammar)
+    params = _no_image_token(state, req.params)
 
     def choice(i: int, after: Job | None) -> Job:
         return Job(
             prompt=prompt.tokens,
-            params=_nth(req.params, i),
+            params=_nth(params, i),
             max_tokens=max_tokens,
             tools=prompt.tools,
             loop=asyncio.get_running_loop(),
@@ -177,6 +178,16 @@ def _release_when_done(vision: Vision, job: Job, images: list) -> None:
         vision.release(images)
         return
     asyncio.get_running_loop().call_later(0.05, _release_when_done, vision, job, images)
+
+
+def _no_image_token(state: State, params: SamplingParams) -> SamplingParams:
+    """A vision model's sampling with its image token never drawn: a reply holding
+    it would come back in the next turn's text, which then has more image tokens than
+    images and is refused, leaving the conversation stuck."""
+    if state.vision is None:
+        return params
+    banned = {state.vision.prompt.image_token_id: float("-inf")}
+    return dataclasses.replace(params, logit_bias={**params.logit_bias, **banned})
 
 
 def _nth(params: SamplingParams, i: int) -> SamplingParams:
