@@ -133,6 +133,12 @@ class DiskTier:
         self._pending_bytes = 0
         self._reads: dict[str, asyncio.Future] = {}
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="kvroute-disk-read")
+        # A restore's block files, several in flight: one reader at a time left a fast
+        # drive's queue (and a many-core host's memory bandwidth) mostly idle. Threads
+        # that live as long as the tier: each evaluates the arrays it reads (CUDA
+        # streams belong to the thread that made them).
+        self._block_readers = ThreadPoolExecutor(max(1, read_parallel),
+                                                 thread_name_prefix="kvroute-disk-blocks")
         self._writer = threading.Thread(target=self._write_loop, name="kvroute-disk-write", daemon=True)
         self._lock_fd: int | None = None
         self._names = itertools.count()
@@ -216,6 +222,7 @@ class DiskTier:
             self._queue.put(None)
             self._writer.join(timeout)
         self._readers.shutdown(wait=False, cancel_futures=True)
+        self._block_readers.shutdown(wait=False, cancel_futures=True)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -627,8 +634,8 @@ class DiskTier:
         root = paged.root_key(record.model, record.scope)
         if record.blocks != paged.block_keys(root, record.tokens, len(record.blocks)):
             raise BadRecord("corrupt", "its blocks are not the chain of its tokens")
-        blocks = [self.blocks.load(k, lambda key, kv, size: Block(key, kv, size))
-                  for k in record.blocks]
+        blocks = list(self._block_readers.map(
+            lambda k: self.blocks.load(k, lambda key, kv, size: Block(key, kv, size)), record.blocks))
         try:
             state = paged.from_disk(cache, blocks, len(record.tokens))
         except ValueError as exc:
