@@ -84,7 +84,10 @@ def is_public(ip: IPAddress) -> bool:
     """Whether an image URL may reach `ip` without the operator allowing it: not
     loopback, private, link-local, multicast, reserved, unspecified or otherwise
     not global, by itself nor by the IPv4 address it embeds."""
-    for a in _views(ip):
+    # A mapped address is its IPv4 address written as IPv6: judged as that alone (some
+    # Pythons call the whole ::ffff:0:0/96 private).
+    mapped = ip.ipv4_mapped if ip.version == 6 else None
+    for a in [mapped] if mapped is not None else _views(ip):
         if (not a.is_global or a.is_private or a.is_loopback or a.is_link_local
                 or a.is_multicast or a.is_reserved or a.is_unspecified
                 or (a.version == 6 and a.is_site_local)):
