@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .core.durations import parse_duration
+from .core.images import MAX_IMAGE_BYTES
 from .core.prefix import DEFAULT_BLOCK_BYTES
 from .core.sizes import parse_bytes
 
@@ -204,7 +205,7 @@ _FETCH = [
          toml="proxy.fetch_images_allow"),
     _opt("fetch_images_timeout", float, 10.0, "seconds one image fetch may take, redirects "
          "included", toml="proxy.fetch_images_timeout"),
-    _opt("fetch_images_max_bytes", parse_bytes, 20 << 20, "largest fetched image",
+    _opt("fetch_images_max_bytes", parse_bytes, MAX_IMAGE_BYTES, "largest fetched image",
          toml="proxy.fetch_images_max_bytes"),
 ]
 FETCH_NAMES = tuple(s.name for s in _FETCH)

@@ -384,3 +384,17 @@ def test_fetch_settings_from_the_file_the_environment_and_flags(tmp_path):
     for bad in ("http://x", "a b", "x/y", ".lan"):
         with pytest.raises(config.ConfigError):
             config.resolve(config.PROXY, {}, {"KVROUTE_FETCH_IMAGES_ALLOW": bad})
+
+
+@pytest.mark.parametrize("url", [
+    "http://2130706433/a.png", "http://127.1/a.png", "http://0x7f.0.0.1/a.png",
+    "http://[::1]/a.png", "http://[::ffff:127.0.0.1]/a.png", "http://169.254.169.254/latest",
+    "http://[fe80::1%25eth0]/a.png", "file:///etc/passwd", "gopher://127.0.0.1/a",
+])
+def test_odd_spellings_of_internal_addresses_are_never_connected_to(url):
+    # Nothing listens on these: a connection attempt would say so; a refusal comes first.
+    with pytest.raises(APIError) as e:
+        _inline(FetchSettings(enabled=True), _body(url))
+    assert e.value.status == 400 and e.value.code == "invalid_image"
+    assert "could not be used" in e.value.message
+    assert "no connection" not in e.value.message, e.value.message

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import ipaddress
+import logging
 import socket
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -41,7 +42,9 @@ from aiohttp.resolver import ThreadedResolver
 from yarl import URL
 
 from kvroute.api.errors import APIError, bad_request
-from kvroute.core.images import FORMATS, is_image_part, image_url_of
+from kvroute.core.images import FORMATS, MAX_IMAGE_BYTES, image_url_of, is_image_part
+
+log = logging.getLogger("kvroute.proxy.images")
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -62,7 +65,7 @@ class FetchSettings:
     enabled: bool = False
     allow: tuple[str, ...] = ()  # host names and networks (CIDR or single addresses)
     timeout: float = 10.0  # seconds per image, redirects included
-    max_bytes: int = 20 << 20  # of one image's body
+    max_bytes: int = MAX_IMAGE_BYTES  # of one image's body
 
 
 # -- which addresses --------------------------------------------------------------------
@@ -259,8 +262,10 @@ class ImageFetcher:
             async with asyncio.timeout(self.settings.timeout):
                 media_type, data = await self._get(url)
         except FetchError as exc:
+            log.info("image URL refused (host %s): %s", exc.host, exc.reason)
             raise refusal(exc.host, exc.reason) from None
         except TimeoutError:
+            log.info("image URL refused (host %s): timed out", host)
             raise refusal(host, f"the fetch took longer than {self.settings.timeout:g}s") from None
         encoded = await asyncio.to_thread(base64.b64encode, data) if len(data) > 1 << 20 \
             else base64.b64encode(data)
@@ -283,6 +288,8 @@ class ImageFetcher:
                 if isinstance(exc.os_error, Blocked):
                     raise _blocked(host) from None
                 raise FetchError(host, "the host name could not be resolved") from None
+            except aiohttp.ClientConnectorError:
+                raise FetchError(host, "no connection could be made to it") from None
             except (aiohttp.ClientError, OSError, ValueError) as exc:
                 raise FetchError(host, f"the request failed ({type(exc).__name__})") from None
         raise FetchError(url_host(url), f"more than {MAX_REDIRECTS} redirects")
