@@ -35,6 +35,7 @@ from kvroute.proxy.image_fetch import FetchSettings, ImageFetcher, Policy, is_pu
 SECRET = "image-url-secret"
 TIMEOUT = 1.0  # the fetching proxies' --fetch-images-timeout
 MAX_BYTES = 256 << 10  # and their --fetch-images-max-bytes
+MAX_BODY = 256 << 10  # the fetching proxy's --max-body-bytes: two /big/ images inline pass it
 
 
 def image_bytes(seed: int, fmt: str = "PNG") -> bytes:
@@ -43,7 +44,7 @@ def image_bytes(seed: int, fmt: str = "PNG") -> bytes:
 
 
 class _Images(http.server.BaseHTTPRequestHandler):
-    """/img/SEED.png|jpg, /to/SEED.png (a redirect to it), /to-literal (a redirect to
+    """/img/SEED.png|jpg, /big/SEED.png (200x200), /to/SEED.png (a redirect to /img/), /to-literal (a redirect to
     127.0.0.1), /slow, /huge (no length, never ends before the cap), /declared (a
     Content-Length past the cap), /html, /lie (PNG said, JPEG sent), /loop, anything
     else 404."""
@@ -60,6 +61,10 @@ class _Images(http.server.BaseHTTPRequestHandler):
                 seed, _, ext = path[5:].partition(".")
                 fmt, kind = ("PNG", "png") if ext == "png" else ("JPEG", "jpeg")
                 self._send(200, image_bytes(int(seed), fmt), f"image/{kind}")
+            elif path.startswith("/big/"):  # 200x200 of noise: about 120 kB
+                seed = int(path[5:].partition(".")[0])
+                self._send(200, base64.b64decode(image_url(seed, size=200).split(",")[1]),
+                           "image/png")
             elif path.startswith("/to/"):
                 self._redirect("/img/" + path[4:])
             elif path == "/to-literal":
@@ -138,7 +143,8 @@ def url_fleet(model_cache, tmp_path_factory, redis_server):
 
     def proxies(redis_url: str) -> list[ProxyProcess]:
         return [ProxyProcess(redis_url, logs, ["--secret", SECRET, *fetch,
-                                               "--fetch-images-allow", "127.0.0.1"]),
+                                               "--fetch-images-allow", "127.0.0.1",
+                                               "--max-body-bytes", str(MAX_BODY)]),
                 ProxyProcess(redis_url, logs, ["--secret", SECRET]),
                 ProxyProcess(redis_url, logs, ["--secret", SECRET, *fetch])]
 
@@ -286,6 +292,19 @@ def test_each_limit_is_a_400_in_time_and_the_proxy_still_serves(url_fleet, image
     assert chat(proxy, conversation(f"{images}/img/33.png"), model="vlm", max_tokens=2).body
 
 
+def test_images_inline_are_held_to_the_body_limit(url_fleet, images):
+    proxy = url_fleet["fetching"]
+    one = chat(proxy, conversation(f"{images}/big/34.png"), model="vlm", max_tokens=2)
+    assert one.body["usage"]["prompt_tokens"] > 0
+    with pytest.raises(openai.APIStatusError) as e:
+        chat(proxy, conversation(f"{images}/big/34.png", f"{images}/big/35.png"), model="vlm",
+             max_tokens=2)
+    assert e.value.status_code == 413, e.value.body
+    error = e.value.body
+    assert error["code"] == "request_too_large" and "fetched images" in error["message"], error
+    assert f"{MAX_BODY}" in error["message"]
+
+
 def test_only_http_and_https_are_fetched(url_fleet):
     _assert_refused(url_fleet["fetching"], "ftp://127.0.0.1/a.png", "only http and https")
 
@@ -398,3 +417,14 @@ def test_odd_spellings_of_internal_addresses_are_never_connected_to(url):
     assert e.value.status == 400 and e.value.code == "invalid_image"
     assert "could not be used" in e.value.message
     assert "no connection" not in e.value.message, e.value.message
+
+
+def test_a_request_has_at_most_max_urls_fetched():
+    from kvroute.proxy.image_fetch import MAX_URLS
+
+    body = _body("http://127.0.0.1:9/0.png")
+    body["messages"][1]["content"] += [{"type": "image_url", "image_url": {
+        "url": f"http://127.0.0.1:9/{i}.png"}} for i in range(1, MAX_URLS + 1)]
+    with pytest.raises(APIError) as e:
+        _inline(FetchSettings(enabled=True, allow=("127.0.0.1",)), body)
+    assert f"at most {MAX_URLS}" in e.value.message and e.value.code == "invalid_image"

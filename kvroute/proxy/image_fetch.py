@@ -20,7 +20,8 @@ host or a network holding it. The check is on the addresses the connection is ma
 to: names resolve through `_CheckedResolver`, which drops refused addresses before
 the connector sees them, so a name that resolves to a public address when checked and
 to a private one when connecting (DNS rebinding) cannot get through; address literals
-(which aiohttp does not resolve) are checked before the request.
+(which aiohttp does not resolve) are checked before the request. A request may have
+at most MAX_URLS distinct image URLs fetched.
 
 Every refusal is a 400 `invalid_image` naming the URL's host (`param` messages; the
 agent APIs reword it as they reword any refusal of their chat body).
@@ -51,6 +52,9 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 MAX_REDIRECTS = 3
 PER_REQUEST = 4  # fetches of one request in flight at once
+# Distinct URLs one request may have fetched (Anthropic's API takes 100 images a
+# request): a bound on the fetches, and the time, one request can cost.
+MAX_URLS = 100
 CHUNK = 64 << 10
 REDIRECTS = {301, 302, 303, 307, 308}
 SCHEMES = ("http", "https")
@@ -234,6 +238,10 @@ class ImageFetcher:
         urls = list(dict.fromkeys(image_url_of(p) for p in parts))
         if not on:
             raise disabled(url_host(urls[0]))
+        if len(urls) > MAX_URLS:
+            raise bad_request(f"Invalid image: the request has {len(urls)} image URLs; this "
+                              f"proxy fetches at most {MAX_URLS} a request (send the others "
+                              "inline).", param="messages", code="invalid_image")
         gate = asyncio.Semaphore(PER_REQUEST)
         got: dict[str, str] = {}
 
