@@ -23,7 +23,7 @@ import anthropic
 import openai
 import pytest
 from tests import harness
-from tests.harness import BackendProcess, ProxyProcess, chat
+from tests.harness import BackendProcess, ProxyProcess, chat, metric_sum, request
 from tests.test_vision import SYSTEM, conversation, image_url
 
 from kvroute import config
@@ -161,8 +161,13 @@ def _cached_share(usage: dict) -> float:
 # -- through the proxy -----------------------------------------------------------------
 
 
+def _metric(proxy: ProxyProcess, name: str) -> float:
+    return metric_sum(request(proxy.url + "/metrics")[2].decode(), name)
+
+
 def test_chat_url_image_turn2_hits_and_the_same_image_inline_hits_too(url_fleet, images):
     proxy = url_fleet["fetching"]
+    fetched = _metric(proxy, "kvroute_proxy_images_fetched_total")
     messages = conversation(f"{images}/img/30.png")
     first = chat(proxy, messages, model="vlm", max_tokens=8, temperature=0)
     backend = first.headers["x-kvroute-backend"]
@@ -179,6 +184,8 @@ def test_chat_url_image_turn2_hits_and_the_same_image_inline_hits_too(url_fleet,
     third = chat(proxy, inline, model="vlm", max_tokens=8, temperature=0)
     assert third.headers["x-kvroute-backend"] == backend
     assert _cached_share(third.body["usage"]) >= 0.8, third.body["usage"]
+    assert _metric(proxy, "kvroute_proxy_images_fetched_total") == fetched + 2
+    assert _metric(proxy, "kvroute_proxy_image_fetch_seconds_count") >= 2
 
 
 def test_responses_url_image_through_a_redirect_is_cached(url_fleet, images):
@@ -262,7 +269,10 @@ def _assert_refused(proxy: ProxyProcess, url: str, words: str, host: str = "127.
 
 
 def test_fetching_off_is_a_400_that_says_so(url_fleet, images):
+    refused = _metric(url_fleet["off"], "kvroute_proxy_image_fetch_refusals_total")
     _assert_refused(url_fleet["off"], f"{images}/img/1.png", "fetching is disabled")
+    # chat, Responses, Messages (count_tokens asks a backend, not the routing)
+    assert _metric(url_fleet["off"], "kvroute_proxy_image_fetch_refusals_total") == refused + 3
 
 
 def test_loopback_is_refused_unless_allowed(url_fleet, images):

@@ -228,13 +228,13 @@ class ImageFetcher:
         if self.session is not None:
             await self.session.close()
 
-    async def inline(self, body: dict) -> bool:
+    async def inline(self, body: dict) -> int:
         """Rewrite every http(s) image URL of the body's messages into the data: URL of
-        its image; True when the body changed."""
+        its image; how many distinct URLs were fetched (0: the body is unchanged)."""
         on = self.session is not None
         parts = [p for p in _image_parts(body.get("messages")) if _handled(image_url_of(p), on)]
         if not parts:
-            return False
+            return 0
         urls = list(dict.fromkeys(image_url_of(p) for p in parts))
         if not on:
             raise disabled(url_host(urls[0]))
@@ -261,7 +261,7 @@ class ImageFetcher:
             ref = part["image_url"]
             url = got[image_url_of(part)]
             part["image_url"] = {**ref, "url": url} if isinstance(ref, dict) else url
-        return True
+        return len(urls)
 
     async def fetch(self, url: str) -> str:
         """The image at `url` as a data: URL; APIError (400) for anything else."""

@@ -106,11 +106,18 @@ async def _inline_images(state: State, req: RoutedRequest) -> None:
     chain: from here on the request is the one its client could have sent inline."""
     if b"image_url" not in req.raw:  # no image part: nothing to walk
         return
+    t0 = time.perf_counter()
     try:
-        if not await state.images.inline(req.body):
-            return
+        fetched = await state.images.inline(req.body)
     except APIError as err:  # in the words of the API the client called
+        state.metrics.image_refusals.inc()
         raise req.relay.refusal(err) if req.relay is not None else err
+    if not fetched:
+        return
+    took = time.perf_counter() - t0
+    state.metrics.images_fetched.inc(fetched)
+    state.metrics.image_fetch.observe(took)
+    req.t_start += took  # the proxy's overhead is its own work, not a remote server's
     req.raw = await off_loop_if_large(len(req.raw), orjson.dumps, req.body)
     limit = state.config.max_body_bytes
     if len(req.raw) > limit:

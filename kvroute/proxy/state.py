@@ -12,7 +12,7 @@ from kvroute.core.images import MAX_IMAGE_BYTES
 from kvroute.core.registry import Registry
 
 from .fleet import Fleet
-from .image_fetch import ImageFetcher
+from .image_fetch import FetchSettings, ImageFetcher
 from .limits import Limits
 from .loading import OnDemand
 from .observe.metrics import ProxyMetrics
@@ -75,7 +75,8 @@ class State:
     stats: Stats = field(default_factory=Stats)
     limits: Limits | None = None  # usage limits per API key or scope (None: no rule set)
     session: aiohttp.ClientSession | None = None
-    images: ImageFetcher | None = None  # fetches image URLs when the operator enabled it
+    # Fetches image URLs when the operator enabled it; refuses them otherwise.
+    images: ImageFetcher = field(default_factory=lambda: ImageFetcher(FetchSettings()))
     tasks: list[asyncio.Task] = field(default_factory=list)
     background: set = field(default_factory=set)
     fingerprint: dict = field(default_factory=dict)  # this proxy's (kvroute.core.prefix.fingerprint)
