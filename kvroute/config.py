@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .core.durations import parse_duration
+from .core.images import MAX_IMAGE_BYTES
 from .core.prefix import DEFAULT_BLOCK_BYTES
 from .core.sizes import parse_bytes
 
@@ -113,6 +114,20 @@ def parse_models(value: Any) -> tuple[str, tuple[str, ...]]:
     if not sep or not target.strip() or not names:
         raise ValueError("expected TARGET=MODEL[;MODEL...]")
     return target.strip(), names
+
+
+def parse_fetch_allow(value: Any) -> str:
+    """A host name, an address or a network (CIDR) image fetching may reach."""
+    import ipaddress
+
+    text = str(value).strip().lower()
+    try:
+        return str(ipaddress.ip_network(text.strip("[]"), strict=False))
+    except ValueError:
+        pass
+    if not text or any(c in text for c in "/:@ ?#") or text.startswith("."):
+        raise ValueError("expected a host name, an address or a network like 10.0.0.0/8")
+    return text.rstrip(".")
 
 
 def _switch(value: Any) -> bool:
@@ -179,6 +194,21 @@ _MAX_BODY = _opt("max_body_bytes", parse_bytes, 8 << 20, "largest accepted reque
 _LOAD_TIMEOUT = _opt("load_timeout", float, 300.0, "seconds a request waits while its model "
                      "loads on demand", toml="proxy.load_timeout")
 _TOKEN = _opt("internal_token", str, "", "token shared by proxies and backends (x-kvroute-token)")
+
+# Images by URL (kvroute/proxy/image_fetch.py): the proxy fetches them only when told to.
+_FETCH = [
+    _opt("fetch_images", bool, False, "fetch http(s) image URLs of requests and send them on "
+         "inline (off: only data: URLs are taken)", switch=True, toml="proxy.fetch_images"),
+    _opt("fetch_images_allow", parse_fetch_allow, [], "a host name or network (CIDR) image "
+         "fetching may reach although it is loopback, private, link-local or reserved "
+         "(repeatable; the variable takes a comma list)", many=True, metavar="HOST_OR_CIDR",
+         toml="proxy.fetch_images_allow"),
+    _opt("fetch_images_timeout", float, 10.0, "seconds one image fetch may take, redirects "
+         "included", toml="proxy.fetch_images_timeout"),
+    _opt("fetch_images_max_bytes", parse_bytes, MAX_IMAGE_BYTES, "largest fetched image",
+         toml="proxy.fetch_images_max_bytes"),
+]
+FETCH_NAMES = tuple(s.name for s in _FETCH)
 
 # Usage limits (kvroute/proxy/limits.py), shared by every proxy through Redis. TARGET is
 # a scope, an API key, or `*`: every team without a rule of its own, each apart.
@@ -286,6 +316,7 @@ PROXY = [
     _opt("response_ttl", float, 86400.0, "seconds a stored /v1/responses answer can be continued "
          "from with previous_response_id"),
     _LOAD_TIMEOUT,
+    *_FETCH,
     *_LIMITS,
     _LIMIT_TIMEOUT,
     _LOG_LEVEL,
@@ -341,6 +372,7 @@ SERVE = [
     _opt("idle_unload", parse_duration, None, "unload every model unused this long, e.g. 30m "
          "(default: the file's per model, else never)", env=False),
     _LOAD_TIMEOUT,
+    *_FETCH,
     *_LIMITS,
     _LIMIT_TIMEOUT,
     _opt("log_level", str, "info", "logging level", choices=LOG_LEVELS),
@@ -565,6 +597,10 @@ class ServeConfig:
     # Usage limits, for the proxy: (target, value) pairs of each LIMIT_NAMES setting.
     limits: dict[str, list] = field(default_factory=dict)
     limit_timeout_ms: float = _SERVE["limit_timeout_ms"]
+    fetch_images: bool = _SERVE["fetch_images"]
+    fetch_images_allow: list[str] = field(default_factory=list)
+    fetch_images_timeout: float = _SERVE["fetch_images_timeout"]
+    fetch_images_max_bytes: int = _SERVE["fetch_images_max_bytes"]
     ready_timeout: float = 600.0
 
 
@@ -629,6 +665,16 @@ def build(flags: argparse.Namespace | Mapping[str, Any], env: Mapping[str, str])
     kw["api_keys"] = parse_api_keys(kw["api_keys"])
     kw["limits"] = {name: values[name] for name in LIMIT_NAMES if values[name]}
     return ServeConfig(models=models, **kw)
+
+
+def fetch_variables(c: ServeConfig) -> dict[str, str]:
+    """Image fetching's settings as the KVROUTE_* variables of the proxy `kvroute serve`
+    starts (empty values are not set)."""
+    by_name = {s.name: s for s in _FETCH}
+    return {by_name["fetch_images"].env: "1" if c.fetch_images else "",
+            by_name["fetch_images_allow"].env: ",".join(c.fetch_images_allow),
+            by_name["fetch_images_timeout"].env: str(c.fetch_images_timeout),
+            by_name["fetch_images_max_bytes"].env: str(c.fetch_images_max_bytes)}
 
 
 def limit_variables(limits: dict[str, list]) -> dict[str, str]:

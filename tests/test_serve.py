@@ -102,6 +102,8 @@ url = "{redis}"
 [proxy]
 port = {port}
 api_keys = ["sk-serve-test:team"]
+fetch_images = true
+fetch_images_allow = ["127.0.0.1"]
 
 [backends]
 port_base = {base}
@@ -172,6 +174,12 @@ def test_two_models_supervision_and_clean_shutdown(tmp_path, model_cache, redis_
             for secret in ("test-secret", "sk-serve-test", redis.url):
                 assert secret not in cmdline, (secret, cmdline)
         assert psutil.Process(proxy_pid).environ()["KVROUTE_API_KEYS"] == "sk-serve-test:team"
+        # The file's image fetching reaches the proxy: it tries a URL (nothing listens there).
+        assert psutil.Process(proxy_pid).environ()["KVROUTE_FETCH_IMAGES_ALLOW"] == "127.0.0.1/32"
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="small", messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{free_port()}/a"}}]}])
+        assert "no connection could be made" in e.value.body["message"], e.value.body
         assert all("KVROUTE_API_KEYS" not in psutil.Process(pid).environ() for pid in pids[:-1])
         assert all(psutil.Process(pid).environ()["KVROUTE_SECRET"] == "test-secret" for pid in pids)
     finally:

@@ -268,7 +268,8 @@ def test_anthropic_image_blocks_through_the_proxy(vlm_fleet):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="vlm", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
-    assert "base64" in str(e.value)
+    # This proxy does not fetch (tests/test_image_urls.py has one that does).
+    assert "fetching is disabled" in str(e.value) and "example.com" in str(e.value)
 
 
 def test_responses_input_image_through_the_proxy(vlm_fleet):

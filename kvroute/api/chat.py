@@ -26,7 +26,8 @@ class TextPart(Body):
 
 
 class ImageURL(Body):
-    # Only data: URLs (checked with the image itself: kvroute/core/images.py).
+    # data: URLs (checked with the image itself: kvroute/core/images.py); http(s) ones
+    # only through a proxy that fetches them (kvroute/proxy/image_fetch.py).
     url: NonEmpty
     detail: Literal["auto", "low", "high"] | None = None
 

@@ -52,13 +52,21 @@ class Base64Source(Body):
     data: NonEmpty
 
 
-def _base64_only(value: Any, handler: Any) -> Any:
-    # Said before the fields a url source lacks: kvroute fetches no URLs.
+class URLSource(Body):
+    """An image by URL: the proxy fetches it when its operator enabled fetching
+    (proxy/image_fetch.py), else refuses it."""
+
+    type: Literal["url"]
+    url: NonEmpty
+
+
+def _known_source(value: Any, handler: Any) -> Any:
+    # Said before the fields another source type lacks.
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind is not None and kind != "base64":
+    if kind is not None and kind not in ("base64", "url"):
         raise PydanticCustomError("unsupported_content", "{message}", {"message": (
             f"Image source type {str(kind)[:40]!r} is not supported; send the image inline "
-            "as a base64 source.")})
+            "as a base64 source, or as a url source to a proxy that fetches image URLs.")})
     return handler(value)
 
 
@@ -66,7 +74,8 @@ class ImageBlock(Body):
     """An image, for models that take images (the backend refuses it otherwise)."""
 
     type: Literal["image"]
-    source: Annotated[Base64Source, WrapValidator(_base64_only)]
+    source: Annotated[Union[Base64Source, URLSource], Field(discriminator="type"),
+                      WrapValidator(_known_source)]
 
 
 class ToolUseBlock(Body):

@@ -29,7 +29,8 @@ class InputTextPart(Body):
 
 
 class InputImagePart(Body):
-    """An image (a data URL), for models that take images."""
+    """An image (a data URL, or an http(s) one a fetching proxy inlines), for models
+    that take images."""
 
     type: Literal["input_image"]
     image_url: NonEmpty

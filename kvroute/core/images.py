@@ -4,7 +4,8 @@ Proxy and backend both read images from request bodies: the proxy to put each
 image's content hash into the prefix chain (core/prefix.py), the backend to hand
 the bytes to the model's vision encoder (backend/vision.py). Both take them
 through `decode_data_url`, so both refuse the same images with the same message.
-Only `data:` URLs are taken: kvroute fetches nothing from the network.
+Only `data:` URLs are taken here: a proxy whose operator enabled fetching has already
+turned http(s) URLs into them (kvroute/proxy/image_fetch.py); a backend never fetches.
 """
 
 from __future__ import annotations

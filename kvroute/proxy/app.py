@@ -33,6 +33,7 @@ from .agents.gateway import GATEWAY, Gateway
 from .agents.store import ResponseStore
 from .auth import auth_middleware
 from .fleet import Fleet, refresh_backends
+from .image_fetch import FetchSettings, ImageFetcher
 from .limits import LIMITS, Limits
 from .observe import apis
 from .observe.metrics import ProxyMetrics
@@ -116,6 +117,12 @@ async def openapi_json(request: web.Request) -> web.Response:
     return web.Response(body=_OPENAPI, content_type="application/json")
 
 
+def fetch_settings(config: ProxyConfig) -> FetchSettings:
+    return FetchSettings(enabled=config.fetch_images, allow=tuple(config.fetch_images_allow),
+                         timeout=config.fetch_images_timeout,
+                         max_bytes=config.fetch_images_max_bytes)
+
+
 def create_app(config: ProxyConfig) -> web.Application:
     registry = Registry(config.redis_url, lookup_timeout=config.lookup_timeout)
     policy = make_policy(PolicyConfig(name=config.policy, locality_slack=config.locality_slack))
@@ -124,7 +131,8 @@ def create_app(config: ProxyConfig) -> web.Application:
     counters.know_teams(teams(config.api_keys), LIMITS)
     state = State(config, registry, policy, counters, Fleet(), on_demand, stats=stats_,
                   limits=Limits(config, counters, stats_),
-                  fingerprint=prefix.fingerprint(config.secret, config.block_bytes))
+                  fingerprint=prefix.fingerprint(config.secret, config.block_bytes),
+                  images=ImageFetcher(fetch_settings(config)))
     # Outermost first: the per-API count sees final statuses, after Messages errors took
     # Anthropic's envelope.
     app = web.Application(middlewares=[apis.count_middleware(state.metrics, state.stats),
@@ -159,6 +167,7 @@ async def _startup(app: web.Application) -> None:
     state.session = aiohttp.ClientSession(timeout=timeout,
                                           connector=aiohttp.TCPConnector(limit=0),
                                           auto_decompress=False)
+    await state.images.start()
     state.tasks.append(asyncio.create_task(refresh_backends(state)))
     state.tasks.append(asyncio.create_task(sample_stats(state)))
     state.tasks.append(asyncio.create_task(state.models.refresh_loop()))
@@ -174,6 +183,7 @@ async def _cleanup(app: web.Application) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
     if state.session is not None:
         await state.session.close()
+    await state.images.close()
     await state.registry.close()
     await state.models.states.close()
     await state.limits.close()

@@ -81,6 +81,7 @@ async def _route(req: RoutedRequest) -> web.StreamResponse:
 async def _route_to_backend(state: State, req: RoutedRequest) -> web.StreamResponse:
     model = req.model
     layout = state.fleet.layout(model)
+    await _inline_images(state, req)
     await _chain(state.config, req, layout)
     state.models.touch(model)
     if state.models.needs_load(model, bool(state.fleet.serving(model))):
@@ -98,6 +99,32 @@ async def _route_to_backend(state: State, req: RoutedRequest) -> web.StreamRespo
     except APIError as err:
         return await loading.write_error(req.request, err, req.error_event)
     return await loading.finish(req.request, resp, req.error_event)
+
+
+async def _inline_images(state: State, req: RoutedRequest) -> None:
+    """Image URLs fetched and inlined as data: URLs (proxy/image_fetch.py), before the
+    chain: from here on the request is the one its client could have sent inline."""
+    if b"image_url" not in req.raw:  # no image part: nothing to walk
+        return
+    t0 = time.perf_counter()
+    try:
+        fetched = await state.images.inline(req.body)
+    except APIError as err:  # in the words of the API the client called
+        state.metrics.image_refusals.inc()
+        raise req.relay.refusal(err) if req.relay is not None else err
+    if not fetched:
+        return
+    took = time.perf_counter() - t0
+    state.metrics.images_fetched.inc(fetched)
+    state.metrics.image_fetch.observe(took)
+    req.t_start += took  # the proxy's overhead is its own work, not a remote server's
+    req.raw = await off_loop_if_large(len(req.raw), orjson.dumps, req.body)
+    limit = state.config.max_body_bytes
+    if len(req.raw) > limit:
+        # Held to the limit an inline image has: the backend's body limit is the same.
+        raise APIError(413, f"Request body too large: with its fetched images inline it is "
+                       f"{len(req.raw)} bytes, over the limit of {limit} (max_body_bytes).",
+                       param="messages", code="request_too_large")
 
 
 async def _chain(config: ProxyConfig, req: RoutedRequest, layout: prefix.Layout) -> None:
@@ -292,6 +319,7 @@ async def ask_backend(request: web.Request, model: str, path: str,
     routing: nothing is prefilled, so no routing mark, decision or stats either."""
     state = state_of(request)
     state.limits.check_model(request, model)
+    await state.images.inline(body)  # a token count of a URL image counts its bytes
     if state.models.needs_load(model, bool(state.fleet.serving(model))):
         await state.models.wait_loaded(model, functools.partial(_serving_now, state, model))
     backends = sorted(state.fleet.serving(model), key=lambda b: (b.is_suspect(), b.inflight))

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from kvroute.core.images import MAX_IMAGE_BYTES
 from kvroute.core.registry import Registry
 
 from .fleet import Fleet
+from .image_fetch import FetchSettings, ImageFetcher
 from .limits import Limits
 from .loading import OnDemand
 from .observe.metrics import ProxyMetrics
@@ -52,6 +54,11 @@ class ProxyConfig:
     concurrent_requests: list = field(default_factory=list)
     allowed_models: list = field(default_factory=list)
     limit_timeout_ms: float = 250.0  # a limit check waits this long for Redis, then decides alone
+    # Images by URL (proxy/image_fetch.py): off unless the operator turns it on.
+    fetch_images: bool = False
+    fetch_images_allow: list = field(default_factory=list)  # hosts and networks, else public only
+    fetch_images_timeout: float = 10.0  # seconds per image, redirects included
+    fetch_images_max_bytes: int = MAX_IMAGE_BYTES
 
 
 
@@ -68,6 +75,8 @@ class State:
     stats: Stats = field(default_factory=Stats)
     limits: Limits | None = None  # usage limits per API key or scope (None: no rule set)
     session: aiohttp.ClientSession | None = None
+    # Fetches image URLs when the operator enabled it; refuses them otherwise.
+    images: ImageFetcher = field(default_factory=lambda: ImageFetcher(FetchSettings()))
     tasks: list[asyncio.Task] = field(default_factory=list)
     background: set = field(default_factory=set)
     fingerprint: dict = field(default_factory=dict)  # this proxy's (kvroute.core.prefix.fingerprint)

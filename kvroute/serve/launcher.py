@@ -31,7 +31,8 @@ from kvroute.core import accel, disk_space, redis_client
 from . import capacity
 from kvroute.devtools import demo_model
 from .capacity import weights_bytes
-from kvroute.config import DEMO, ConfigError, ModelSpec, ServeConfig, limit_variables
+from kvroute.config import (DEMO, ConfigError, ModelSpec, ServeConfig, fetch_variables,
+                            limit_variables)
 from .loader import Loader, Slot
 from .processes import Child
 from kvroute.api.lifecycle import health_body, health_pid
@@ -206,7 +207,8 @@ class Launcher:
         keys = ",".join(f"{key}:{scope}" if scope else key for key, scope in c.api_keys.items())
         host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
         self.proxy = Child("proxy", args, f"http://{host}:{c.port}", "bold white",
-                           env={"KVROUTE_API_KEYS": keys, **limit_variables(c.limits)})
+                           env={"KVROUTE_API_KEYS": keys, **limit_variables(c.limits),
+                                **fetch_variables(c)})
         self.children.append(self.proxy)
 
     def repick_port(self, child: Child) -> None:

@@ -127,8 +127,9 @@ def _user_content(blocks: list) -> str | list[dict]:
             parts.append({"type": "text", "text": BLOCK_SEPARATOR})
         if isinstance(b, mw.TextBlock):
             parts.append({"type": "text", "text": b.text})
-        else:
-            url = f"data:{b.source.media_type};base64,{b.source.data}"
+        else:  # a url source stays a URL: the routing fetches it (proxy/image_fetch.py)
+            url = (b.source.url if isinstance(b.source, mw.URLSource)
+                   else f"data:{b.source.media_type};base64,{b.source.data}")
             parts.append({"type": "image_url", "image_url": {"url": url}})
     return parts
 

@@ -120,6 +120,20 @@ class ProxyMetrics:
             "kvroute_proxy_limit_checks_local", "Usage-limit checks this proxy decided alone "
             "because Redis did not answer in time", registry=r,
         )
+        # Images by URL (proxy/image_fetch.py); unlabelled, so at 0 from the start.
+        self.images_fetched = Counter(
+            "kvroute_proxy_images_fetched", "Image URLs fetched and inlined (--fetch-images)",
+            registry=r,
+        )
+        self.image_refusals = Counter(
+            "kvroute_proxy_image_fetch_refusals", "Requests refused for an image URL (fetching "
+            "off, a refused address, a limit, the server's answer)", registry=r,
+        )
+        self.image_fetch = Histogram(
+            "kvroute_proxy_image_fetch_seconds", "Time a request spent fetching its image URLs "
+            "(not counted in kvroute_proxy_overhead_seconds)", buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.teams: list[str] = []  # team labels (know_teams): bounded by the configured scopes
         self._known_backends: set[tuple[str, tuple[str, ...]]] = set()
         self._known_models: set[str] = set()
