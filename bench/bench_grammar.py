@@ -13,6 +13,9 @@ Parts (`--parts`, default all):
   size of Qwen's.
 - demo: decode rate of the demo model (a ~3 ms step) through mlx-lm's
   BatchGenerator, the engine's path, masks per row or filled by a MaskBatch.
+- vocab: the same with a model that is next to nothing but its vocabulary projection
+  at the large tokenizer's size (150k logits, a step of ~10 ms here): the mask
+  path's fixed cost per step at that vocabulary, the worst case.
 - real: the same at real size: a random-weight model of Qwen2.5-0.5B's shape in
   float32 around the large tokenizer (bench/models.py, preset 0.5b), its rows
   constrained to `{"text": "..."}`.
@@ -23,7 +26,7 @@ Parts (`--parts`, default all):
 Configurations are interleaved, best of the passes. The large tokenizer and the model
 are built once into --cache (delete it to rebuild).
 
-    python -m bench.bench_grammar [--parts masks,demo,real,serve] [--vocab 150000]
+    python -m bench.bench_grammar [--parts masks,demo,vocab,real,serve] [--vocab 150000]
         [--repeat 5] [--steps 200] [--real-steps 12] [--real-repeat 2] [--max-tokens 16]
 """
 
@@ -55,7 +58,7 @@ from kvroute.backend import grammar
 from kvroute.devtools import demo_model
 from tests.harness import ServeProcess, get_json
 
-PARTS = ("masks", "demo", "real", "serve")
+PARTS = ("masks", "demo", "vocab", "real", "serve")
 
 # Schemas as applications send them, each with an answer a model might give.
 CASES: dict[str, tuple[dict, dict]] = {
@@ -267,18 +270,26 @@ def decode_rates(console: Console, model_dir: Path, label: str, schema: dict, pr
     return rates
 
 
-def real_model(cache: Path, vocab: int) -> tuple[Path, Path]:
-    """The large tokenizer and a random-weight model of Qwen2.5-0.5B's shape around it
-    (bench/models.py, preset 0.5b), built once into `cache` and reused."""
+# Next to nothing but the vocabulary projection: its step is the mask path's fixed
+# cost at that vocabulary (a MaskBatch fill, applying the masks, per-row sampling) over
+# a step of ~10 ms here, the worst case a fast accelerator's step comes near.
+VOCAB_ONLY = {"hidden": 16, "layers": 1, "intermediate": 32, "heads": 1, "kv_heads": 1}
+
+
+def large_models(cache: Path, vocab: int) -> tuple[Path, Path, Path]:
+    """The large tokenizer, a random-weight model of Qwen2.5-0.5B's shape around it
+    (bench/models.py, preset 0.5b) and a VOCAB_ONLY one, built once into `cache`."""
     tok_dir = cache / f"tokenizer-{vocab}"
     if not (tok_dir / "tokenizer.json").exists():
         t0 = time.perf_counter()
         big_tokenizer(vocab, tok_dir)
         print(f"trained the {vocab:,}-token tokenizer in {time.perf_counter() - t0:.0f} s", flush=True)
-    model_dir = cache / f"qwen2.5-0.5b-{vocab}"
-    if not (model_dir / "config.json").exists():
-        models.build(model_dir, models.PRESETS["0.5b"], models.DTYPES["0.5b"], tok_dir)
-    return tok_dir, model_dir
+    real_dir, vocab_dir = cache / f"qwen2.5-0.5b-{vocab}", cache / f"vocab-only-{vocab}"
+    if not (real_dir / "config.json").exists():
+        models.build(real_dir, models.PRESETS["0.5b"], models.DTYPES["0.5b"], tok_dir)
+    if not (vocab_dir / "config.json").exists():
+        models.build(vocab_dir, VOCAB_ONLY, "float32", tok_dir)
+    return tok_dir, real_dir, vocab_dir
 
 
 # -- through the proxy -------------------------------------------------------------------
@@ -418,14 +429,17 @@ def main() -> None:
         if "demo" in parts:
             decode_rates(console, model_dir, "demo model", COUNT_SCHEMA, "Count: 1", args.steps,
                          args.repeat, DEMO_CONFIGS)
-        if not args.vocab or not {"masks", "real", "serve"} & set(parts):
+        if not args.vocab or not {"masks", "vocab", "real", "serve"} & set(parts):
             return
-        tok_dir, real_dir = real_model(args.cache, args.vocab)
+        tok_dir, real_dir, vocab_dir = large_models(args.cache, args.vocab)
         if "masks" in parts:
             big = load_tokenizer(tok_dir)
             # Models pad their logits past the tokenizer (Qwen: 151,936 for 151,665).
             mask_table(console, big, -(-len(big._tokenizer) // 128) * 128, args.repeat,
                        "large tokenizer")
+        if "vocab" in parts:
+            decode_rates(console, vocab_dir, "the vocabulary projection alone (hidden 16, 1 layer)",
+                         TEXT_SCHEMA, "Note:", args.steps // 2, args.repeat, DEMO_CONFIGS)
         if "real" in parts:
             decode_rates(console, real_dir, "Qwen2.5-0.5B shape, random weights, float32",
                          TEXT_SCHEMA, "Note:", args.real_steps, args.real_repeat, REAL_CONFIGS)
