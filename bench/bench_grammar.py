@@ -14,8 +14,8 @@ Parts (`--parts`, default all):
 - demo: decode rate of the demo model (a ~3 ms step) through mlx-lm's
   BatchGenerator, the engine's path, masks per row or filled by a MaskBatch.
 - vocab: the same with a model that is next to nothing but its vocabulary projection
-  at the large tokenizer's size (150k logits, a step of ~10 ms here): the mask
-  path's fixed cost per step at that vocabulary, the worst case.
+  at the large tokenizer's size (150k logits, a step of ~27 ms on a 2-core CPU): the
+  mask path's fixed cost per step at that vocabulary, the worst case.
 - real: the same at real size: a random-weight model of Qwen2.5-0.5B's shape in
   float32 around the large tokenizer (bench/models.py, preset 0.5b), its rows
   constrained to `{"text": "..."}`.
@@ -270,9 +270,9 @@ def decode_rates(console: Console, model_dir: Path, label: str, schema: dict, pr
     return rates
 
 
-# Next to nothing but the vocabulary projection: its step is the mask path's fixed
-# cost at that vocabulary (a MaskBatch fill, applying the masks, per-row sampling) over
-# a step of ~10 ms here, the worst case a fast accelerator's step comes near.
+# Next to nothing but the vocabulary projection (and the softmax over it): against its
+# short step (~27 ms on the 2-core VM's CPU, a few on a GPU) shows the mask path's fixed
+# cost at that vocabulary: a MaskBatch fill, each row's mask applied and sampled alone.
 VOCAB_ONLY = {"hidden": 16, "layers": 1, "intermediate": 32, "heads": 1, "kv_heads": 1}
 
 
