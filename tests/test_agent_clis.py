@@ -108,7 +108,12 @@ def serve(agent_models, tmp_path_factory):
             {"path": str(agent_models["exec"]), "alias": "exec-coder", "replicas": 1, **small},
         ],
     }
-    proc = ServeProcess(config, work)
+    # A generous locality slack (serve's proxy reads it from the environment): on this
+    # CPU a backend's measured prefill rate swings with the depth of the prompts it last
+    # prefilled (attention dominates the tiny model), and the default second let that
+    # noise send a retry away from its 9k-token hit. Routing's trade-offs are tested in
+    # test_policy.py; here, the agents' hits.
+    proc = ServeProcess(config, work, env={"KVROUTE_LOCALITY_SLACK": "600"})
     try:
         proc.wait_ready(lambda: len(healthy(proc)) == 4, 180)
         yield proc
@@ -286,7 +291,7 @@ def test_claude_code_killed_mid_request_keeps_its_prompt(serve, claude_env, tmp_
     claude(claude_env, tmp_path, ask)
     retry = main_request(again.decisions("qwen-coder"))
     # What was prefilled before the kill was committed: the retry starts from it.
-    assert retry["cached_tokens"] >= processed, (processed, retry)
+    assert retry["cached_tokens"] >= processed, (processed, again.decisions())
 
 
 # -- Codex CLI ---------------------------------------------------------------------------
@@ -392,4 +397,4 @@ def test_codex_killed_mid_request_keeps_its_prompt(serve, codex_home, tmp_path):
     out = codex(serve, codex_home, tmp_path, ask)
     assert out.returncode == 0, out.stderr[-3000:]
     retry = main_request(again.decisions("qwen-coder"))
-    assert retry["cached_tokens"] >= processed, (processed, retry)
+    assert retry["cached_tokens"] >= processed, (processed, again.decisions())
