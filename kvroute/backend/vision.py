@@ -191,13 +191,13 @@ def _load_module(module: nn.Module, weights: dict[str, mx.array], config: dict) 
 
 
 def _gemma3(path: Path, config: dict, model: Any, tokenizer: Any) -> Vision:
-    from mlx_vlm.models.gemma3.config import ModelConfig, TextConfig, VisionConfig
+    from mlx_vlm.models.gemma3 import config as configs
     from mlx_vlm.models.gemma3.gemma3 import Gemma3MultiModalProjector
     from mlx_vlm.models.gemma3.vision import VisionModel as Tower
 
-    cfg = ModelConfig.from_dict(config)
-    cfg.text_config = TextConfig.from_dict(config["text_config"])
-    cfg.vision_config = VisionConfig.from_dict(config["vision_config"])
+    from kvroute.devtools.vision_models import vlm_config
+
+    cfg = vlm_config(configs, config)
     # Hugging Face's config says it at the top, mlx-vlm's projector reads the text's.
     cfg.text_config.mm_tokens_per_image = int(config.get("mm_tokens_per_image") or config[
         "text_config"].get("mm_tokens_per_image", 256))
@@ -236,13 +236,13 @@ def _gemma3(path: Path, config: dict, model: Any, tokenizer: Any) -> Vision:
 
 
 def _mistral3(path: Path, config: dict, model: Any, tokenizer: Any) -> Vision:
-    from mlx_vlm.models.mistral3.config import ModelConfig, TextConfig, VisionConfig
+    from mlx_vlm.models.mistral3 import config as configs
     from mlx_vlm.models.mistral3.mistral3 import Mistral3MultiModalProjector
     from mlx_vlm.models.pixtral.vision import VisionModel as Tower
 
-    cfg = ModelConfig.from_dict(config)
-    cfg.text_config = TextConfig.from_dict(config["text_config"])
-    cfg.vision_config = VisionConfig.from_dict(config["vision_config"])
+    from kvroute.devtools.vision_models import vlm_config
+
+    cfg = vlm_config(configs, config)
     tower, projector = Tower(cfg.vision_config), Mistral3MultiModalProjector(cfg)
     _load_module(tower, tower.sanitize(_vision_weights(path, "vision_tower.")), config)
     _load_module(projector, _vision_weights(path, "multi_modal_projector."), config)

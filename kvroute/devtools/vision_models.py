@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -106,41 +107,46 @@ def mistral3_config(tokenizer) -> dict:
 
 
 def _mistral3_weights(config: dict) -> dict[str, mx.array]:
-    from mlx_vlm.models.mistral3.config import ModelConfig, TextConfig, VisionConfig
+    from mlx_vlm.models.mistral3 import config as configs
     from mlx_vlm.models.mistral3.mistral3 import Mistral3MultiModalProjector
     from mlx_vlm.models.pixtral.vision import VisionModel
 
-    cfg = ModelConfig.from_dict(config)
-    cfg.text_config = TextConfig.from_dict(config["text_config"])
-    cfg.vision_config = VisionConfig.from_dict(config["vision_config"])
+    cfg = vlm_config(configs, config)
     mx.random.seed(SEED + 1)
     tower, projector = VisionModel(cfg.vision_config), Mistral3MultiModalProjector(cfg)
     text = arch_models.build_model({**config["text_config"], "model_type": "llama",
                                     "torch_dtype": "float32"})
-    weights = {f"language_model.{k}": a for k, a in tree_flatten(text.parameters())}
-    weights.update({f"vision_tower.{k}": a for k, a in tree_flatten(tower.parameters())})
-    weights.update({f"multi_modal_projector.{k}": a
-                    for k, a in tree_flatten(projector.parameters())})
-    return weights
+    return {**_named("language_model", text), **_named("vision_tower", tower),
+            **_named("multi_modal_projector", projector)}
 
 
 def _vision_weights(config: dict) -> dict[str, mx.array]:
-    from mlx_vlm.models.gemma3.config import ModelConfig, TextConfig, VisionConfig
+    from mlx_vlm.models.gemma3 import config as configs
     from mlx_vlm.models.gemma3.gemma3 import Gemma3MultiModalProjector
     from mlx_vlm.models.gemma3.vision import VisionModel
 
-    cfg = ModelConfig.from_dict(config)
-    cfg.text_config = TextConfig.from_dict(config["text_config"])
-    cfg.vision_config = VisionConfig.from_dict(config["vision_config"])
+    cfg = vlm_config(configs, config)
     mx.random.seed(SEED + 1)
     tower, projector = VisionModel(cfg.vision_config), Gemma3MultiModalProjector(cfg)
     v, h = cfg.vision_config.hidden_size, cfg.text_config.hidden_size
     # Image embeddings of about a text embedding's size (mlx's default: N(0, 1/h) rows).
     projector.mm_input_projection_weight = mx.random.normal((v, h)) / (v * h) ** 0.5
-    weights = {f"vision_tower.{k}": a for k, a in tree_flatten(tower.parameters())}
-    weights.update({f"multi_modal_projector.{k}": a
-                    for k, a in tree_flatten(projector.parameters())})
-    return weights
+    return {**_named("vision_tower", tower), **_named("multi_modal_projector", projector)}
+
+
+def vlm_config(configs: Any, config: dict) -> Any:
+    """A checkpoint's config.json as the ModelConfig of mlx-vlm's `configs` module (a
+    family's `config`), its text and vision parts parsed too: `from_dict` leaves them
+    dicts."""
+    cfg = configs.ModelConfig.from_dict(config)
+    cfg.text_config = configs.TextConfig.from_dict(config["text_config"])
+    cfg.vision_config = configs.VisionConfig.from_dict(config["vision_config"])
+    return cfg
+
+
+def _named(prefix: str, module: Any) -> dict[str, mx.array]:
+    """A module's parameters under the names a checkpoint gives them."""
+    return {f"{prefix}.{k}": a for k, a in tree_flatten(module.parameters())}
 
 
 def _check(family: str, size: str) -> None:
