@@ -185,19 +185,25 @@ def test_exit_tool_call_only(family):
     assert_prompt_kept(family, first, chat(family, turn2, tools=TOOLS, max_tokens=2).body)
 
 
-def test_exit_disconnect_mid_decode(family):
-    messages = conversation()
-    stream = SSEStream(family.url + "/v1/chat/completions",
-                       {"model": family.model_id, "messages": messages, "max_tokens": 400,
-                        "stream_options": {"include_usage": True},
-                        "kvroute_fault": "force:" + " ".join(["tick"] * 200)})
+def assert_kept_after_disconnect_mid_decode(backend: BackendProcess, messages: list[dict],
+                                            **body) -> None:
+    """A client that leaves after a few streamed tokens: the prompt stays cached (the
+    same request again prefills only its last token)."""
+    stream = SSEStream(backend.url + "/v1/chat/completions",
+                       {"model": backend.model_id, "messages": messages, "max_tokens": 400,
+                        "kvroute_fault": "force:" + " ".join(["tick"] * 200), **body})
     events = stream.events()
     for _ in range(4):
         assert isinstance(next(events), dict)
     stream.close()
-    wait_until(lambda: idle(family), timeout=10, what="the sequence to leave the batch")
-    repeat = chat(family, messages, max_tokens=1).body
+    wait_until(lambda: idle(backend), timeout=10, what="the sequence to leave the batch")
+    repeat = chat(backend, messages, max_tokens=1).body
     assert cached(repeat) == prompt_tokens(repeat) - 1
+
+
+def test_exit_disconnect_mid_decode(family):
+    assert_kept_after_disconnect_mid_decode(family, conversation(),
+                                            stream_options={"include_usage": True})
     assert_entries_consistent(family)
 
 

@@ -24,7 +24,7 @@ import openai
 import pytest
 from tests import harness
 from tests.harness import BackendProcess, ProxyProcess, chat, metric_sum, request
-from tests.test_vision import SYSTEM, conversation, image_url
+from tests.test_vision import SYSTEM, conversation, image_url, responses_two_turns
 
 from kvroute import config
 from kvroute.api.errors import APIError
@@ -189,18 +189,7 @@ def test_chat_url_image_turn2_hits_and_the_same_image_inline_hits_too(url_fleet,
 
 
 def test_responses_url_image_through_a_redirect_is_cached(url_fleet, images):
-    proxy = url_fleet["fetching"]
-    oai = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
-    system = f"{uuid.uuid4().hex[:8]} {SYSTEM}"
-    turn1 = [{"role": "user", "content": [
-        {"type": "input_text", "text": "What does this screenshot show?"},
-        {"type": "input_image", "image_url": f"{images}/to/31.jpg"}]}]
-    first = oai.responses.create(model="vlm", instructions=system, input=turn1,
-                                 max_output_tokens=8, temperature=0)
-    turn2 = turn1 + [{"role": "assistant", "content": first.output_text},
-                     {"role": "user", "content": "And the error message?"}]
-    second = oai.responses.create(model="vlm", instructions=system, input=turn2,
-                                  max_output_tokens=8, temperature=0)
+    _, second = responses_two_turns(url_fleet["fetching"], f"{images}/to/31.jpg")
     usage = second.usage
     assert usage.input_tokens_details.cached_tokens >= 0.8 * usage.input_tokens, usage
 

@@ -15,6 +15,7 @@ import io
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import openai
@@ -23,7 +24,8 @@ from PIL import Image
 from tests import harness
 from tests.harness import (TOOLS, BackendProcess, ProxyProcess, SSEStream, chat, get_json,
                            post_json, wait_until)
-from tests.test_families import (GREEDY, assert_entries_consistent, assert_prompt_kept,
+from tests.test_families import (GREEDY, assert_entries_consistent,
+                                 assert_kept_after_disconnect_mid_decode, assert_prompt_kept,
                                  assert_same_answer, cached, cold, follow_up, idle,
                                  prompt_tokens)
 
@@ -272,20 +274,26 @@ def test_anthropic_image_blocks_through_the_proxy(vlm_fleet):
     assert "fetching is disabled" in str(e.value) and "example.com" in str(e.value)
 
 
-def test_responses_input_image_through_the_proxy(vlm_fleet):
-    proxy = vlm_fleet["proxies"][0]
+def responses_two_turns(proxy: ProxyProcess, url: str) -> tuple[Any, Any]:
+    """Two turns of a conversation about the image at `url` through the proxy's
+    Responses API (the official client), under a system prompt of its own."""
     oai = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
     system = f"{uuid.uuid4().hex[:8]} {SYSTEM}"
     turn1 = [{"role": "user", "content": [
         {"type": "input_text", "text": "What does this screenshot show?"},
-        {"type": "input_image", "image_url": image_url(22)}]}]
+        {"type": "input_image", "image_url": url}]}]
     first = oai.responses.create(model="vlm", instructions=system, input=turn1,
                                  max_output_tokens=8, temperature=0)
-    assert first.store is False  # a conversation with images never goes to Redis
     turn2 = turn1 + [{"role": "assistant", "content": first.output_text},
                      {"role": "user", "content": "And the error message?"}]
     second = oai.responses.create(model="vlm", instructions=system, input=turn2,
                                   max_output_tokens=8, temperature=0)
+    return first, second
+
+
+def test_responses_input_image_through_the_proxy(vlm_fleet):
+    first, second = responses_two_turns(vlm_fleet["proxies"][0], image_url(22))
+    assert first.store is False  # a conversation with images never goes to Redis
     usage = second.usage
     assert usage.input_tokens_details.cached_tokens >= 0.8 * usage.input_tokens, usage
 
@@ -340,17 +348,7 @@ def test_image_exit_tool_call_only(vlm):
 
 
 def test_image_exit_disconnect_mid_decode_and_errors(vlm):
-    messages = conversation(image_url(32))
-    stream = SSEStream(vlm.url + "/v1/chat/completions",
-                       {"model": vlm.model_id, "messages": messages, "max_tokens": 400,
-                        "kvroute_fault": "force:" + " ".join(["tick"] * 200)})
-    events = stream.events()
-    for _ in range(4):
-        assert isinstance(next(events), dict)
-    stream.close()
-    wait_until(lambda: idle(vlm), timeout=10, what="the sequence to leave the batch")
-    repeat = chat(vlm, messages, max_tokens=1).body
-    assert cached(repeat) == prompt_tokens(repeat) - 1
+    assert_kept_after_disconnect_mid_decode(vlm, conversation(image_url(32)))
 
     for step in (0, 2):  # the step completing the prompt, and one in decode
         messages = conversation(image_url(33 + step))
