@@ -79,13 +79,11 @@ def is_image_part(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "image_url"
 
 
-def message_images(messages: Any) -> Iterator[tuple[str, Any]]:
-    """(where, url) of every image part of chat `messages`, in order."""
+def image_parts(messages: Any) -> Iterator[dict]:
+    """Every image part of chat `messages`, in order."""
     if not isinstance(messages, list):
         return
-    for i, msg in enumerate(messages):
+    for msg in messages:
         content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, list):
-            for j, part in enumerate(content):
-                if is_image_part(part):
-                    yield f"messages[{i}].content[{j}]", image_url_of(part)
+            yield from (p for p in content if is_image_part(p))

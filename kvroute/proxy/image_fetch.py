@@ -43,7 +43,7 @@ from aiohttp.resolver import ThreadedResolver
 from yarl import URL
 
 from kvroute.api.errors import APIError, bad_request
-from kvroute.core.images import FORMATS, MAX_IMAGE_BYTES, image_url_of, is_image_part
+from kvroute.core.images import FORMATS, MAX_IMAGE_BYTES, image_parts, image_url_of
 
 log = logging.getLogger("kvroute.proxy.images")
 
@@ -232,7 +232,7 @@ class ImageFetcher:
         """Rewrite every http(s) image URL of the body's messages into the data: URL of
         its image; how many distinct URLs were fetched (0: the body is unchanged)."""
         on = self.session is not None
-        parts = [p for p in _image_parts(body.get("messages")) if _handled(image_url_of(p), on)]
+        parts = [p for p in image_parts(body.get("messages")) if _handled(image_url_of(p), on)]
         if not parts:
             return 0
         urls = list(dict.fromkeys(image_url_of(p) for p in parts))
@@ -357,12 +357,3 @@ def _blocked(host: str) -> FetchError:
     return FetchError(host, "the host is a loopback, private, link-local or reserved address "
                       "(or resolves only to such), which this proxy does not fetch from unless "
                       "its operator allows it (--fetch-images-allow)")
-
-
-def _image_parts(messages: Any) -> Iterable[dict]:
-    if not isinstance(messages, list):
-        return
-    for msg in messages:
-        content = msg.get("content") if isinstance(msg, dict) else None
-        if isinstance(content, list):
-            yield from (p for p in content if is_image_part(p))
