@@ -157,7 +157,7 @@ class Blocks:
         if f is None:
             raise BadRecord("corrupt", f"block {key:016x} is missing")
         try:
-            kv, size = self._read(key, self.directory / f.name)
+            kv, size = self._read(key, self.directory / f.name, f.size)
         except BadRecord:
             with self.lock:  # never read again; records listing it fail when read
                 if self.files.get(key) is f:
@@ -172,11 +172,12 @@ class Blocks:
                 self.read_bytes += size
         return block
 
-    def _read(self, key: int, path: Path) -> tuple[list[tuple[Any, Any]], int]:
+    def _read(self, key: int, path: Path, size: int) -> tuple[list[tuple[Any, Any]], int]:
         try:
             # Straight into the buffer the arrays are read from: `read_bytes()` then a
-            # bytearray copy made a restore copy every block twice before MLX's own.
-            blob = diskfile.read_bytes(path, path.stat().st_size, parallel=1)
+            # bytearray copy made a restore copy every block twice before MLX's own. The
+            # size is the index's (a shorter file is truncated, a longer one fails its sum).
+            blob = diskfile.read_bytes(path, size, parallel=1)
         except OSError as exc:
             raise BadRecord("unreadable", str(exc))
         header_sum, file_sum = _digests(path.name)
