@@ -11,6 +11,16 @@ and its fallback, the copy path (4 parallel preads, checksum, one copy into MLX)
     python -m bench.bench_disk restore --shape 100m --tokens 1024,8192,32768
     python -m bench.bench_disk restore --shape 7b --tokens 1024,8192,32768   # accelerator
 
+`tier` (in process, no HTTP): the backend's own path. A prompt's state is committed
+to a real store with a real disk tier (32-token block files and the entry's own
+file), the tier is closed and opened again (a restart), and the request's state is
+restored through `DiskTier.prefetch`, its private copy assembled from the blocks, and
+the first token sampled, against a cold prefill of the same prompt. Each reader count
+(`--parallel`) is timed from the page cache, the last also with the files' pages
+dropped; "files read" is the bare read of the same files at that parallelism.
+
+    python -m bench.bench_disk tier --shape 7b --tokens 8192 --parallel 1,4,8,16
+
 `capacity` (real processes): Redis, 3 backends with small RAM budgets, a proxy;
 12 agent conversations of 4 turns (a long shared system prompt each, new user
 text every turn), turns interleaved across conversations. Hit ratio = cached
@@ -181,6 +191,87 @@ def _read(path: Path, record, how: str) -> float:
     return time.perf_counter() - t0
 
 
+def tier_bench(args) -> None:
+    import asyncio
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvroute.backend import diskfile
+    from kvroute.backend.disk import DiskTier
+    from kvroute.backend.metrics import BackendMetrics
+    from kvroute.backend.store import Store
+
+    if args.memory_limit:
+        mx.set_memory_limit(args.memory_limit << 30)
+    dtype = args.dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
+    model = build(args.shape, dtype)
+    console = Console(width=200)
+    console.print(f"model {args.shape}, {dtype}; {platform.platform()}; mlx {mx.__version__}, "
+                  f"device {mx.default_device()}; {os.cpu_count()} cores")
+    warm = mx.random.randint(0, 32000, (2048,)).astype(mx.int32)
+    first_token(model, warm, make_prompt_cache(model), args.step)
+    table = Table(title="disk tier restore (blocks) vs cold prefill")
+    for col in ("tokens", "MB read", "readers", "pages", "cold TTFT s", "restore s", "assemble + step s",
+                "restored TTFT s", "GB/s restore", "files read s", "GB/s files", "cold ÷ restored"):
+        table.add_column(col, justify="right")
+    for n in args.tokens:
+        tokens = mx.random.randint(0, 32000, (n,)).astype(mx.int32)
+        mx.eval(tokens)
+        cold = min(first_token(model, tokens, make_prompt_cache(model), args.step)
+                   for _ in range(args.cold_repeat))
+        state = make_prompt_cache(model)
+        prefill(model, tokens[:-1], state, args.step)
+        directory = Path(tempfile.mkdtemp(prefix="kvr-tier-bench-", dir=args.dir))
+        metrics = BackendMetrics("m", "bench")
+        tier = DiskTier(directory, 1 << 34, "f" * 32, metrics, queue_bytes=1 << 40)
+        assert tier.open()
+        store = Store(budget_bytes=1 << 36)
+        store.listeners.append(tier.on_store_event)
+        prompt = tokens.tolist()
+        store.insert("m", prompt[:-1], state, "finish")
+        deadline = time.monotonic() + 300
+        while not tier.index and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tier.close()
+        del store, state
+        files = [p for p in directory.rglob("*.safetensors") if p.is_file()]
+        size = sum(p.stat().st_size for p in files)
+        runs = [(p, "cached") for p in args.parallel] + [(args.parallel[-1], "dropped")]
+        for parallel, pages in runs:
+            if pages == "dropped":
+                for p in files:
+                    drop_page_cache(p)
+            again = DiskTier(directory, 1 << 34, "f" * 32, BackendMetrics("m", "bench"),
+                             queue_bytes=1 << 40, read_parallel=parallel)
+            assert again.open()
+            t0 = time.perf_counter()
+            restored = asyncio.run(again.prefetch("m", prompt, None, lambda: 0))
+            t1 = time.perf_counter()
+            cache = restored.hit().cache
+            logits = model(tokens[None, -1:], cache=cache)
+            mx.eval(mx.argmax(logits[0, -1]))
+            t2 = time.perf_counter()
+            again.close()
+            del restored, cache
+            if pages == "dropped":
+                for p in files:
+                    drop_page_cache(p)
+            r0 = time.perf_counter()
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(parallel) as pool:
+                list(pool.map(lambda p: diskfile.read_bytes(p, p.stat().st_size, 1), files))
+            files_s = time.perf_counter() - r0
+            table.add_row(str(n), f"{size / 1e6:.0f}", str(parallel), pages, f"{cold:.3f}",
+                          f"{t1 - t0:.3f}", f"{t2 - t1:.3f}", f"{t2 - t0:.3f}",
+                          f"{size / 1e9 / (t1 - t0):.2f}", f"{files_s:.3f}",
+                          f"{size / 1e9 / files_s:.2f}", f"{cold / (t2 - t0):.2f}x")
+        if not args.dir:
+            import shutil
+            shutil.rmtree(directory, ignore_errors=True)
+    console.print(table)
+
+
 # -- capacity --------------------------------------------------------------------
 
 
@@ -279,13 +370,22 @@ def main() -> None:
                    help="longer prompts get a random state of the true size, no cold prefill")
     r.add_argument("--dtype", help="default: bfloat16 on a GPU, float32 on a CPU")
     r.add_argument("--memory-limit", type=int, default=0, help="GiB MLX may use (0: its default)")
+    t = sub.add_parser("tier")
+    t.add_argument("--shape", choices=sorted(SHAPES), default="100m")
+    t.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[8192])
+    t.add_argument("--parallel", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
+    t.add_argument("--step", type=int, default=2048, help="prefill chunk")
+    t.add_argument("--cold-repeat", type=int, default=2)
+    t.add_argument("--dir", help="where the tier's folders go (default: a temporary folder)")
+    t.add_argument("--dtype", help="default: bfloat16 on a GPU, float32 on a CPU")
+    t.add_argument("--memory-limit", type=int, default=0, help="GiB MLX may use (0: its default)")
     c = sub.add_parser("capacity")
     c.add_argument("--model", help="default: the demo model")
     c.add_argument("--cache-bytes", default="1MiB", help="RAM budget of each backend")
     c.add_argument("--conversations", type=int, default=12)
     c.add_argument("--turns", type=int, default=4)
     args = ap.parse_args()
-    restore_bench(args) if args.cmd == "restore" else capacity_bench(args)
+    {"restore": restore_bench, "tier": tier_bench, "capacity": capacity_bench}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,16 @@ def same_state(a: list, b: list) -> bool:
     return len(a) == len(b)
 
 
-def test_write_behind_restart_and_restore(tmp_path):
+@pytest.fixture(params=["host", "cuda"])
+def read_path(request, monkeypatch):
+    """As on a CPU or a Mac, and as on CUDA (the checked file loaded again by MLX's
+    reader, into device memory there), the latter run on this CPU."""
+    if request.param == "cuda":
+        monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    return request.param
+
+
+def test_write_behind_restart_and_restore(tmp_path, read_path):
     tier, _ = make_tier(tmp_path)
     store = attach(tier)
     cache = make_cache(10)
@@ -170,7 +179,7 @@ def test_disk_budget_is_lru_by_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt", "foreign", "partial", "garbage"])
-def test_bad_files_are_dropped_never_loaded(tmp_path, damage, caplog):
+def test_bad_files_are_dropped_never_loaded(tmp_path, damage, caplog, read_path):
     tier, _ = make_tier(tmp_path)
     store = attach(tier)
     store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])

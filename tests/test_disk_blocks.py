@@ -9,7 +9,7 @@ from pathlib import Path
 
 import orjson
 from tests.harness import wait_until
-from tests.test_disk import make_tier, restore
+from tests.test_disk import make_tier, read_path, restore  # noqa: F401 (read_path: a fixture)
 from tests.test_paged import SYSTEM, kv_of, same_cache
 
 from kvroute.backend import diskblocks, diskfile
@@ -57,7 +57,7 @@ def test_a_block_already_on_disk_is_not_written_again(tmp_path):
     tier.close()
 
 
-def test_a_restart_restores_a_shared_prefix_once(tmp_path):
+def test_a_restart_restores_a_shared_prefix_once(tmp_path, read_path):
     write_three(tmp_path)[0].close()
     again, _ = make_tier(tmp_path)
     assert len(again.index) == 3 and again.stats()["blocks"] == 14
@@ -80,7 +80,7 @@ def test_evicting_a_record_keeps_the_blocks_others_list(tmp_path):
     tier.close()
 
 
-def test_a_missing_or_damaged_block_drops_the_records_that_list_it(tmp_path):
+def test_a_missing_or_damaged_block_drops_the_records_that_list_it(tmp_path, read_path):
     write_three(tmp_path)[0].close()
     import numpy as np
 
