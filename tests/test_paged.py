@@ -160,6 +160,39 @@ def test_a_hit_at_any_depth_is_the_committed_state_exactly(n):
     assert same_cache(store.lookup("m", p + [1]).cache, kv_of(p))
 
 
+@pytest.mark.parametrize("n", [1, 33, 99])
+def test_a_hot_copy_serves_the_next_hit_once_and_exactly(n):
+    """A finished turn's contiguous copy serves its conversation's next hit (no
+    assembly from blocks), once; it answers as the blocks do, at any depth, and
+    nothing done to it reaches the store."""
+    p = SYSTEM[:100]
+    store = Store(budget_bytes=1 << 30)
+    entry = store.insert("m", p, kv_of(p), "finish")
+    assert store.keep_hot(entry, kv_of(p)) and store.stats()["hot_entries"] == 1
+    hit = store.lookup("m", p[:n] + [99999])
+    assert hit.tokens == n and same_cache(hit.cache, kv_of(p[:n]))
+    assert store.stats()["hot_hits"] == 1 and store.hot_bytes == 0
+    hit.cache[0].update_and_fetch(mx.ones((1, HEADS, 3, DIM)), mx.ones((1, HEADS, 3, DIM)))
+    mx.eval(hit.cache[0].keys)
+    again = store.lookup("m", p + [1])  # from the blocks now
+    assert store.stats()["hot_hits"] == 1 and same_cache(again.cache, kv_of(p))
+
+
+def test_hot_copies_use_only_the_budgets_free_room_and_go_first():
+    p, q = SYSTEM[:100], SYSTEM[200:300]
+    whole = one_bytes(100)
+    tight = Store(budget_bytes=whole + whole // 2)
+    entry = tight.insert("m", p, kv_of(p), "finish")
+    assert not tight.keep_hot(entry, kv_of(p))  # no room beside the entry
+    store = Store(budget_bytes=2 * whole + whole // 2)
+    entry = store.insert("m", p, kv_of(p), "finish")
+    assert store.keep_hot(entry, kv_of(p))
+    store.insert("m", q, kv_of(q), "finish")  # needs the room: the copy goes, no entry does
+    assert store.stats()["entries"] == 2 and store.stats()["hot_entries"] == 0
+    assert store.evictions == 0 and store.hot_bytes == 0
+    assert not store.keep_hot(entry, kv_of(p[:50]))  # a cache that is not the entry's
+
+
 def test_a_hybrid_pages_its_attention_layers_and_keeps_the_rest_whole():
     p = SYSTEM[:150]
     recurrent = ArraysCache(size=1)

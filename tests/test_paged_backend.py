@@ -114,6 +114,24 @@ def test_ten_sessions_under_a_budget_of_two_conversations(text_model, tmp_path, 
         backend.stop()
 
 
+def test_the_next_turn_starts_from_the_finished_turns_copy(text_model, tmp_path):
+    """Turn 2 of a conversation hits the contiguous copy turn 1 left (no assembly
+    from blocks) and answers exactly as a cold prefill of the same prompt."""
+    backend = start(text_model, tmp_path, "hot")
+    try:
+        messages = session(1)
+        first = ask(backend, messages)
+        assert held(backend)["hot_entries"] == 1
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And who reviews it?"}]
+        second = ask(backend, messages)
+        assert cached(second) >= first.usage.prompt_tokens - 1
+        assert held(backend)["hot_hits"] == 1
+        same_answer(second, ask(backend, messages, scope=uuid.uuid4().hex))  # a cold prefill
+    finally:
+        backend.stop()
+
+
 def test_quantized_storage_opt_in(text_model, tmp_path, one_conversation_bytes):
     """`--cache-quantization 8`: the same conversation in fewer bytes, still a hit to the
     last token but one. The demo model's answers do not move (BENCHMARKS.md measures

@@ -614,6 +614,10 @@ class Engine:
                                  chain=self._chain_for(job, path, len(tokens)), scope=job.scope,
                                  prefix_chains=job.checkpoints)
         self._count_commit(done, path)
+        if path == "finish" and done.entry is not None and done.kept == len(tokens):
+            # The conversation's next turn most likely comes back here (the proxy
+            # routes it so): its hit then starts from this copy, not from blocks.
+            self.store.keep_hot(done.entry, cache)
         if self.misses is not None:
             self.misses.on_commit(done, tokens, self.model_id, job.scope)
 
