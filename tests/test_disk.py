@@ -268,3 +268,26 @@ def test_concurrent_hits_on_one_file_share_one_read(tmp_path):
     assert metric(metrics, metrics.disk_restore_bytes) == record.size  # read once
     views = [f.hit().cache for f in found]  # each request still gets its own arrays
     assert views[0][0].keys is not views[1][0].keys
+
+
+def test_a_failing_mlx_reader_costs_no_file(tmp_path, monkeypatch, caplog):
+    """On CUDA a checked file is loaded again by MLX's reader; should that reader fail
+    (not the file), the restore is made from the checked bytes and the file stays."""
+    tier, _ = make_tier(tmp_path)
+    store = attach(tier)
+    cache = make_cache(10)
+    store.insert("m", tokens(10), cache, "finish", chain=[1])
+    wait_until(lambda: len(tier.index) == 1, 30, what="written")
+    tier.close()
+    monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no reader here")
+
+    monkeypatch.setattr(mx, "load", broken)
+    caplog.set_level(logging.WARNING, "kvroute.backend.disk")
+    again, _ = make_tier(tmp_path)
+    found = restore(again, tokens(12))
+    assert found is not None and same_state(found.cache, cache)
+    assert len(list(tmp_path.glob("*" + diskfile.SUFFIX))) == 1 and len(again.index) == 1
+    assert any("MLX's reader failed" in r.getMessage() for r in caplog.records)

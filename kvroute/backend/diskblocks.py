@@ -194,14 +194,12 @@ class Blocks:
             raise BadRecord("foreign", "not a kvroute block")
         if meta.get("fingerprint") != self.fingerprint or meta.get("key") != f"{key:016x}":
             raise BadRecord("foreign", f"block {key:016x} written for other weights or key")
-        n = len(blob)
-        if diskfile.on_cuda():  # into device memory (diskfile.load_checked says why)
-            del view, blob
-            arrays = diskfile.load_arrays(path, header)[0]
-        else:
+        # On CUDA into device memory through MLX's reader (diskfile.load_checked).
+        arrays = diskfile.load_arrays(path, header) if diskfile.on_cuda() else None
+        if arrays is None:
             arrays = diskfile.arrays_from_bytes(blob, header, offset)
         pairs = len(arrays) // 2
-        return [(arrays[f"k{i}"], arrays[f"v{i}"]) for i in range(pairs)], n
+        return [(arrays[f"k{i}"], arrays[f"v{i}"]) for i in range(pairs)], len(blob)
 
     def stats(self) -> dict:
         return {"blocks": len(self.files), "block_bytes": self.nbytes, "block_reads": self.reads}
