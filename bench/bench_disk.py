@@ -21,6 +21,15 @@ dropped; "files read" is the bare read of the same files at that parallelism.
 
     python -m bench.bench_disk tier --shape 7b --tokens 8192 --parallel 1,4,8,16
 
+`paths` (in process): ways to bring a restore's 32-token block files (7B shape) from
+the page cache into arrays the device uses, and what assembling blocks costs there:
+bare reads at 1-16 threads; arrays made from the read bytes (MLX's managed memory on
+CUDA) then concatenated; MLX's own reader per file then concatenated; one host-side
+assembly then one array; the concatenation of blocks already on the device (250, and
+980: a 31k-token conversation), against one copy of the assembled state.
+
+    python -m bench.bench_disk paths --blocks 250
+
 `capacity` (real processes): Redis, 3 backends with small RAM budgets, a proxy;
 12 agent conversations of 4 turns (a long shared system prompt each, new user
 text every turn), turns interleaved across conversations. Hit ratio = cached
@@ -272,6 +281,100 @@ def tier_bench(args) -> None:
     console.print(table)
 
 
+def paths_bench(args) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import mlx.core as mx
+    import numpy as np
+    import orjson
+
+    layers, heads, dim, b = 28, 4, 128, 32  # Qwen2.5-7B's KV shape, one block
+    n = args.blocks
+    folder = Path(tempfile.mkdtemp(prefix="kvr-paths-"))
+    files = [folder / f"{i}.safetensors" for i in range(n)]
+    for path in files:
+        k = mx.random.normal((layers, heads, b, dim)).astype(mx.bfloat16)
+        mx.save_safetensors(str(path), {"k0": k, "v0": k * 2})
+    size = sum(p.stat().st_size for p in files)
+    console = Console(width=200)
+    console.print(f"{n} blocks, {size / 1e6:.0f} MB; {platform.platform()}; {os.cpu_count()} cores; "
+                  f"mlx {mx.__version__}, device {mx.default_device()}")
+    table = Table(title="block files into device arrays (best of 3)")
+    for col in ("path", "threads", "ms", "GB/s"):
+        table.add_column(col, justify="right")
+
+    def timed(label: str, threads: int | str, fn) -> None:
+        best = float("inf")
+        for _ in range(3):
+            mx.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            mx.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        table.add_row(label, str(threads), f"{best * 1e3:.1f}", f"{size / 1e9 / best:.2f}")
+
+    def raw(path: Path) -> dict:
+        blob = path.read_bytes()
+        end = 8 + int.from_bytes(blob[:8], "little")
+        header = orjson.loads(blob[8:end])
+        header.pop("__metadata__", None)
+        return {name: np.frombuffer(blob, np.uint16, (t["data_offsets"][1] - t["data_offsets"][0]) // 2,
+                                    end + t["data_offsets"][0]).reshape(t["shape"])
+                for name, t in header.items()}
+
+    def concat(parts: list) -> None:
+        mx.eval(mx.concatenate([x["k0"] for x in parts], axis=2),
+                mx.concatenate([x["v0"] for x in parts], axis=2))
+
+    def from_bytes(path: Path) -> dict:
+        x = {k: mx.array(v).view(mx.bfloat16) for k, v in raw(path).items()}
+        mx.eval(list(x.values()))
+        return x
+
+    def host_assembly(pool: ThreadPoolExecutor) -> None:
+        hk = np.empty((layers, heads, b * n, dim), np.uint16)
+        hv = np.empty_like(hk)
+
+        def one(item):
+            i, path = item
+            x = raw(path)
+            hk[:, :, i * b:(i + 1) * b], hv[:, :, i * b:(i + 1) * b] = x["k0"], x["v0"]
+        list(pool.map(one, enumerate(files)))
+        k, v = mx.array(hk).view(mx.bfloat16), mx.array(hv).view(mx.bfloat16)
+        mx.eval(k * 1, v * 1)  # the device reads every byte
+
+    for threads in (1, 4, 8, 16):
+        with ThreadPoolExecutor(threads) as pool:
+            timed("bytes read", threads, lambda: list(pool.map(Path.read_bytes, files)))
+    for threads in (1, 4, 8):
+        with ThreadPoolExecutor(threads) as pool:
+            timed("arrays from the bytes + concatenate", threads,
+                  lambda: concat(list(pool.map(from_bytes, files))))
+    timed("MLX's reader (mx.load) + concatenate", 1, lambda: concat([mx.load(str(p)) for p in files]))
+    for threads in (4, 8):
+        with ThreadPoolExecutor(threads) as pool:
+            timed("host assembly, one array + device read", threads, lambda: host_assembly(pool))
+    on_device = [from_bytes(p) for p in files]
+    timed("concatenate blocks on the device", "-", lambda: concat(on_device))
+    console.print(table)
+    many = [{k: mx.random.normal((layers, heads, b, dim)).astype(mx.bfloat16) for k in ("k0", "v0")}
+            for _ in range(980)]
+    mx.eval(many)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        concat(many)
+    each = (time.perf_counter() - t0) / 3
+    whole = mx.concatenate([x["k0"] for x in many], axis=2)
+    mx.eval(whole)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        mx.eval(mx.array(whole) + 0)
+    console.print(f"980 blocks (31,360 tokens) concatenated on the device: {each * 1e3:.1f} ms; "
+                  f"one copy of one of the two assembled arrays: {(time.perf_counter() - t0) / 3 * 1e3:.1f} ms")
+    import shutil
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 # -- capacity --------------------------------------------------------------------
 
 
@@ -379,13 +482,16 @@ def main() -> None:
     t.add_argument("--dir", help="where the tier's folders go (default: a temporary folder)")
     t.add_argument("--dtype", help="default: bfloat16 on a GPU, float32 on a CPU")
     t.add_argument("--memory-limit", type=int, default=0, help="GiB MLX may use (0: its default)")
+    ps = sub.add_parser("paths")
+    ps.add_argument("--blocks", type=int, default=250, help="32-token block files (250: 8k tokens)")
     c = sub.add_parser("capacity")
     c.add_argument("--model", help="default: the demo model")
     c.add_argument("--cache-bytes", default="1MiB", help="RAM budget of each backend")
     c.add_argument("--conversations", type=int, default=12)
     c.add_argument("--turns", type=int, default=4)
     args = ap.parse_args()
-    {"restore": restore_bench, "tier": tier_bench, "capacity": capacity_bench}[args.cmd](args)
+    {"restore": restore_bench, "tier": tier_bench, "paths": paths_bench,
+     "capacity": capacity_bench}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -296,6 +296,8 @@ def main() -> None:
     ap.add_argument("--cold", type=int, default=0, help="tokens of the cold-prompt runs right "
                     "after warm-up (0: skip them)")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--no-hot", action="store_true", help="turn 2 assembles its blocks: no hot "
+                    "copy of turn 1 (the store's keep_hot), for an A/B")
     ap.add_argument("--cache-bytes", default="16GiB", help="the engine's prompt-cache budget")
     args = ap.parse_args()
 
@@ -304,6 +306,8 @@ def main() -> None:
     one = prompts(1, args.prompt, vocab)
     many = prompts(args.streams, args.prompt, vocab)
     store = Store(parse_bytes(args.cache_bytes))
+    if args.no_hot:
+        store.keep_hot = lambda entry, cache: False
     engine = Engine(model, tokenizer, "bench", store, BackendMetrics("bench", "bench"),
                     prefill_step=2048, max_batch=max(args.streams, 8))
     engine.start()
