@@ -122,6 +122,8 @@ def test_the_next_turn_starts_from_the_finished_turns_copy(text_model, tmp_path)
         messages = session(1)
         first = ask(backend, messages)
         assert held(backend)["hot_entries"] == 1
+        hot = metric_sum(request(backend.url + "/metrics")[2].decode(), "kvroute_backend_cache_hot_bytes")
+        assert hot == held(backend)["hot_bytes"] > 0
         messages += [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": "And who reviews it?"}]
         second = ask(backend, messages)

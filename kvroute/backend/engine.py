@@ -818,6 +818,7 @@ class Engine:
         m.l(m.cache_entries).set(stats["entries"])
         m.l(m.cache_unshared).set(stats["bytes_unshared"])
         m.l(m.cache_sharing).set(stats["sharing_ratio"])
+        m.l(m.cache_hot_bytes).set(stats["hot_bytes"])
         m.l(m.cache_blocks, tier="ram").set(stats["blocks"])
         m.l(m.prefill_tps).set(self.prefill_tps)
 

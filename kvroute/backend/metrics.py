@@ -72,6 +72,10 @@ class BackendMetrics:
         self.cache_sharing = self._family(
             Gauge, "kvroute_backend_cache_sharing_ratio",
             "Unshared bytes over bytes held: how many times over shared blocks serve (1: none)")
+        self.cache_hot_bytes = self._family(
+            Gauge, "kvroute_backend_cache_hot_bytes",
+            "Bytes of finished turns' contiguous copies, kept in the budget's free room for "
+            "their conversations' next hits (the first thing eviction drops)")
         self.cache_blocks = self._family(Gauge, "kvroute_backend_cache_blocks",
                                          "Token blocks of the prompt cache held, by tier",
                                          ("tier",))
