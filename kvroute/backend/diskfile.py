@@ -256,8 +256,6 @@ def load(path: Path, record: Record, parallel: int = 4) -> list[Any]:
     CUDA the file is read and checked first (MLX's buffers live on the device there,
     and checksumming them would copy every byte back), then MLX reads it again
     (`load_checked`)."""
-    import mlx.core as mx
-
     if on_cuda():
         return load_checked(path, record, parallel)
     try:
