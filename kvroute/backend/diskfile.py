@@ -304,12 +304,7 @@ def load_checked(path: Path, record: Record, parallel: int = 4) -> list[Any]:
     import mlx.core as mx
     from mlx_lm.models import cache as cache_mod
 
-    try:
-        blob = read_bytes(path, record.size, parallel)
-    except OSError as exc:
-        raise BadRecord("unreadable", str(exc))
-    if _digest(blob) != record.checksum:
-        raise BadRecord("corrupt", "the file does not match its checksum")
+    blob = _checked_bytes(path, record, parallel)
     header = orjson.loads(memoryview(blob)[8:record.data_offset])
     metadata = header.pop("__metadata__", {})
     arrays = load_arrays(path, header)
@@ -347,13 +342,18 @@ def load_arrays(path: Path, header: dict) -> dict[str, Any] | None:
 
 def load_copy(path: Path, record: Record, parallel: int = 4) -> list[Any]:
     """`load` through a read into memory (`parallel` slices at once) and one copy."""
+    return from_bytes(_checked_bytes(path, record, parallel), record.data_offset)
+
+
+def _checked_bytes(path: Path, record: Record, parallel: int) -> bytearray:
+    """The whole file, read `parallel` slices at once, matching its checksum."""
     try:
         blob = read_bytes(path, record.size, parallel)
     except OSError as exc:
         raise BadRecord("unreadable", str(exc))
     if _digest(blob) != record.checksum:
         raise BadRecord("corrupt", "the file does not match its checksum")
-    return from_bytes(blob, record.data_offset)
+    return blob
 
 
 def from_bytes(blob: bytearray, data_offset: int) -> list[Any]:
