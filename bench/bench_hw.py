@@ -18,6 +18,9 @@ Parts (each a fresh set of processes, one after the other; `--parts` picks them)
   whole stack against the cold prefill of a prompt of its size.
 - no-disk: the same stack with the disk tier off: cold TTFT at the largest size, turn 2,
   decode at 8 streams and the agent workload, for the disk tier's cost.
+- defaults: plain `kvroute serve --model M --replicas N` (no config: every default,
+  its disk tier under a temporary cache folder): whether it starts, how long until the
+  model answers, its memory check and disk budget lines, one answer, the exit code.
 
 Every prompt is a length no process has seen (sizes shift by a few tokens per repeat and
 per part): what a user's prompts are, and what a warmed-up server has not compiled yet.
@@ -58,7 +61,7 @@ from kvroute.serve.redis_server import free_port
 from tests.harness import metric_sum
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("raw", "mlx-server", "kvroute", "no-disk")
+PARTS = ("raw", "mlx-server", "kvroute", "no-disk", "defaults")
 TOKEN = "bench-hw-token"
 
 
@@ -456,6 +459,40 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
     return out
 
 
+def run_defaults(args, logs: Path) -> dict:
+    """`kvroute serve --model M --replicas N` as a newcomer types it."""
+    import tempfile
+
+    port = free_port()
+    cache = tempfile.mkdtemp(prefix="kvr-defaults-")
+    (logs / "serve-defaults.log").unlink(missing_ok=True)
+    proc = Proc("serve-defaults", [sys.executable, "-m", "kvroute.cli", "serve", "--model", args.model,
+                                   "--replicas", str(args.replicas), "--port", str(port),
+                                   "--backend-port-base", str(free_port())],
+                f"http://127.0.0.1:{port}", logs, {"KVROUTE_CACHE_DIR": cache})
+    out: dict = {}
+    try:
+        def state(want: str) -> bool:
+            listed = json.loads(get(proc.url + "/v1/models"))["data"]
+            if listed:
+                out["model"] = listed[0]["id"]
+            return bool(listed) and listed[0].get("state") == want
+        out["listed_loading_s"] = round(proc.wait_ready(lambda: state("loading") or state("loaded"),
+                                                        timeout=600), 1)
+        out["ready_s"] = round(proc.wait_ready(lambda: state("loaded"), timeout=600), 1)
+        out["ttft"] = run(completion_ttft(proc.url, out["model"], "Say hi."))
+    except RuntimeError as exc:
+        out["error"] = str(exc)[-500:]
+    finally:
+        out["exit_code"] = proc.stop()
+        shutil.rmtree(cache, ignore_errors=True)
+    # serve's start-up notes: the memory check and the disk budgets, with their detail lines.
+    notes = proc.log.read_text(errors="replace").split("\n")
+    out["notes"] = [line for i, line in enumerate(notes) if line.startswith("note:") or (
+        line.startswith("  ") and "│" not in line and i and notes[i - 1].startswith(("note:", "  ")))][:12]
+    return out
+
+
 def restore(stack: Stack, tok, args) -> dict:
     """A conversation of --restore tokens, the whole stack restarted, its turn 2: restored
     from disk against the cold prefill of a prompt of the same size on the restarted stack."""
@@ -485,7 +522,7 @@ def progress(out: dict) -> None:
 
 
 def report(args, got: dict) -> str:
-    raw, ref, kv, nd = (got.get(p) for p in PARTS)
+    raw, ref, kv, nd, plain = (got.get(p) for p in PARTS)
     rows = [("measure", "kvroute", "baseline", "kvroute / baseline", "target")]
     secs = lambda v: f"{v:.3f} s"  # noqa: E731
     rate = lambda v: f"{v:.0f} tok/s"  # noqa: E731
@@ -539,6 +576,12 @@ def report(args, got: dict) -> str:
                 ">= 0.95x")
             add("disk tier on: agents' turns 2-4 TTFT (off)", kv["agents"]["ttft_turns_2_4"],
                 nd["agents"]["ttft_turns_2_4"], secs, "<= 1.05x")
+    if plain:
+        started = "error" not in plain and plain.get("ttft") is not None
+        rows.append((f"plain `kvroute serve --model M --replicas {args.replicas}`",
+                     f"loaded {plain['ready_s']} s after start, first answer {plain['ttft']:.3f} s"
+                     if started else "did not answer",
+                     "", f"exit {plain['exit_code']}", "starts (met)" if started else "starts (not met)"))
     lines = [f"| {' | '.join(r)} |" for r in rows]
     lines.insert(1, "|" + "---|" * len(rows[0]))
     text = "\n".join(lines)
@@ -555,6 +598,8 @@ def report(args, got: dict) -> str:
                                         "disk_bytes_written", "restore")}
         extra["turn2"] = kv["turn2"]
         text += "\n" + ", ".join(f"{k}: {v}" for k, v in extra.items() if v is not None)
+    if plain:
+        text += "\n\nplain serve: " + json.dumps(plain)
     return text
 
 
@@ -594,7 +639,8 @@ def main() -> None:
     runners = {"raw": lambda: run_raw(args, tok, logs),
                "mlx-server": lambda: run_mlx_server(args, tok, logs),
                "kvroute": lambda: run_kvroute(args, tok, logs, disk=True),
-               "no-disk": lambda: run_kvroute(args, tok, logs, disk=False)}
+               "no-disk": lambda: run_kvroute(args, tok, logs, disk=False),
+               "defaults": lambda: run_defaults(args, logs)}
     for part in [p for p in args.parts.split(",") if p]:
         if part not in runners:
             ap.error(f"--parts: unknown part {part!r} (one of {', '.join(PARTS)})")
