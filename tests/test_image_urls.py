@@ -17,14 +17,14 @@ import http.server
 import ipaddress
 import threading
 import time
-import uuid
 
 import anthropic
 import openai
 import pytest
 from tests import harness
 from tests.harness import BackendProcess, ProxyProcess, chat, metric_sum, request
-from tests.test_vision import SYSTEM, conversation, image_url, responses_two_turns
+from tests.test_vision import (SYSTEM, conversation, image_url, messages_two_turns_cached,
+                               responses_two_turns)
 
 from kvroute import config
 from kvroute.api.errors import APIError
@@ -195,29 +195,10 @@ def test_responses_url_image_through_a_redirect_is_cached(url_fleet, images):
 
 
 def test_messages_url_source_is_cached_and_counted(url_fleet, images):
-    proxy = url_fleet["fetching"]
-    claude = anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0)
-    system = f"{uuid.uuid4().hex[:8]} {SYSTEM}"
-    turn1 = [{"role": "user", "content": [
-        {"type": "text", "text": "What does this screenshot show?"},
-        {"type": "image", "source": {"type": "url", "url": f"{images}/img/32.png"}}]}]
-    first = claude.messages.with_raw_response.create(
-        model="vlm", system=system, messages=turn1, max_tokens=8)
-    reply = first.parse()
-    counted = claude.messages.count_tokens(model="vlm", system=system, messages=turn1)
-    assert counted.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
     # Turn 2 sends the image as a base64 source: the same bytes, the same cache.
     data = base64.b64encode(image_bytes(32)).decode()
-    inline = [{"role": "user", "content": [turn1[0]["content"][0], {
-        "type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]}]
-    turn2 = inline + [{"role": "assistant", "content": reply.content},
-                      {"role": "user", "content": "And the error message?"}]
-    second = claude.messages.with_raw_response.create(
-        model="vlm", system=system, messages=turn2, max_tokens=8)
-    assert second.headers["x-kvroute-backend"] == first.headers["x-kvroute-backend"]
-    usage = second.parse().usage
-    assert usage.cache_read_input_tokens >= 0.8 * (usage.input_tokens
-                                                   + usage.cache_read_input_tokens), usage
+    messages_two_turns_cached(url_fleet["fetching"], {"type": "url", "url": f"{images}/img/32.png"},
+                              {"type": "base64", "media_type": "image/png", "data": data})
 
 
 def _refusals(proxy: ProxyProcess, url: str) -> dict[str, tuple[dict, float]]:

@@ -243,22 +243,24 @@ def test_image_conversation_through_the_proxy(vlm_fleet):
     assert models["vlm"]["input_modalities"] == ["text", "image"]
 
 
-def test_anthropic_image_blocks_through_the_proxy(vlm_fleet):
+def messages_two_turns_cached(proxy: ProxyProcess, source: dict, again: dict | None = None) -> None:
+    """Two turns about one image through the proxy's Messages API (the official
+    client), under a system prompt of their own: turn 1 counts as `count_tokens` says,
+    and turn 2 (its image as `again`, else `source` again) lands on turn 1's backend
+    with at least 80% of its prompt read from the cache."""
     import anthropic
 
-    proxy = vlm_fleet["proxies"][0]
     claude = anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0)
-    data = image_url(21).split(",", 1)[1]
     system = f"{uuid.uuid4().hex[:8]} {SYSTEM}"
-    turn1 = [{"role": "user", "content": [
-        {"type": "text", "text": "What does this screenshot show?"},
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]}]
+    question = {"type": "text", "text": "What does this screenshot show?"}
+    turn1 = [{"role": "user", "content": [question, {"type": "image", "source": source}]}]
     first = claude.messages.with_raw_response.create(
         model="vlm", system=system, messages=turn1, max_tokens=8)
     reply = first.parse()
     counted = claude.messages.count_tokens(model="vlm", system=system, messages=turn1)
     assert counted.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
-    turn2 = turn1 + [{"role": "assistant", "content": reply.content},
+    image = [{"role": "user", "content": [question, {"type": "image", "source": again or source}]}]
+    turn2 = image + [{"role": "assistant", "content": reply.content},
                      {"role": "user", "content": "And the error message?"}]
     second = claude.messages.with_raw_response.create(
         model="vlm", system=system, messages=turn2, max_tokens=8)
@@ -267,6 +269,15 @@ def test_anthropic_image_blocks_through_the_proxy(vlm_fleet):
     total = usage.input_tokens + usage.cache_read_input_tokens
     assert usage.cache_read_input_tokens >= 0.8 * total, usage
 
+
+def test_anthropic_image_blocks_through_the_proxy(vlm_fleet):
+    import anthropic
+
+    proxy = vlm_fleet["proxies"][0]
+    data = image_url(21).split(",", 1)[1]
+    messages_two_turns_cached(proxy, {"type": "base64", "media_type": "image/png", "data": data})
+
+    claude = anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0)
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="vlm", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
