@@ -181,6 +181,24 @@ def test_a_hot_copy_serves_the_next_hit_once_and_exactly(n):
     assert store.stats()["hot_hits"] == 1 and same_cache(again.cache, kv_of(p))
 
 
+def test_a_hot_copy_counts_its_own_bytes_not_the_working_buffers():
+    """A working cache's buffers run past its tokens (they grow by steps): the copy
+    holds the tokens only, and the budget counts what it holds, to the byte."""
+    p = SYSTEM[:100]
+    store = Store(budget_bytes=1 << 30)
+    entry = store.insert("m", p, kv_of(p), "finish")
+    working = []
+    for layer in kv_of(p):
+        grown = KVCache()
+        grown.update_and_fetch(layer.keys, layer.values)  # a 256-token buffer, 100 held
+        working.append(grown)
+    assert working[0].keys.shape[2] > len(p)
+    assert store.keep_hot(entry, working)
+    assert store.hot_bytes == one_bytes(100)
+    store.lookup("m", p + [1])
+    assert store.hot_bytes == 0 and store.stats()["hot_hits"] == 1
+
+
 def test_hot_copies_use_only_the_budgets_free_room_and_go_first():
     p, q = SYSTEM[:100], SYSTEM[200:300]
     whole = one_bytes(100)

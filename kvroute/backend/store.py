@@ -287,7 +287,7 @@ class Store:
         self.blocks_evicted = 0
         # Entry id -> a contiguous copy of its whole state, kept in the budget's free
         # room for its conversation's next turn (`keep_hot`): used once, dropped first.
-        self.hot: OrderedDict[int, list[Any]] = OrderedDict()
+        self.hot: OrderedDict[int, tuple[list[Any], int]] = OrderedDict()  # (copy, its bytes)
         self.hot_bytes = 0
         self.hot_hits = 0
         self.listeners: list[Callable[[Event], None]] = []
@@ -341,25 +341,25 @@ class Store:
                 or not entry.trimmable or held_tokens(cache) != len(entry.tokens)
                 or not all(_plain_kv(layer) for layer in cache)):
             return False
-        nbytes = cache_nbytes(cache)
         self._drop_hot(entry.id)
-        if self.nbytes + self.hot_bytes + nbytes > self.budget_bytes:
-            return False
-        copy = []
+        copy = []  # lazy until evaluated: its size is known before any memory is taken
         for layer in cache:
             new = KVCache()
             new.keys, new.values = (mx.array(x[..., :layer.offset, :]) for x in (layer.keys, layer.values))
             new.offset = layer.offset
             copy.append(new)
+        # The copy's own size: a working cache's buffers run past its tokens.
+        nbytes = cache_nbytes(copy)
+        if self.nbytes + self.hot_bytes + nbytes > self.budget_bytes:
+            return False
         mx.async_eval([x for c in copy for x in (c.keys, c.values)])  # the copy runs behind
-        self.hot[entry.id] = copy
+        self.hot[entry.id] = (copy, nbytes)
         self.hot_bytes += nbytes
         return True
 
     def _take_hot(self, entry_id: int) -> list[Any] | None:
-        cache = self.hot.pop(entry_id, None)
-        if cache is not None:
-            self.hot_bytes -= cache_nbytes(cache)
+        cache, nbytes = self.hot.pop(entry_id, (None, 0))
+        self.hot_bytes -= nbytes
         return cache
 
     def _drop_hot(self, entry_id: int) -> None:
