@@ -102,6 +102,7 @@ def _serve_parser(sub) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from .serve import launcher
 
@@ -114,16 +115,19 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_async(launcher.run(serve_config, console))
     # soft_wrap: the reason stays one line, whatever the terminal's width.
     except config.ConfigError as exc:
-        console.print(f"[red]kvroute serve: {exc}[/]", highlight=False, soft_wrap=True)
+        console.print(f"[red]kvroute serve: {escape(str(exc))}[/]", highlight=False, soft_wrap=True)
         return 2
     except RuntimeError as exc:  # e.g. redis-server missing, a child that never got healthy
-        console.print(f"[red]kvroute serve: {exc}[/]", highlight=False, soft_wrap=True)
+        console.print(f"[red]kvroute serve: {escape(str(exc))}[/]", highlight=False, soft_wrap=True)
         return 1
 
 
 def _stats_parser(sub) -> None:
     p = sub.add_parser("stats", help="show a proxy's cache and routing figures in the terminal",
-                       description="The dashboard's figures as tables, read from a proxy's /stats.")
+                       description="The dashboard's figures as tables, read from a proxy's /stats.",
+                       epilog="A proxy with API keys answers /stats to a key of scope `operator`: "
+                              "set it in KVROUTE_API_KEY (no flag: a key on a command line "
+                              "shows in `ps`).")
     config.add_flags(p, config.STATS)
     p.add_argument("--watch", action="store_true", help="refresh every 2 s until Ctrl-C")
 

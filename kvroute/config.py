@@ -8,7 +8,7 @@ A flag beats the environment, which beats the file, which beats the default.
 An unknown key in the file, or a `KVROUTE_*` variable that no command knows, is an
 error that names it: a typo must not silently fall back to a default.
 
-Why one module of about 400 lines: it is the one table of every setting. Several
+Why one module of about 700 lines: it is the one table of every setting. Several
 settings are shared by commands (the secret, the block size, the body limit, the
 internal token), and one set of rules (precedence, conversion, the unknown-name check)
 reads them all; split by command, a setting's name, default and help would live in
@@ -155,6 +155,9 @@ class Setting:
             if self.many:
                 items = value.split(",") if isinstance(value, str) else list(value)
                 return [self.type(v) for v in items if str(v).strip()]
+            if self.type is int and (isinstance(value, bool) or
+                                     isinstance(value, float) and not value.is_integer()):
+                raise ValueError("not a whole number")  # int() would quietly cut 80.5 to 80
             out = self.type(value)
         except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
             raise ConfigError(f"{where}: invalid value {value!r} ({exc})") from None
@@ -539,16 +542,25 @@ class ModelSpec:
     disk_budget_set: bool = field(default=False, repr=False)
 
     @classmethod
-    def make(cls, raw: Mapping[str, Any], where: str = "[[models]]") -> "ModelSpec":
+    def make(cls, raw: Mapping[str, Any], where: str = "[[models]]",
+             env: Mapping[str, Any] | None = None) -> "ModelSpec":
+        """A model from its [[models]] table; `env` (already typed, by setting name)
+        replaces the table's values: the environment beats the file."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where}: each model is a table ([[models]] with keys), "
+                              f"not {raw!r}")
         by_key = {s.toml.split(".", 1)[1]: s for s in MODEL_SETTINGS}
         raw = dict(raw)
         if "repo" in raw:  # an alias of path, for Hugging Face repo ids
             raw["path"] = raw.pop("repo")
         unknown = set(raw) - set(by_key)
         if unknown:
-            raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
-        spec = cls(**{by_key[k].name: by_key[k].convert(v, f"{where} {k}") for k, v in raw.items()})
-        spec.disk_budget_set = "disk_cache_bytes" in raw
+            hints = [_unknown("key", k, set(by_key)).args[0].removeprefix("unknown key ")
+                     for k in sorted(unknown)]
+            raise ConfigError(f"{where}: unknown keys {', '.join(hints)}")
+        values = {by_key[k].name: by_key[k].convert(v, f"{where} {k}") for k, v in raw.items()}
+        spec = cls(**{**values, **(env or {})})
+        spec.disk_budget_set = "disk_cache_bytes" in raw or "disk_cache_bytes" in (env or {})
         return spec
 
     def __post_init__(self) -> None:
@@ -635,11 +647,13 @@ def build(flags: argparse.Namespace | Mapping[str, Any], env: Mapping[str, str])
     path = given.get("config") or env.get("KVROUTE_CONFIG") or ""
     file = load_file(path) if path else {}
     values = resolve(SERVE, given, env, file)
+    per_model = model_environment(env)
     if values["models"]:
-        models = [ModelSpec.make({"path": m}) for m in values["models"]]
+        models = [ModelSpec.make({"path": m}, env=per_model) for m in values["models"]]
     else:
-        models = [ModelSpec.make(m, f"[[models]] #{i + 1}") for i, m in enumerate(file.get("models", []))]
-        models = models or [ModelSpec()]
+        models = [ModelSpec.make(m, f"[[models]] #{i + 1}", per_model)
+                  for i, m in enumerate(file.get("models", []))]
+        models = models or [ModelSpec.make({}, env=per_model)]
     for spec in models:
         if values["replicas"] is not None:
             spec.replicas = values["replicas"]
@@ -665,6 +679,14 @@ def build(flags: argparse.Namespace | Mapping[str, Any], env: Mapping[str, str])
     kw["api_keys"] = parse_api_keys(kw["api_keys"])
     kw["limits"] = {name: values[name] for name in LIMIT_NAMES if values[name]}
     return ServeConfig(models=models, **kw)
+
+
+def model_environment(env: Mapping[str, str]) -> dict[str, Any]:
+    """The per-model backend settings set by KVROUTE_* variables, typed: under `serve`
+    they apply to every model, above its [[models]] values (serve hands each backend
+    its model's values as flags, which would otherwise hide the variables)."""
+    return {s.name: s.convert(env[s.env], s.env) for s in MODEL_SETTINGS
+            if s in BACKEND and s.env and env.get(s.env, "") != ""}
 
 
 def fetch_variables(c: ServeConfig) -> dict[str, str]:

@@ -112,10 +112,53 @@ def test_unknown_file_keys_are_named(tmp_path):
     for text, named in [("[proxy]\nprot = 1\n", "unknown key proxy.prot (did you mean proxy.port?)"),
                         ("secrte = 'x'\n", "unknown key secrte (did you mean secret?)"),
                         ("[redis]\nurl = 'r'\npassword = 'p'\n", "unknown key redis.password"),
-                        ("[[models]]\nrelicas = 2\n", "unknown keys ['relicas']")]:
+                        ("[[models]]\nrelicas = 2\n",
+                         "unknown keys relicas (did you mean replicas?)"),
+                        ("models = [1, 2]\n", "[[models]] #1: each model is a table"),
+                        ("[proxy]\nport = 80.5\n", "proxy.port in the config file: invalid value 80.5"),
+                        ("[[models]]\nmax_batch = true\n", "max_batch: invalid value True")]:
         path.write_text(text)
         with pytest.raises(ConfigError, match=re.escape(named)):
             config.build(parse(config.SERVE, ["--config", str(path)]), {})
+
+
+def test_backend_variables_reach_the_backends_serve_starts(tmp_path):
+    # serve hands each backend its model's settings as flags; a KVROUTE_* variable of
+    # a backend setting must still win over the file (and lose to serve's own flags).
+    path = tmp_path / "k.toml"
+    path.write_text('[[models]]\npath = "demo"\ncache_bytes = "1GiB"\nmax_queue = 7\n'
+                    '[[models]]\npath = "demo"\nalias = "b"\ndemo_variant = "tool"\n')
+    env = {"KVROUTE_CACHE_BYTES": "8GiB", "KVROUTE_MAX_QUEUE": "5", "KVROUTE_DISK_FSYNC": "never",
+           "KVROUTE_DISK_CACHE_BYTES": "3GiB", "KVROUTE_DEFAULT_MAX_TOKENS": "100"}
+    models = config.build(parse(config.SERVE, ["--config", str(path)]), env).models
+    for m in models:
+        flags = m.backend_flags()
+        got = {f: flags[flags.index(f) + 1] for f in ("--cache-bytes", "--max-queue", "--disk-fsync",
+                                                       "--default-max-tokens")}
+        assert got == {"--cache-bytes": str(8 << 30), "--max-queue": "5", "--disk-fsync": "never",
+                       "--default-max-tokens": "100"}
+        assert (m.disk_cache_bytes, m.disk_budget_set) == (3 << 30, True)
+    assert models[1].demo_variant == "tool"  # a file value no variable names stays
+    flagged = config.build(parse(config.SERVE, ["--config", str(path), "--cache-bytes", "64MiB"]), env)
+    assert {m.cache_bytes for m in flagged.models} == {64 << 20}
+    (demo,) = config.build(parse(config.SERVE, []), {"KVROUTE_DEMO_VARIANT": "tool"}).models
+    assert (demo.demo_variant, demo.alias) == ("tool", "kvroute-demo-tool")
+    with pytest.raises(ConfigError, match="KVROUTE_MAX_QUEUE: invalid value 'many'"):
+        config.build(parse(config.SERVE, []), {"KVROUTE_MAX_QUEUE": "many"})
+
+
+def test_serve_prints_config_errors_and_child_lines_as_text_not_markup(tmp_path, capsys):
+    path = tmp_path / "k.toml"
+    path.write_text("models = 3\n")
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 2 and "an array of tables ([[models]])" in out.stderr
+    from kvroute.serve.launcher import Launcher
+    from kvroute.serve.processes import Child
+    # A child's log line with what Rich would read as a closing tag: printed as it is,
+    # where it raised before (and the pump that reads the child's output would stop).
+    Launcher(config.ServeConfig()).log(Child("m-1", [], "", "cyan"), "bad [/x] and [bold]")
+    assert "bad [/x] and [bold]" in capsys.readouterr().err
 
 
 def test_unknown_environment_variable_is_an_error_that_names_it():

@@ -268,7 +268,7 @@ def test_bad_config_is_refused_clearly(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[[models]]\npath = 'demo'\nrelicas = 2\n")
     out = subprocess.run(serve_cmd(path), cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "unknown keys ['relicas']" in out.stderr
+    assert out.returncode == 2 and "unknown keys relicas (did you mean replicas?)" in out.stderr
 
 
 def test_a_health_poll_answered_by_something_not_http_means_not_ready():

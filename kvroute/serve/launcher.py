@@ -25,6 +25,7 @@ from pathlib import Path
 
 import orjson
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvroute.core import accel, disk_space, redis_client
@@ -258,7 +259,8 @@ class Launcher:
                 sys.stdout.write(orjson.dumps({"proc": child.name, "msg": line}).decode() + "\n")
             sys.stdout.flush()
             return
-        self.console.print(f"[{child.color}]{child.name:>14}[/] │ {line}", markup=True,
+        # A child's line is text, not markup: "[/x]" in a log line would raise here.
+        self.console.print(f"[{child.color}]{child.name:>14}[/] │ {escape(line)}", markup=True,
                            highlight=False, soft_wrap=True)
 
     async def wait_healthy(self, children: list[Child], timeout: float,
@@ -423,7 +425,7 @@ async def run(config: ServeConfig, console: Console | None = None) -> int:
     launcher = Launcher(config, console)
     notes = await asyncio.to_thread(launcher.prepare)
     for note in notes:
-        launcher.console.print(f"[yellow]note:[/] {note}")
+        launcher.console.print(f"[yellow]note:[/] {escape(note)}")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, launcher.stopping.set)
