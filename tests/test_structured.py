@@ -327,6 +327,30 @@ def test_forced_tool_choice_is_a_valid_call(client, choice, stream):
         assert len(final.choices[0].message.tool_calls) == 1
 
 
+def test_a_forced_call_is_one_line_and_a_cut_one_says_length_without_markup(client):
+    # Whitespace in a forced call is at most a space between tokens: the demo model,
+    # which takes whitespace wherever the grammar allows it, spent hundreds of tokens
+    # on indentation when a line break and 32 characters of it were allowed.
+    kw = dict(model=MODEL, tools=TOOLS, parallel_tool_calls=False, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "add"}})
+    whole = client.chat.completions.create(messages=ask("Add."), max_tokens=MAX, **kw)
+    (call,) = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert "\n" not in call.function.arguments and "\t" not in call.function.arguments
+    assert whole.usage.completion_tokens <= 60, whole.usage
+    # Cut inside the call: "length", no call and none of the model's call markup as text.
+    cut = client.chat.completions.create(messages=ask("Add."), max_tokens=6, **kw)
+    assert cut.choices[0].finish_reason == "length"
+    assert not cut.choices[0].message.tool_calls
+    assert "<tool_call>" not in (cut.choices[0].message.content or "")
+    chunks = list(client.chat.completions.create(messages=ask("Add."), max_tokens=6,
+                                                 stream=True, **kw))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(d.tool_calls for d in deltas)
+    assert "<tool_call>" not in "".join(d.content or "" for d in deltas)
+
+
 def test_a_named_tool_that_is_not_given_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ask(), tools=TOOLS, max_tokens=5,

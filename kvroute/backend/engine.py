@@ -694,17 +694,19 @@ class Engine:
             self._emit_chunk(job, chunk)
             return
         job.detokenizer.finalize()
-        tail = job.parser.finish(job.detokenizer.last_segment)
+        tail = job.parser.finish(job.detokenizer.last_segment, cut=r.finish_reason == "length")
         chunk.text += tail.text
         chunk.tool_calls += tail.tool_calls
         self._emit_chunk(job, chunk)
         # A normal finish: the entry grows by the reply, which the next turn
         # of the conversation will send back as its prefix.
         self._commit(job, r.prompt_cache, r.all_tokens, "finish")
-        if job.parser.n_tool_calls:
-            exit_path = "tool_calls"
+        # Cut by max tokens is "length" even after whole calls: the reply may have
+        # been about to call more, or to say more (as OpenAI reports it).
+        if r.finish_reason == "length":
+            exit_path = "length"
         else:
-            exit_path = "length" if r.finish_reason == "length" else "eos"
+            exit_path = "tool_calls" if job.parser.n_tool_calls else "eos"
         self._finish(job, exit_path)
 
     def _logprob_entry(self, r: Any, top: int) -> dict:

@@ -39,8 +39,14 @@ import xxhash
 # printers write (a space, or one line break and its indentation), never runs of
 # blank lines or spaces, on which weak models loop until max_tokens.
 WHITESPACE = r"(?:\x20|\r?\n[\x20\t]{0,32})?"
+# A forced tool call is one line of JSON, as tool-call formats write them: at most a
+# space between two tokens (a weak model otherwise spends its max_tokens on up to 33
+# characters of indentation at every comma), and one line break around the call.
+TOOL_WHITESPACE = r"\x20?"
+AROUND_CALL = r"(?:\x20|\r?\n)?"
 CACHE_SIZE = 128  # compiled grammars kept per tokenizer
 _JSON_OPTIONS = {"whitespace_pattern": WHITESPACE, "lenient": False}
+_TOOL_OPTIONS = {"whitespace_pattern": TOOL_WHITESPACE, "lenient": False}
 
 
 class GrammarError(ValueError):
@@ -204,9 +210,10 @@ class Grammars:
             lines = [f"call: {start} ({choice})", *rules]
             between = ""
         else:  # json_tools: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
-            rules = [f"c{i}: {_embedded(_call_object(n, p))}" for i, (n, p) in enumerate(tools)]
+            rules = [f"c{i}: {_embedded(_call_object(n, p))}"
+                     for i, (n, p) in enumerate(tools)]
             lines = [f"call: {start} WS ({choice}) WS {self._marker(fmt.end)}", *rules,
-                     f"WS: /{WHITESPACE}/"]
+                     f"WS: /{AROUND_CALL}/"]
             between = "WS "
         top = f"start: call ({between}call)*" if spec.parallel else "start: call"
         return "\n".join([top, *lines])
@@ -407,13 +414,13 @@ def _from_schema(schema: Any) -> str:
 
 
 def _embedded(schema: Any) -> str:
-    """A schema as a Lark `%json` block, with the JSON options the schemas get (an
-    embedded schema takes its options from its own "x-guidance" key)."""
+    """A tool call's schema as a Lark `%json` block, on one line (an embedded schema
+    takes its options from its own "x-guidance" key)."""
     if schema is True:
         schema = {}
     if not isinstance(schema, dict):
         raise GrammarError("A tool's parameters must be a JSON schema object.", param="tools")
-    return "%json " + json.dumps({**schema, "x-guidance": _JSON_OPTIONS}, ensure_ascii=False)
+    return "%json " + json.dumps({**schema, "x-guidance": _TOOL_OPTIONS}, ensure_ascii=False)
 
 
 def _call_object(name: str, params: Any) -> dict:

@@ -115,18 +115,21 @@ class OutputParser:
             self.pending = ""
             return out
 
-    def finish(self, text: str = "") -> Chunk:
-        """The stream ended (EOS or max tokens): release whatever was held back."""
+    def finish(self, text: str = "", cut: bool = False) -> Chunk:
+        """The stream ended, at EOS or cut by max tokens (`cut`): release whatever was
+        held back."""
         out = self.feed(text) if text else Chunk()
         if out.stopped:
             return out
         if self.in_tool:
-            # An unterminated call (e.g. cut by max_tokens) is kept as text, not lost.
             calls = self._parse_tool(self.pending)
-            if calls:
+            if calls:  # whole, though its end marker never came
                 out.tool_calls += calls
-            else:
+            elif not cut:
+                # The model ended on words that do not parse as a call: they are its answer.
                 out.text += self.tool_start + self.pending
+            # Cut by max tokens inside a call: half a call is neither an answer nor a
+            # call; the finish reason ("length") says so, the markup stays out of the text.
         else:
             out.text += self.pending
         self.pending = ""
