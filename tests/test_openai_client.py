@@ -109,6 +109,23 @@ def test_logprobs(backend):
         assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
 
 
+def test_logprobs_match_the_text_a_stop_string_cut(backend):
+    # The reply is the demo's fixed text; "demo" is inside it and over several tokens.
+    c = client(backend)
+    kw = dict(model=backend.model_id, messages=conversation(), logprobs=True, stop=["demo"])
+    r = c.chat.completions.create(**kw)
+    content = r.choices[0].message.content
+    assert content == DEMO_REPLY[:DEMO_REPLY.index("demo")]
+    # The tokens holding the stop string are dropped as it is: " demo" is one token, so
+    # the text keeps its space and the logprobs end a token before.
+    whole = "".join(t.token for t in r.choices[0].logprobs.content)
+    assert content.startswith(whole) and len(content) - len(whole) < len(" demo")
+    assert "demo" not in whole and len(whole) > len("Hello! I am")
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(**kw, stream=True) if ch.choices]
+    assert "".join(ch.delta.content or "" for ch in chunks) == content
+    assert "".join(t.token for ch in chunks if ch.logprobs for t in ch.logprobs.content) == whole
+
+
 def test_completion_logprobs(backend):
     c = client(backend)
     r = c.completions.create(model=backend.model_id, prompt="Count: 3", max_tokens=3, logprobs=2)

@@ -679,7 +679,7 @@ class Engine:
             job.detokenizer.add_token(r.token)
             chunk = job.parser.feed(job.detokenizer.last_segment)
         if chunk.stopped:
-            self._emit_chunk(job, chunk)
+            self._emit_chunk(job, chunk, end="stop")
             if r.finish_reason is None:
                 caches = self._gen.remove([job.uid], return_prompt_caches=True)
                 cache, tokens = caches[job.uid]
@@ -697,7 +697,7 @@ class Engine:
         tail = job.parser.finish(job.detokenizer.last_segment, cut=r.finish_reason == "length")
         chunk.text += tail.text
         chunk.tool_calls += tail.tool_calls
-        self._emit_chunk(job, chunk)
+        self._emit_chunk(job, chunk, end="finish")
         # A normal finish: the entry grows by the reply, which the next turn
         # of the conversation will send back as its prefix.
         self._commit(job, r.prompt_cache, r.all_tokens, "finish")
@@ -719,14 +719,34 @@ class Engine:
             entry["top"] = list(zip(ids[order].tolist(), vals[order].tolist()))
         return entry
 
-    def _emit_chunk(self, job: Job, chunk: Chunk) -> None:
-        if not (chunk.text or chunk.tool_calls or job.pending_logprobs):
+    def _emit_chunk(self, job: Job, chunk: Chunk, end: str = "") -> None:
+        logprobs = self._sendable_logprobs(job, len(chunk.text), end)
+        if not (chunk.text or chunk.tool_calls or logprobs):
             return
-        logprobs = [self._named_logprobs(e) for e in job.pending_logprobs]
-        job.pending_logprobs = []
         job.reply_text.append(chunk.text)
         job.reply_tool_calls += chunk.tool_calls
         job.emit(Delta(chunk.text, chunk.tool_calls, logprobs))
+
+    def _sendable_logprobs(self, job: Job, new_text: int, end: str) -> list[dict]:
+        """The logprobs that go out with `new_text` more characters of reply: those of
+        the tokens that text completes. Tokens of text held back (a possible stop
+        string) wait for it; at a stop, every token that holds part of the stop string
+        is dropped (as the string is); at the finish, whatever is left goes out."""
+        job.text_sent += new_text
+        out = []
+        while job.pending_logprobs:
+            entry = job.pending_logprobs[0]
+            if "token" not in entry:  # named once, however long its text is held back
+                entry = job.pending_logprobs[0] = self._named_logprobs(entry)
+            n = len(entry["token"])
+            if not (end == "finish" or job.logprob_text_sent + n <= job.text_sent):
+                break
+            out.append(entry)
+            job.logprob_text_sent += n
+            job.pending_logprobs.pop(0)
+        if end:
+            job.pending_logprobs = []
+        return out
 
     def _named_logprobs(self, entry: dict) -> dict:
         tok = self.tokenizer
