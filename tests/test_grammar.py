@@ -474,6 +474,8 @@ def test_the_cache_is_bounded_and_keeps_the_recent(demo):
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}, ["/$defs/Missing"]),
     ({"type": "strnig"}, ["strnig"]),
     ({"enum": []}, ["Unsatisfiable"]),
+    # Compiles, but admits no value: unrefused, the answer was empty text, not JSON.
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, ["admits no value"]),
 ])
 def test_a_schema_that_cannot_compile_names_the_unsupported_part(demo, schema, words):
     _, _, grammars = demo

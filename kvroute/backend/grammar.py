@@ -186,6 +186,13 @@ class Grammars:
         proto = llguidance.LLMatcher(self.lltok, source, log_level=0)
         if proto.is_error():
             raise GrammarError(_explain(proto.get_error(), spec), param=param)
+        probe = proto.deep_copy()  # once per spec: compiled grammars are cached
+        probe.compute_bitmask()
+        if probe.is_error():
+            # It compiles but nothing can start an answer: e.g. a $ref that only refers
+            # to itself. Unrefused, the answer would be empty text, silently not JSON.
+            raise GrammarError("No answer can satisfy this schema: it admits no value "
+                               "(for example a $ref that only refers to itself).", param=param)
         return Grammar(spec.key, source, proto, self.vocab_size, self.eos)
 
     def _tool_lark(self, spec: GrammarSpec) -> str:
