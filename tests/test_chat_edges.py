@@ -1,0 +1,66 @@
+"""/v1/chat/completions at the edges of what OpenAI accepts, on the backend and through
+the proxy: what a replayed OpenAI conversation carries is accepted, what OpenAI refuses
+is a 400 naming the parameter with a code, and no refusal leaks pydantic's labels."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, get_json, post_json, request
+
+from kvroute.devtools.demo_model import DEMO_REPLY
+
+MODEL = "edges"
+
+
+@pytest.fixture(scope="module")
+def fleet(text_model, redis_server, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("chat-edges")
+
+    def backends(redis_url: str) -> list[BackendProcess]:
+        return [BackendProcess(text_model, MODEL, logs, backend_id="edges-1",
+                               extra=["--redis-url", redis_url])]
+
+    def proxies(redis_url: str) -> list[ProxyProcess]:
+        return [ProxyProcess(redis_url, logs)]
+
+    with harness.fleet(backends, proxies, redis=redis_server.database()) as f:
+        yield f
+
+
+@pytest.fixture(params=["backend", "proxy"])
+def url(request, fleet) -> str:
+    """Each test runs against the backend directly and through the proxy."""
+    if request.param == "backend":
+        return fleet["backends"]["edges-1"].url
+    return fleet["proxies"][0].url
+
+
+def chat(url: str, messages: list[dict] | None = None, **fields) -> tuple[int, dict]:
+    messages = messages or [{"role": "user", "content": f"{uuid.uuid4().hex[:8]}: hello."}]
+    return post_json(url + "/v1/chat/completions",
+                     {"model": MODEL, "messages": messages, "max_tokens": 4, **fields})
+
+
+def refused(status: int, body: dict) -> dict:
+    assert status == 400, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+# -- sampling ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-100, 5e-324])
+def test_a_temperature_too_small_to_sample_with_is_greedy(url, temperature):
+    # 1/T overflowed to inf and the logits became NaN: the answer was random tokens.
+    messages = [{"role": "user", "content": "Say hello to the team."}]
+    status, greedy = chat(url, messages, temperature=0, max_tokens=40)
+    assert status == 200 and greedy["choices"][0]["message"]["content"] == DEMO_REPLY, greedy
+    status, tiny = chat(url, messages, temperature=temperature, max_tokens=40)
+    assert status == 200, tiny
+    assert tiny["choices"][0]["message"]["content"] == DEMO_REPLY, tiny
