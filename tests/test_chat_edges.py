@@ -64,3 +64,28 @@ def test_a_temperature_too_small_to_sample_with_is_greedy(url, temperature):
     status, tiny = chat(url, messages, temperature=temperature, max_tokens=40)
     assert status == 200, tiny
     assert tiny["choices"][0]["message"]["content"] == DEMO_REPLY, tiny
+
+
+# -- accepted: what OpenAI's own answers put in a conversation ------------------------------
+
+
+def refusal_turn(refusal: str) -> list[dict]:
+    return [{"role": "user", "content": "Write something bad."},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": refusal}]},
+            {"role": "user", "content": "Then say hello."}]
+
+
+def test_assistant_refusal_parts_are_accepted_and_rendered(url):
+    status, short = chat(url, refusal_turn("No."))
+    assert status == 200, short
+    status, long = chat(url, refusal_turn("No. " * 20))
+    assert status == 200, long
+    # The template got the refusal's text: 19 more "No." make a longer prompt.
+    assert long["usage"]["prompt_tokens"] > short["usage"]["prompt_tokens"] + 19
+
+
+def test_refusal_parts_outside_assistant_messages_are_refused(url):
+    err = refused(*chat(url, [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}, {"type": "refusal", "refusal": "No."}]}]))
+    assert (err["param"], err["code"]) == ("messages[0].content[1].type", "invalid_value"), err
+    assert "assistant" in err["message"], err

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, StringConstraints, Tag, WithJsonSchema, model_validator
+from pydantic import (Field, StringConstraints, Tag, WithJsonSchema, WrapValidator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
 from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
 
@@ -39,16 +41,40 @@ class ImageURLPart(Body):
     image_url: ImageURL
 
 
+class RefusalPart(Body):
+    """A refusal the model wrote, in a replayed assistant message (OpenAI's answers
+    carry them): the template gets its text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 def _part_type(part: Any) -> str | None:
     return part.get("type") if isinstance(part, dict) else None
+
+
+def _no_refusal(part: Any, handler: Any) -> Any:
+    # Only the model refuses: said plainly rather than as an unknown part type.
+    if _part_type(part) == "refusal":
+        raise PydanticCustomError("invalid_value:type", "Content parts of type 'refusal' are "
+                                  "only allowed in assistant messages.")
+    return handler(part)
 
 
 Part = Annotated[
     Union[Annotated[TextPart, Tag("text")], Annotated[ImageURLPart, Tag("image_url")]],
     tagged_by("type", _part_type, "Content part type not supported; only 'text' and "
               "'image_url' are.", "unsupported_content"),
+    WrapValidator(_no_refusal),
 ]
 Content = Union[str, list[Part]]
+AssistantPart = Annotated[
+    Union[Annotated[TextPart, Tag("text")], Annotated[ImageURLPart, Tag("image_url")],
+          Annotated[RefusalPart, Tag("refusal")]],
+    tagged_by("type", _part_type, "Content part type not supported; only 'text', "
+              "'image_url' and 'refusal' are.", "unsupported_content"),
+]
+AssistantContent = Union[str, list[AssistantPart]]
 
 
 class ToolCallFunction(Body):
@@ -87,7 +113,7 @@ class UserMessage(_Message):
 
 class AssistantMessage(_Message):
     role: Literal["assistant"]
-    content: Content | None = None
+    content: AssistantContent | None = None
 
 
 class ToolMessage(_Message):
