@@ -89,3 +89,39 @@ def test_refusal_parts_outside_assistant_messages_are_refused(url):
         {"type": "text", "text": "Hi"}, {"type": "refusal", "refusal": "No."}]}]))
     assert (err["param"], err["code"]) == ("messages[0].content[1].type", "invalid_value"), err
     assert "assistant" in err["message"], err
+
+
+# -- refused, naming the parameter with a code ------------------------------------------
+
+MALFORMED = [  # (fields replacing the body's, param, code)
+    ({"messages": None}, "messages", "missing_required_parameter"),
+    ({"messages": "hi"}, "messages", "invalid_type"),
+    ({"messages": ["hi"]}, "messages[0]", "invalid_type"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role", "missing_required_parameter"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0].text", "missing_required_parameter"),
+    ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice", "unsupported_parameter"),
+]
+
+
+@pytest.mark.parametrize("fields,param,code", MALFORMED, ids=[f"{c[1]}-{i}" for i, c in
+                                                             enumerate(MALFORMED)])
+def test_refusals_name_the_parameter_and_a_code(url, fields, param, code):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            **fields}
+    if fields.get("messages", "") is None:
+        del body["messages"]
+    err = refused(*post_json(url + "/v1/chat/completions", body))
+    assert (err["param"], err["code"]) == (param, code), err
+
+
+def test_a_seed_past_64_bits_is_out_of_range(url):
+    raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                      "seed": 2**64}).encode()
+    status, _, data = request(url + "/v1/chat/completions", "POST", raw=raw)
+    err = refused(status, json.loads(data))
+    assert (err["param"], err["code"]) == ("seed", "invalid_value"), err
+    assert "out of range" in err["message"] and "float" not in err["message"], err

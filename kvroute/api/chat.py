@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (Field, StringConstraints, Tag, WithJsonSchema, WrapValidator,
-                      model_validator)
+from pydantic import (Field, StringConstraints, Tag, ValidationError, WithJsonSchema,
+                      WrapValidator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
@@ -189,11 +189,25 @@ class NamedToolChoice(Body):
     function: NamedFunction
 
 
-ToolChoice = Union[
-    Annotated[Literal["auto", "none", "required"], refusing(
-        "tool_choice is 'auto', 'none', 'required' or {{'type': 'function', 'function': "
-        "{{'name': ...}}}}.")],
-    NamedToolChoice,
+_TOOL_CHOICES = ("tool_choice is 'auto', 'none', 'required' or {'type': 'function', "
+                 "'function': {'name': ...}}.")
+
+
+def _tool_choice(value: Any, handler: Any) -> Any:
+    """One error for a value of no known form (another mode, `allowed_tools`): not one
+    per union member, which would blame a `function` field it never meant to send."""
+    try:
+        return handler(value)
+    except ValidationError:
+        if isinstance(value, dict) and value.get("type", "function") == "function":
+            raise  # a named function's own errors name its field (tool_choice.function.name)
+        raise PydanticCustomError("unsupported_parameter", "{message}",
+                                  {"message": _TOOL_CHOICES}) from None
+
+
+ToolChoice = Annotated[
+    Union[Literal["auto", "none", "required"], NamedToolChoice],
+    WrapValidator(_tool_choice),
 ]
 
 
