@@ -104,6 +104,25 @@ MALFORMED = [  # (fields replacing the body's, param, code)
     ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
       "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tool_choice", "unsupported_parameter"),
+    # What OpenAI refuses too.
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]},
+     "messages[1].tool_calls[0].function.arguments", "invalid_type"),
+    ({"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+     "tools[0].function.name", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "f" * 65}}]},
+     "tools[0].function.name", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}},
+                {"type": "function", "function": {"name": "g"}},
+                {"type": "function", "function": {"name": "f"}}]},
+     "tools[2].function.name", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters", "invalid_value"),
+    ({"metadata": "x"}, "metadata", "invalid_value"),
+    ({"metadata": {"k": 1}}, "metadata", "invalid_value"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata", "invalid_value"),
+    ({"metadata": {"k": "v" * 513}}, "metadata", "invalid_value"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "invalid_value"),
 ]
 
 
@@ -125,3 +144,11 @@ def test_a_seed_past_64_bits_is_out_of_range(url):
     err = refused(status, json.loads(data))
     assert (err["param"], err["code"]) == ("seed", "invalid_value"), err
     assert "out of range" in err["message"] and "float" not in err["message"], err
+
+
+def test_what_openai_accepts_still_passes(url):
+    tools = [{"type": "function", "function": {"name": "get_weather-2", "parameters": {
+        "properties": {"city": {"type": "string"}}}}}]
+    status, body = chat(url, tools=tools, metadata={f"k{i}": "v" * 512 for i in range(16)},
+                        some_extension={"a": 1})  # unknown fields: clients send extensions
+    assert status == 200, body

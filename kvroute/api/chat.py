@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (Field, StringConstraints, Tag, ValidationError, WithJsonSchema,
-                      WrapValidator, model_validator)
+from pydantic import (AfterValidator, Field, StringConstraints, Tag, ValidationError,
+                      WithJsonSchema, WrapValidator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
@@ -20,6 +20,11 @@ from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHOICES = 16
+# OpenAI's limits on `metadata`.
+MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+# A function or schema name as OpenAI takes it: ^[a-zA-Z0-9_-]{1,64}$.
+Name = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 class TextPart(Body):
@@ -79,8 +84,9 @@ AssistantContent = Union[str, list[AssistantPart]]
 
 class ToolCallFunction(Body):
     name: NonEmpty
-    # Templates render arguments with `tojson`: a JSON string is decoded (parse_chat).
-    arguments: Union[str, dict[str, Any]] = "{}"
+    # A JSON string, as OpenAI requires (its answers carry them so). Templates render
+    # arguments with `tojson`: the string is decoded (parse_chat).
+    arguments: str = "{}"
 
 
 class ToolCall(Body):
@@ -128,10 +134,25 @@ Message = Annotated[
 ]
 
 
+def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    # A function's arguments are one JSON object: a schema of another type describes
+    # arguments no call could have (OpenAI refuses it too).
+    if "type" in schema and schema["type"] != "object":
+        raise PydanticCustomError("invalid_value", "{message}", {
+            "message": "A function's parameters must be a JSON Schema of type 'object'."})
+    return schema
+
+
+Parameters = Annotated[
+    dict[str, Any], AfterValidator(_object_schema),
+    WithJsonSchema({"type": "object", "properties": {"type": {"const": "object"}}}),
+]
+
+
 class FunctionDef(Body):
-    name: NonEmpty
+    name: Name
     description: str = ""
-    parameters: dict[str, Any] = Field(default_factory=dict)
+    parameters: Parameters = Field(default_factory=dict)
 
 
 class Tool(Body):
@@ -152,8 +173,7 @@ class JSONObjectFormat(Body):
 
 
 class JSONSchema(Body):
-    name: Annotated[str, StringConstraints(min_length=1, max_length=64,
-                                           pattern=r"^[A-Za-z0-9_-]+$")]
+    name: Name
     description: str | None = None
     # Any JSON schema; the backend compiles it and refuses what it cannot enforce.
     schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
@@ -208,6 +228,16 @@ def _tool_choice(value: Any, handler: Any) -> Any:
 ToolChoice = Annotated[
     Union[Literal["auto", "none", "required"], NamedToolChoice],
     WrapValidator(_tool_choice),
+]
+
+
+Metadata = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=MAX_METADATA_KEY)],
+         Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE)]],
+    Field(max_length=MAX_METADATA_KEYS),
+    refusing(f"metadata is an object of up to {MAX_METADATA_KEYS} strings, keys up to "
+             f"{MAX_METADATA_KEY} characters long, values up to {MAX_METADATA_VALUE}.",
+             "invalid_value"),
 ]
 
 
@@ -284,13 +314,26 @@ class ChatCompletionBody(GenerationBody):
     ]}}
 
     messages: Annotated[list[Message], Field(min_length=1)]
-    tools: list[Tool] | None = None
+    # Unique function names: JSON Schema cannot say it (the description says it in words).
+    tools: Annotated[list[Tool], Field(description="Function names must be unique.")] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
+    metadata: Metadata | None = None  # accepted and unused, checked as OpenAI does
+
+    @model_validator(mode="after")
+    def _tool_names_are_unique(self) -> "ChatCompletionBody":
+        # A call names its function: two of one name would make it ambiguous.
+        seen: set[str] = set()
+        for i, tool in enumerate(self.tools or []):
+            if tool.function.name in seen:
+                raise invalid(f"tools[{i}].function.name", f"Tool names must be unique: "
+                              f"'{tool.function.name}' is given twice.")
+            seen.add(tool.function.name)
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionBody":

@@ -162,10 +162,8 @@ def _text(content: AssistantContent | None, images: list[str]) -> str:
     return "".join(out)
 
 
-def _arguments(raw: str | dict) -> Any:
+def _arguments(raw: str) -> Any:
     # Templates render arguments with `tojson`; a JSON string would be encoded twice.
-    if isinstance(raw, dict):
-        return raw
     try:
         return orjson.loads(raw) if raw.strip() else {}
     except orjson.JSONDecodeError:
