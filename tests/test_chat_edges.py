@@ -152,3 +152,15 @@ def test_what_openai_accepts_still_passes(url):
     status, body = chat(url, tools=tools, metadata={f"k{i}": "v" * 512 for i in range(16)},
                         some_extension={"a": 1})  # unknown fields: clients send extensions
     assert status == 200, body
+
+
+# -- /v1/models ------------------------------------------------------------------------
+
+
+def test_models_carry_when_the_backend_loaded_the_model(fleet):
+    backend, proxy = fleet["backends"]["edges-1"], fleet["proxies"][0]
+    [served] = get_json(backend.url + "/v1/models")["data"]
+    assert 1_600_000_000 < served["created"] <= time.time(), served
+    listed = {m["id"]: m for m in get_json(proxy.url + "/v1/models")["data"]}
+    assert listed[MODEL]["created"] == served["created"], listed
+    assert get_json(proxy.url + f"/v1/models/{MODEL}")["created"] == served["created"]
