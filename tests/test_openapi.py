@@ -215,6 +215,30 @@ def test_described_edges_are_the_enforced_ones(name, field, body, valid):
     ("messages", {"messages": [{"role": "assistant", "content": [
         {"type": "tool_result", "tool_use_id": "t"}]}, {"role": "user", "content": "x"}]},
      "messages[0].content[0].type"),
+    # Nested rules below the top-level fields the edges walk: refusal parts (assistant
+    # messages only), OpenAI's tool and metadata limits.
+    ("chat", {"messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": "No"}]},
+                           {"role": "user", "content": "x"}]}, None),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "No"}]}]},
+     "messages[0].content[0].type"),
+    ("chat", {"messages": [{"role": "assistant", "tool_calls": [{"function": {
+        "name": "f", "arguments": {}}}]}, {"role": "user", "content": "x"}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "a.b"}}]},
+     "tools[0].function.name"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f" * 65}}]},
+     "tools[0].function.name"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f" * 64, "parameters": {
+        "type": "object"}}}]}, None),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "array"}}}]}, "tools[0].function.parameters"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ("chat", {"metadata": {str(i): "v" * 512 for i in range(16)}}, None),
+    ("chat", {"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ("chat", {"metadata": {"k" * 65: "v"}}, "metadata"),
+    ("chat", {"metadata": {"k": "v" * 513}}, "metadata"),
+    ("chat", {"metadata": {"k": 1}}, "metadata"),
 ])
 def test_cross_field_rules_agree(name, fields, param):
     described, accepted, got = _judge(name, {**copy.deepcopy(BODIES[name][1]), **fields})

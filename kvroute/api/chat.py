@@ -11,13 +11,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, StringConstraints, Tag, WithJsonSchema, model_validator
+from pydantic import (AfterValidator, Field, StringConstraints, Tag, ValidationError,
+                      WithJsonSchema, WrapValidator, model_validator)
+from pydantic_core import PydanticCustomError
 
 from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
 
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHOICES = 16
+# OpenAI's limits on `metadata`.
+MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+# A function or schema name as OpenAI takes it: ^[a-zA-Z0-9_-]{1,64}$.
+Name = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 class TextPart(Body):
@@ -39,22 +46,47 @@ class ImageURLPart(Body):
     image_url: ImageURL
 
 
+class RefusalPart(Body):
+    """A refusal the model wrote, in a replayed assistant message (OpenAI's answers
+    carry them): the template gets its text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 def _part_type(part: Any) -> str | None:
     return part.get("type") if isinstance(part, dict) else None
+
+
+def _no_refusal(part: Any, handler: Any) -> Any:
+    # Only the model refuses: said plainly rather than as an unknown part type.
+    if _part_type(part) == "refusal":
+        raise PydanticCustomError("invalid_value:type", "Content parts of type 'refusal' are "
+                                  "only allowed in assistant messages.")
+    return handler(part)
 
 
 Part = Annotated[
     Union[Annotated[TextPart, Tag("text")], Annotated[ImageURLPart, Tag("image_url")]],
     tagged_by("type", _part_type, "Content part type not supported; only 'text' and "
               "'image_url' are.", "unsupported_content"),
+    WrapValidator(_no_refusal),
 ]
 Content = Union[str, list[Part]]
+AssistantPart = Annotated[
+    Union[Annotated[TextPart, Tag("text")], Annotated[ImageURLPart, Tag("image_url")],
+          Annotated[RefusalPart, Tag("refusal")]],
+    tagged_by("type", _part_type, "Content part type not supported; only 'text', "
+              "'image_url' and 'refusal' are.", "unsupported_content"),
+]
+AssistantContent = Union[str, list[AssistantPart]]
 
 
 class ToolCallFunction(Body):
     name: NonEmpty
-    # Templates render arguments with `tojson`: a JSON string is decoded (parse_chat).
-    arguments: Union[str, dict[str, Any]] = "{}"
+    # A JSON string, as OpenAI requires (its answers carry them so). Templates render
+    # arguments with `tojson`: the string is decoded (parse_chat).
+    arguments: str = "{}"
 
 
 class ToolCall(Body):
@@ -87,7 +119,7 @@ class UserMessage(_Message):
 
 class AssistantMessage(_Message):
     role: Literal["assistant"]
-    content: Content | None = None
+    content: AssistantContent | None = None
 
 
 class ToolMessage(_Message):
@@ -102,10 +134,25 @@ Message = Annotated[
 ]
 
 
+def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    # A function's arguments are one JSON object: a schema of another type describes
+    # arguments no call could have (OpenAI refuses it too).
+    if "type" in schema and schema["type"] != "object":
+        raise PydanticCustomError("invalid_value", "{message}", {
+            "message": "A function's parameters must be a JSON Schema of type 'object'."})
+    return schema
+
+
+Parameters = Annotated[
+    dict[str, Any], AfterValidator(_object_schema),
+    WithJsonSchema({"type": "object", "properties": {"type": {"const": "object"}}}),
+]
+
+
 class FunctionDef(Body):
-    name: NonEmpty
+    name: Name
     description: str = ""
-    parameters: dict[str, Any] = Field(default_factory=dict)
+    parameters: Parameters = Field(default_factory=dict)
 
 
 class Tool(Body):
@@ -126,8 +173,7 @@ class JSONObjectFormat(Body):
 
 
 class JSONSchema(Body):
-    name: Annotated[str, StringConstraints(min_length=1, max_length=64,
-                                           pattern=r"^[A-Za-z0-9_-]+$")]
+    name: Name
     description: str | None = None
     # Any JSON schema; the backend compiles it and refuses what it cannot enforce.
     schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
@@ -163,11 +209,35 @@ class NamedToolChoice(Body):
     function: NamedFunction
 
 
-ToolChoice = Union[
-    Annotated[Literal["auto", "none", "required"], refusing(
-        "tool_choice is 'auto', 'none', 'required' or {{'type': 'function', 'function': "
-        "{{'name': ...}}}}.")],
-    NamedToolChoice,
+_TOOL_CHOICES = ("tool_choice is 'auto', 'none', 'required' or {'type': 'function', "
+                 "'function': {'name': ...}}.")
+
+
+def _tool_choice(value: Any, handler: Any) -> Any:
+    """One error for a value of no known form (another mode, `allowed_tools`): not one
+    per union member, which would blame a `function` field it never meant to send."""
+    try:
+        return handler(value)
+    except ValidationError:
+        if isinstance(value, dict) and value.get("type", "function") == "function":
+            raise  # a named function's own errors name its field (tool_choice.function.name)
+        raise PydanticCustomError("unsupported_parameter", "{message}",
+                                  {"message": _TOOL_CHOICES}) from None
+
+
+ToolChoice = Annotated[
+    Union[Literal["auto", "none", "required"], NamedToolChoice],
+    WrapValidator(_tool_choice),
+]
+
+
+Metadata = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=MAX_METADATA_KEY)],
+         Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE)]],
+    Field(max_length=MAX_METADATA_KEYS),
+    refusing(f"metadata is an object of up to {MAX_METADATA_KEYS} strings, keys up to "
+             f"{MAX_METADATA_KEY} characters long, values up to {MAX_METADATA_VALUE}.",
+             "invalid_value"),
 ]
 
 
@@ -244,13 +314,26 @@ class ChatCompletionBody(GenerationBody):
     ]}}
 
     messages: Annotated[list[Message], Field(min_length=1)]
-    tools: list[Tool] | None = None
+    # Unique function names: JSON Schema cannot say it (the description says it in words).
+    tools: Annotated[list[Tool], Field(description="Function names must be unique.")] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
+    metadata: Metadata | None = None  # accepted and unused, checked as OpenAI does
+
+    @model_validator(mode="after")
+    def _tool_names_are_unique(self) -> "ChatCompletionBody":
+        # A call names its function: two of one name would make it ambiguous.
+        seen: set[str] = set()
+        for i, tool in enumerate(self.tools or []):
+            if tool.function.name in seen:
+                raise invalid(f"tools[{i}].function.name", f"Tool names must be unique: "
+                              f"'{tool.function.name}' is given twice.")
+            seen.add(tool.function.name)
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionBody":

@@ -107,16 +107,22 @@ def api_error(exc: ValidationError, body: Any) -> APIError:
     # A value error says more than "expected a string" from a member it was not meant for.
     best = max((i for i, p in enumerate(params) if p.startswith(first)),
                key=lambda i: (len(params[i]), errors[i]["type"] not in _EXPECTED))
-    return _as_api_error(errors[best], params[best])
+    # A wrong type for a union says what each member expects ("a string or a list").
+    expected = [_EXPECTED[e["type"]] for e, p in zip(errors, params)
+                if p == params[best] and e["type"] in _EXPECTED]
+    return _as_api_error(errors[best], params[best], " or ".join(dict.fromkeys(expected)))
 
 
-def _as_api_error(error: dict, param: str) -> APIError:
+def _as_api_error(error: dict, param: str, expected: str) -> APIError:
     kind, ctx = error["type"], error.get("ctx") or {}
     value = error.get("input")
-    if kind == "missing":
+    if kind in ("missing", "union_tag_not_found"):  # a field, or a union's tag, left out
         return bad_request(f"'{param}' is required.", param, "missing_required_parameter")
+    if kind == "int_type" and _past_64_bits(value):
+        return bad_request(f"Invalid '{param}': the integer is out of range (it does not fit "
+                           "in 64 bits).", param, "invalid_value")
     if kind in _EXPECTED:
-        return bad_request(f"Invalid type for '{param}': expected {_EXPECTED[kind]}, got "
+        return bad_request(f"Invalid type for '{param}': expected {expected}, got "
                            f"{type(value).__name__}.", param, "invalid_type")
     if "message" in ctx:  # one of ours: `invalid` or `refusing`
         return bad_request(ctx["message"], param, kind)
@@ -125,13 +131,19 @@ def _as_api_error(error: dict, param: str) -> APIError:
     return bad_request(f"Invalid '{param}': {error['msg']}.", param, "invalid_value")
 
 
+def _past_64_bits(value: Any) -> bool:
+    """An integer orjson could not hold: it reads one past 64 bits as a float."""
+    return isinstance(value, float) and value.is_integer() and not -(1 << 63) <= value < (1 << 64)
+
+
 def _param(error: dict, body: Any) -> str:
     """The error's location in the body as OpenAI writes it (`tools[0].function.name`).
 
     pydantic's `loc` also holds labels that are no place in the body: a union member's
-    (`str`, `list[TextPart]`) or a tagged union's tag. Walking the body alongside the
-    location tells them apart: a key names a field when the object has it, or when it
-    is the last one (a missing field)."""
+    (`str`, `list[TextPart]`), a tagged union's tag, a validator's
+    (`function-wrap[check()]`). Walking the body alongside the location tells them
+    apart: a key names a field when the object has it, or when the field is missing
+    (the last key of a `missing` error); any other key is a label."""
     ctx = error.get("ctx") or {}
     if "param" in ctx:
         return ctx["param"]
@@ -142,7 +154,8 @@ def _param(error: dict, body: Any) -> str:
         if isinstance(key, int) and isinstance(node, list) and 0 <= key < len(node):
             out += f"[{key}]"
             node = node[key]
-        elif isinstance(key, str) and isinstance(node, dict) and (key in node or i == len(loc) - 1):
+        elif isinstance(key, str) and isinstance(node, dict) and (
+                key in node or (i == len(loc) - 1 and error["type"] == "missing")):
             out += f".{key}" if out else key
             node = node.get(key)
     # A tagged union's failure is its tag's: the field the tag is read from.

@@ -9,8 +9,8 @@ from typing import Any
 
 import orjson
 
-from kvroute.api.chat import (ChatCompletionBody, CompletionBody, Content, GenerationBody,
-                              ImageURLPart)
+from kvroute.api.chat import (AssistantContent, ChatCompletionBody, CompletionBody,
+                              GenerationBody, ImageURLPart, RefusalPart)
 from kvroute.api.errors import bad_request
 from kvroute.api.validation import validate
 
@@ -143,8 +143,9 @@ def _fault(body: dict) -> str | None:
     return fault if isinstance(fault, str) else None
 
 
-def _text(content: Content | None, images: list[str]) -> str:
-    """The content as text; each image becomes a sentinel, its URL appended to `images`."""
+def _text(content: AssistantContent | None, images: list[str]) -> str:
+    """The content as text; each image becomes a sentinel, its URL appended to `images`;
+    a refusal is the text the model wrote."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -154,15 +155,15 @@ def _text(content: Content | None, images: list[str]) -> str:
         if isinstance(p, ImageURLPart):
             out.append(sentinel(len(images)))
             images.append(p.image_url.url)
+        elif isinstance(p, RefusalPart):
+            out.append(p.refusal)
         else:
             out.append(p.text)
     return "".join(out)
 
 
-def _arguments(raw: str | dict) -> Any:
+def _arguments(raw: str) -> Any:
     # Templates render arguments with `tojson`; a JSON string would be encoded twice.
-    if isinstance(raw, dict):
-        return raw
     try:
         return orjson.loads(raw) if raw.strip() else {}
     except orjson.JSONDecodeError:

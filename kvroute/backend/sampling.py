@@ -10,11 +10,19 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 
 from .requests import SamplingParams
 
+# Below this a temperature is greedy. The sampler scales the logprobs by 1/T in the
+# model's dtype: in float16 (largest 65504) the most likely token's logprob, down to
+# about -ln(vocabulary) = -12, times 1/T must stay finite, so 1/T < 65504/12 and
+# T > 1.8e-4; tinier ones overflow to inf (1e-39 does even in float32) and inf * 0
+# is NaN: a random token. At such temperatures sampling would pick the most likely
+# token anyway, but for near-exact ties.
+MIN_TEMPERATURE = 2e-4
+
 
 def make_sampler(params: SamplingParams) -> Callable | None:
     """None means greedy (the generator's fallback). A seeded request gets its own
     PRNG key so its samples do not depend on what else shares the batch."""
-    if params.temperature == 0:
+    if params.temperature < MIN_TEMPERATURE:
         return None
     temp, top_p, top_k, min_p = params.temperature, params.top_p, params.top_k, params.min_p
     key = mx.random.key(params.seed) if params.seed is not None else None
@@ -34,7 +42,6 @@ def make_sampler(params: SamplingParams) -> Callable | None:
         return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
 
     return sample
-
 
 
 def make_processors(params: SamplingParams) -> list[Callable]:

@@ -319,10 +319,10 @@ def _content_text(content: Any, where: str) -> bytes:
             out.append(_text(part))
         elif isinstance(part, dict):
             kind = part.get("type", "text")
-            if kind == "text":
-                text = part.get("text")
+            if kind in ("text", "refusal"):  # a refusal renders as its text (backend/requests.py)
+                text = part.get(kind)
                 if not isinstance(text, str):
-                    raise ValueError(f"{where}.content[{j}].text must be a string")
+                    raise ValueError(f"{where}.content[{j}].{kind} must be a string")
                 out.append(_text(text))
             elif kind == "image_url":
                 try:

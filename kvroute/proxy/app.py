@@ -53,7 +53,7 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     state = state_of(request)
-    listing = state.models.listing(state.fleet.models(), state.fleet.image_models())
+    listing = state.models.listing(state.fleet.loaded_at(), state.fleet.image_models())
     return _json({"object": "list",
                   "data": [m for m in listing if state.limits.allows(request, m["id"])]})
 
@@ -62,7 +62,7 @@ async def model_info(request: web.Request) -> web.Response:
     """GET /v1/models/{model}: one model object of the /v1/models listing."""
     state = state_of(request)
     model = request.match_info["model"]
-    entry = state.models.entry(model, state.fleet.models(), state.fleet.image_models())
+    entry = state.models.entry(model, state.fleet.loaded_at(), state.fleet.image_models())
     if entry is None or not state.limits.allows(request, model):
         raise not_found(f"The model '{model[:200]}' does not exist.", param="model",
                         code="model_not_found")

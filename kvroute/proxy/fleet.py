@@ -183,6 +183,15 @@ class Fleet:
     def models(self) -> list[str]:
         return sorted({m for b in self.listed() for m in b.record.models})
 
+    def loaded_at(self) -> dict[str, float]:
+        """Each model a live backend serves, and when the first of them still serving
+        it loaded it (its `/v1/models` `created`): the same answer from every proxy."""
+        out: dict[str, float] = {}
+        for b in self.listed():
+            for m in b.record.models:
+                out[m] = min(out.get(m, b.record.started_at), b.record.started_at)
+        return out
+
     def image_models(self) -> set[str]:
         """The models a live backend serves with images (vision-language models)."""
         return {m for b in self.listed() if b.record.images for m in b.record.models}

@@ -131,14 +131,15 @@ class OnDemand:
                        f"{self.load_timeout:.0f}s (load_timeout).", "server_error", "model",
                        "model_load_timeout")
 
-    def listing(self, live: list[str], images: set[str] = frozenset()) -> list[dict]:
-        """/v1/models: every configured model, and any other model a live backend serves;
-        for a live one, what it takes (`input_modalities`: text, and image for `images`)."""
+    def listing(self, live: dict[str, float], images: set[str] = frozenset()) -> list[dict]:
+        """/v1/models: every configured model, and any other model a live backend serves
+        (`live`: each with when its backends loaded it); for a live one, what it takes
+        (`input_modalities`: text, and image for `images`)."""
         out = []
         for model in sorted(set(self.summaries) | set(live)):
             s = self.summaries.get(model)
-            entry = {"id": model, "object": "model", "created": 0, "owned_by": "kvroute",
-                     "state": public_state(s, model in live)}
+            entry = {"id": model, "object": "model", "created": _created(model, live, s),
+                     "owned_by": "kvroute", "state": public_state(s, model in live)}
             if model in live:
                 entry["input_modalities"] = ["text", "image"] if model in images else ["text"]
             if s is not None and s.state == FAILED and s.error:
@@ -146,7 +147,8 @@ class OnDemand:
             out.append(entry)
         return out
 
-    def entry(self, model: str, live: list[str], images: set[str] = frozenset()) -> dict | None:
+    def entry(self, model: str, live: dict[str, float],
+              images: set[str] = frozenset()) -> dict | None:
         """/v1/models/{id}: the listing's entry for `model`, None when it lists none."""
         return next((e for e in self.listing(live, images) if e["id"] == model), None)
 
@@ -156,6 +158,14 @@ class OnDemand:
                  "unloads": s.unloads, "load_seconds": s.load_seconds,
                  "last_load_seconds": s.last_load_seconds, "error": s.error}
                 for m, s in sorted(self.summaries.items())]
+
+
+def _created(model: str, live: dict[str, float], s: ModelState | None) -> int:
+    """A Unix time for `created`: when the live backends loaded the model; for one not
+    loaded, when its state last changed (it has no load time now)."""
+    if model in live:
+        return int(live[model])
+    return int(s.updated_at) if s is not None else 0
 
 
 def public_state(s: ModelState | None, live: bool) -> str:

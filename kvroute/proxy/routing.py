@@ -21,9 +21,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kvroute.api.chat import ChatCompletionBody, CompletionBody
 from kvroute.api.errors import APIError, bad_request, not_found
 from kvroute.api.http import read_json
 from kvroute.api.routes import CHAT_PATH
+from kvroute.api.validation import validate
 from kvroute.core import prefix
 from kvroute.core.images import ImageError
 from kvroute.core.registry import RegistryUnavailable
@@ -150,7 +152,20 @@ def _chain_pairs(config: ProxyConfig, req: RoutedRequest,
         raise bad_request(f"Invalid image: {exc}.", param="messages", code="invalid_image")
     except ValueError as exc:
         # The backend would refuse it too; answer without a round trip.
-        raise bad_request(f"Invalid request: {exc}.")
+        raise _refusal(req, exc) from None
+
+
+def _refusal(req: RoutedRequest, exc: ValueError) -> APIError:
+    """The 400 of a body the chain cannot read, as the backend words it: validated by
+    the API's model, it names the parameter and a code. Only here, on the way out: the
+    proxy does not validate every body (the backend does), to keep its overhead low."""
+    if req.relay is None:  # an agent API's chat body is the gateway's, not the client's
+        model = ChatCompletionBody if prefix.request_kind(req.path) == "chat" else CompletionBody
+        try:
+            validate(model, req.body)
+        except APIError as err:
+            return err
+    return bad_request(f"Invalid request: {exc}.", code="invalid_value")
 
 
 async def _serving_now(state: State, model: str) -> bool:
