@@ -110,7 +110,7 @@ MALFORMED = [  # (fields replacing the body's, param, code)
      "messages[1].tool_calls[0].function.arguments", "invalid_type"),
     ({"tools": [{"type": "function", "function": {"name": "get weather"}}]},
      "tools[0].function.name", "invalid_value"),
-    ({"tools": [{"type": "function", "function": {"name": "f" * 65}}]},
+    ({"tools": [{"type": "function", "function": {"name": "f" * 129}}]},
      "tools[0].function.name", "invalid_value"),
     ({"tools": [{"type": "function", "function": {"name": "f"}},
                 {"type": "function", "function": {"name": "g"}},

@@ -226,7 +226,7 @@ def test_described_edges_are_the_enforced_ones(name, field, body, valid):
      "messages[0].tool_calls[0].function.arguments"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "a.b"}}]},
      "tools[0].function.name"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f" * 65}}]},
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f" * 129}}]},
      "tools[0].function.name"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f" * 64, "parameters": {
         "type": "object"}}}]}, None),

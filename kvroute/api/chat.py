@@ -23,8 +23,12 @@ MAX_CHOICES = 16
 # OpenAI's limits on `metadata`.
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
-# A function or schema name as OpenAI takes it: ^[a-zA-Z0-9_-]{1,64}$.
+# A schema name as OpenAI takes it: ^[a-zA-Z0-9_-]{1,64}$.
 Name = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+# A tool's name: OpenAI's characters, up to Anthropic's 128 rather than OpenAI's 64,
+# since Messages requests (Claude Code's MCP tools, mcp__server__tool) and Codex's
+# namespaced tools arrive here as chat requests.
+ToolName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 class TextPart(Body):
@@ -150,7 +154,7 @@ Parameters = Annotated[
 
 
 class FunctionDef(Body):
-    name: Name
+    name: ToolName
     description: str = ""
     parameters: Parameters = Field(default_factory=dict)
 
