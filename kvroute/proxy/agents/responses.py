@@ -330,8 +330,13 @@ def _text_part(text: str) -> dict:
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict:
+    """The assistant's message item: `incomplete` when max_output_tokens cut its text."""
     return {"id": item_id, "type": "message", "status": status, "role": "assistant",
-            "content": [_text_part(text)] if status == "completed" else []}
+            "content": [] if status == "in_progress" else [_text_part(text)]}
+
+
+def _status(reply: ChatReply) -> str:
+    return "incomplete" if reply.finish_reason == "length" else "completed"
 
 
 def _custom_input(args: str) -> str:
@@ -454,8 +459,7 @@ class _ResponsesRelay(Relay):
     async def finish(self, reply: ChatReply, output: list[dict]) -> dict:
         """The finished response object, stored (with its conversation) unless `store`
         is false."""
-        status = "incomplete" if reply.finish_reason == "length" else "completed"
-        obj = self.response(status, output, reply.usage)
+        obj = self.response(_status(reply), output, reply.usage)
         if self.req.store:
             messages = self.history + self.req.input + [reply.message()]
             await self.gateway.responses.put(self.scope, self.id,
@@ -474,7 +478,9 @@ class _ResponsesRelay(Relay):
     async def answer(self, reply: ChatReply) -> dict:
         output = []
         if reply.text or not reply.tool_calls:
-            output.append(_message_item(new_id("msg_"), reply.text, "completed"))
+            # Calls come after the text: the text was cut only when the reply ends in it.
+            status = "completed" if reply.tool_calls else _status(reply)
+            output.append(_message_item(new_id("msg_"), reply.text, status))
         output += [OutputCall.of(call, self.req.routes).item("completed")
                    for call in reply.tool_calls]
         return await self.finish(reply, output)
@@ -513,7 +519,7 @@ class _ResponsesEvents:
                         output_index=len(self.output), content_index=0, delta=text, logprobs=[])
 
     async def tool_call(self, call: dict) -> None:
-        await self._close_message()
+        await self._close_message("completed")  # a call follows: the text was not cut
         out, index = OutputCall.of(call, self.relay.req.routes), len(self.output)
         await self.send("response.output_item.added", output_index=index,
                         item=out.item("in_progress"))
@@ -526,7 +532,7 @@ class _ResponsesEvents:
     async def end(self) -> None:
         if not self.output and self.message is None:  # an empty reply is still one message
             await self._open_message()
-        await self._close_message()
+        await self._close_message(_status(self.reply))
         final = await self.relay.finish(self.reply, self.output)
         incomplete = final["status"] == "incomplete"
         await self.send("response.incomplete" if incomplete else "response.completed",
@@ -546,7 +552,7 @@ class _ResponsesEvents:
         await self.send("response.content_part.added", item_id=self.message["id"],
                         output_index=index, content_index=0, part=_text_part(""))
 
-    async def _close_message(self) -> None:
+    async def _close_message(self, status: str) -> None:
         if self.message is None:
             return
         item, index = self.message, len(self.output)
@@ -554,7 +560,7 @@ class _ResponsesEvents:
         ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
         await self.send("response.output_text.done", **ids, text=text, logprobs=[])
         await self.send("response.content_part.done", **ids, part=_text_part(text))
-        done = _message_item(item["id"], text, "completed")
+        done = _message_item(item["id"], text, status)
         await self.send("response.output_item.done", output_index=index, item=done)
         self.output.append(done)
         self.message = None
