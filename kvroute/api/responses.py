@@ -18,7 +18,11 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, StringConstraints, Tag, WithJsonSchema, model_validator
 
+from .chat import MAX_TOP_LOGPROBS
 from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
+
+# The `include` value that asks for the output text's logprobs (OpenAI's ResponseIncludable).
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 
 
 class InputTextPart(Body):
@@ -309,12 +313,15 @@ class ResponsesBody(Body):
     background: Annotated[only(False), refusing(
         "'background' responses are not supported.")] | None = None
     text: TextConfig | None = None
-    top_logprobs: Annotated[only(0), refusing(
-        "'top_logprobs' is not supported on /v1/responses.")] | None = None
+    # With `include` naming INCLUDE_LOGPROBS: the alternatives given for each token of
+    # the output text (alone it gives none, as on OpenAI's API).
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    # Accepted, and without effect: kvroute's models do not reason (no reasoning item
-    # to include), caching is automatic, there is one service tier.
+    # INCLUDE_LOGPROBS fills the output text's logprobs; any other value is accepted and
+    # has no effect: there is no reasoning item, nor a hosted tool's result, to add.
     include: list[str] | None = None
+    # Accepted, and without effect: kvroute's models do not reason, caching is
+    # automatic, there is one service tier.
     reasoning: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None

@@ -102,6 +102,8 @@ class ResponsesRequest:
     user: str | None = None
     verbosity: str | None = None
     prompt_cache_key: str | None = None
+    logprobs: bool = False  # `include` names rw.INCLUDE_LOGPROBS
+    top_logprobs: int | None = None
 
 
 # -- request: tools --------------------------------------------------------------------
@@ -263,6 +265,7 @@ def parse(body: dict) -> ResponsesRequest:
         verbosity=req.text.verbosity if req.text else None,
         prompt_cache_key=req.prompt_cache_key,
         text_format=body["text"]["format"] if req.text and req.text.format else None,
+        logprobs=rw.INCLUDE_LOGPROBS in (req.include or []), top_logprobs=req.top_logprobs,
     )
     if out.tool_choice not in ("auto", "none") and not out.tools:
         raise bad_request("A forced tool_choice needs a function tool: kvroute runs none of "
@@ -306,13 +309,17 @@ def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
                         ("top_p", req.top_p), ("stop", req.stop)):
         if value is not None:
             body[name] = value
+    if req.logprobs:
+        body["logprobs"] = True
+        if req.top_logprobs is not None:
+            body["top_logprobs"] = req.top_logprobs
     return body
 
 
 # -- response: output items --------------------------------------------------------------
 
 _CHAT_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input",
-                "response_format": "text.format"}
+                "response_format": "text.format", "logprobs": "include"}
 
 
 def _usage(u: Usage) -> dict:
@@ -325,14 +332,39 @@ def _usage(u: Usage) -> dict:
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _top(alternatives: Any, with_bytes: bool) -> list[dict]:
+    out = []
+    for t in alternatives if isinstance(alternatives, list) else []:
+        if isinstance(t, dict):
+            top = {"token": t.get("token", ""), "logprob": t.get("logprob", 0.0)}
+            out.append({**top, "bytes": t.get("bytes") or []} if with_bytes else top)
+    return out
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict:
+def part_logprobs(entries: list[dict]) -> list[dict]:
+    """Chat logprob entries as an output_text part's `logprobs`."""
+    return [{"token": e.get("token", ""), "logprob": e.get("logprob", 0.0),
+             "bytes": e.get("bytes") or [], "top_logprobs": _top(e.get("top_logprobs"), True)}
+            for e in entries]
+
+
+def event_logprobs(entries: list[dict]) -> list[dict]:
+    """Chat logprob entries as the `logprobs` of an output_text delta or done event
+    (OpenAI's events carry no bytes)."""
+    return [{"token": e.get("token", ""), "logprob": e.get("logprob", 0.0),
+             "top_logprobs": _top(e.get("top_logprobs"), False)} for e in entries]
+
+
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [],
+            "logprobs": part_logprobs(logprobs or [])}
+
+
+def _message_item(item_id: str, text: str, status: str,
+                  logprobs: list[dict] | None = None) -> dict:
     """The assistant's message item: `incomplete` when max_output_tokens cut its text."""
     return {"id": item_id, "type": "message", "status": status, "role": "assistant",
-            "content": [] if status == "in_progress" else [_text_part(text)]}
+            "content": [] if status == "in_progress" else [_text_part(text, logprobs)]}
 
 
 def _status(reply: ChatReply) -> str:
@@ -480,7 +512,7 @@ class _ResponsesRelay(Relay):
         if reply.text or not reply.tool_calls:
             # Calls come after the text: the text was cut only when the reply ends in it.
             status = "completed" if reply.tool_calls else _status(reply)
-            output.append(_message_item(new_id("msg_"), reply.text, status))
+            output.append(_message_item(new_id("msg_"), reply.text, status, reply.logprobs))
         output += [OutputCall.of(call, self.req.routes).item("completed")
                    for call in reply.tool_calls]
         return await self.finish(reply, output)
@@ -501,6 +533,7 @@ class _ResponsesEvents:
         self.seq = itertools.count()
         self.output: list[dict] = []  # finished items, in output_index order
         self.message: dict | None = None  # the open message item, while its text streams
+        self.placed = 0  # the reply's text logprobs already sent in a delta
 
     async def send(self, kind: str, **fields) -> bool:
         return await self.sse.send(kind, {"type": kind, "sequence_number": next(self.seq),
@@ -514,9 +547,13 @@ class _ResponsesEvents:
     async def text(self, text: str) -> None:
         if self.message is None:
             await self._open_message()
+        new = self.reply.logprobs[self.placed:]
+        self.placed += len(new)
         self.message["text"] += text
+        self.message["logprobs"] += new
         await self.send("response.output_text.delta", item_id=self.message["id"],
-                        output_index=len(self.output), content_index=0, delta=text, logprobs=[])
+                        output_index=len(self.output), content_index=0, delta=text,
+                        logprobs=event_logprobs(new))
 
     async def tool_call(self, call: dict) -> None:
         await self._close_message("completed")  # a call follows: the text was not cut
@@ -545,7 +582,7 @@ class _ResponsesEvents:
                                                 "message": error.message}))
 
     async def _open_message(self) -> None:
-        self.message = {"id": new_id("msg_"), "text": ""}
+        self.message = {"id": new_id("msg_"), "text": "", "logprobs": []}
         index = len(self.output)
         await self.send("response.output_item.added", output_index=index,
                         item=_message_item(self.message["id"], "", "in_progress"))
@@ -556,11 +593,12 @@ class _ResponsesEvents:
         if self.message is None:
             return
         item, index = self.message, len(self.output)
-        text = item["text"]
+        text, logprobs = item["text"], item["logprobs"]
         ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        await self.send("response.output_text.done", **ids, text=text, logprobs=[])
-        await self.send("response.content_part.done", **ids, part=_text_part(text))
-        done = _message_item(item["id"], text, status)
+        await self.send("response.output_text.done", **ids, text=text,
+                        logprobs=event_logprobs(logprobs))
+        await self.send("response.content_part.done", **ids, part=_text_part(text, logprobs))
+        done = _message_item(item["id"], text, status, logprobs)
         await self.send("response.output_item.done", output_index=index, item=done)
         self.output.append(done)
         self.message = None
