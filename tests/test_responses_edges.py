@@ -1,5 +1,6 @@
 """Edges of the Responses API where kvroute must answer as OpenAI does: a truncated
-answer's message item, and the output text's logprobs
+answer's message item, the input items of a stored response
+(`GET /v1/responses/{id}/input_items`), and the output text's logprobs
 (`include: ["message.output_text.logprobs"]`, `top_logprobs`).
 
 One fleet (Redis, a backend of each demo model, a proxy with two API keys) and the
@@ -13,7 +14,8 @@ import uuid
 
 import openai
 import pytest
-from openai.types.responses import ResponseStreamEvent
+from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
+from openai.types.responses.response_item_list import ResponseItemList
 from pydantic import TypeAdapter
 
 from tests import harness
@@ -30,6 +32,7 @@ LOGPROBS = "message.output_text.logprobs"
 WEATHER = [{"type": "function", "name": "get_weather", "description": "Current weather",
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
 EVENTS = TypeAdapter(ResponseStreamEvent)
+ITEMS = TypeAdapter(ResponseItem)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +61,11 @@ def oai(url: str, key: str = KEY) -> openai.OpenAI:
 def nonce() -> str:
     # Keeps a test's conversation apart from every other test's cache entries.
     return f"{uuid.uuid4().hex}: you help a team of engineers with their code."
+
+
+def get(url: str, path: str, key: str = KEY) -> tuple[int, dict]:
+    status, _, data = request(url + path, headers={"Authorization": f"Bearer {key}"})
+    return status, json.loads(data)
 
 
 def post_stream(url: str, body: dict) -> list:
@@ -97,6 +105,104 @@ def test_truncated_message_item_is_incomplete_whole_streamed_and_stored(fleet):
     # An answer that ended by itself stays completed.
     whole = c.responses.create(model=TEXT, instructions=nonce(), input="Hello there.")
     assert whole.status == "completed" and whole.output[0].status == "completed"
+
+
+# -- 2. GET /v1/responses/{id}/input_items ------------------------------------------------------
+
+
+def _conversation(c: openai.OpenAI) -> tuple[Response, Response, list[dict]]:
+    """Two stored turns, the second continuing the first; the first's input items."""
+    first = [{"type": "message", "id": "msg_client_1", "role": "developer",
+              "content": "Answer briefly."},
+             {"role": "user", "content": [{"type": "input_text", "text": nonce()}]}]
+    r1 = c.responses.create(model=TEXT, instructions=nonce(), input=first,
+                            include=[LOGPROBS])
+    r2 = c.responses.create(model=TEXT, previous_response_id=r1.id, input="Tell me more.")
+    return r1, r2, first
+
+
+def test_input_items_list_a_stored_responses_inputs_as_openai_does(fleet):
+    c = oai(fleet)
+    r1, r2, first = _conversation(c)
+    # The SDK's own call pages through them (newest first, as OpenAI's default).
+    listed = list(c.responses.input_items.list(r2.id))
+    assert [i.type for i in listed] == ["message"] * 4
+    assert [i.role for i in listed] == ["user", "assistant", "user", "developer"]
+    assert listed[0].content[0].type == "input_text"
+    assert listed[0].content[0].text == "Tell me more."
+    assert listed[1].id == r1.output[0].id and listed[1].content[0].text == r1.output_text
+    assert listed[2].content[0].text == first[1]["content"][0]["text"]
+    assert listed[3].id == "msg_client_1"  # the client's own id is kept
+    assert listed[3].content[0].text == "Answer briefly."  # a string became a text part
+    assert all(i.id and i.status == "completed" for i in listed)
+    assert len({i.id for i in listed}) == 4
+
+    # The list object, strictly as the SDK types it, and its items one by one.
+    status, body = get(fleet, f"/v1/responses/{r2.id}/input_items")
+    assert status == 200
+    page = ResponseItemList.model_validate(body)
+    assert page.object == "list" and not page.has_more
+    assert (page.first_id, page.last_id) == (listed[0].id, listed[-1].id)
+    for item in body["data"]:
+        ITEMS.validate_python(item)
+    # The earlier output's logprobs only when asked for.
+    assert body["data"][1]["content"][0]["logprobs"] == []
+    status, body = get(fleet, f"/v1/responses/{r2.id}/input_items?include[]={LOGPROBS}")
+    assert status == 200 and body["data"][1]["content"][0]["logprobs"]
+    assert body["data"][1]["content"][0]["logprobs"] == \
+        r1.output[0].content[0].model_dump()["logprobs"]
+
+    # Oldest first, a page at a time, each starting after the last one's last id.
+    ids, after = [], None
+    while True:
+        page = c.responses.input_items.list(r2.id, order="asc", limit=3,
+                                            **({"after": after} if after else {}))
+        ids += [i.id for i in page.data]
+        if not page.has_more:
+            break
+        after = page.last_id
+    assert ids == [i.id for i in reversed(listed)]
+    first_page = c.responses.input_items.list(r2.id, order="asc", limit=3)
+    assert first_page.has_more and first_page.first_id == ids[0]
+    assert first_page.last_id == ids[2]
+    # The first response's own: its input alone.
+    assert [i.id for i in c.responses.input_items.list(r1.id, order="asc")] == ids[:2]
+
+
+def test_input_items_of_unknown_unstored_or_foreign_responses_are_404(fleet):
+    c = oai(fleet)
+    unstored = c.responses.create(model=TEXT, input="Hello there.", max_output_tokens=2,
+                                  store=False)
+    stored = c.responses.create(model=TEXT, input="Hello there.", max_output_tokens=2)
+    for client, rid in ((c, "resp_" + "0" * 32), (c, "nonsense"), (c, unstored.id),
+                        (oai(fleet, OTHER_KEY), stored.id)):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.responses.input_items.list(rid)
+        assert e.value.body["code"] == "response_not_found"
+        assert e.value.body["param"] == "response_id"
+    # A deleted one too.
+    c.responses.delete(stored.id)
+    status, body = get(fleet, f"/v1/responses/{stored.id}/input_items")
+    assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("query,param", [
+    ("limit=0", "limit"), ("limit=101", "limit"), ("limit=x", "limit"), ("limit=%C2%B2", "limit"),
+    ("limit=" + "9" * 5000, "limit"), ("order=up", "order"), ("after=msg_nowhere", "after"),
+])
+def test_input_items_refuse_bad_query_parameters(fleet, query, param):
+    r = oai(fleet).responses.create(model=TEXT, input="Hello there.", max_output_tokens=2)
+    status, body = get(fleet, f"/v1/responses/{r.id}/input_items?{query}")
+    assert status == 400, body
+    assert body["error"]["param"] == param and body["error"]["type"] == "invalid_request_error"
+
+
+def test_input_items_are_described(fleet):
+    status, spec = get(fleet, "/openapi.json")
+    op = spec["paths"]["/v1/responses/{response_id}/input_items"]["get"]
+    assert {p["name"] for p in op["parameters"]} == {"response_id", "limit", "order", "after",
+                                                      "include"}
+    assert {"200", "400", "404"} <= set(op["responses"])
 
 
 # -- 3. the output text's logprobs --------------------------------------------------------------

@@ -27,9 +27,9 @@ Tools become chat function tools, each under the name the model sees:
 A call input item of any kind translates back to the chat tool call the backend
 answered with, so the next turn's prefix keys continue the last one's.
 
-With `store` (OpenAI's default) the response (its conversation, and the response
-object for `GET /v1/responses/{id}`) is kept in Redis for the proxy's
-`--response-ttl` (see store.py), scoped by the API key.
+With `store` (OpenAI's default) the response (its conversation, the response object
+for `GET /v1/responses/{id}` and its input items for `GET .../input_items`) is kept in
+Redis for the proxy's `--response-ttl` (see store.py), scoped by the API key.
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ class ResponsesRequest:
     prompt_cache_key: str | None = None
     logprobs: bool = False  # `include` names rw.INCLUDE_LOGPROBS
     top_logprobs: int | None = None
+    # The input items as GET .../input_items lists them (each with an id); only when stored.
+    input_items: list[dict] = field(default_factory=list)
 
 
 # -- request: tools --------------------------------------------------------------------
@@ -245,6 +247,50 @@ def _input_messages(value: str | list) -> list[dict]:
     return out
 
 
+# -- request: input items as stored ---------------------------------------------------
+
+_ITEM_ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_",
+                   "custom_tool_call": "ctc_", "custom_tool_call_output": "ctco_",
+                   "local_shell_call": "lsh_", "local_shell_call_output": "lsho_",
+                   "reasoning": "rs_"}
+# The item types whose objects carry a status when OpenAI lists them.
+_WITH_STATUS = {"message", "function_call", "function_call_output", "local_shell_call",
+                "local_shell_call_output"}
+
+
+def _listed_part(part: dict, role: str) -> dict:
+    """A content part as OpenAI lists it: an assistant's text is output_text, any other
+    role's input_text."""
+    if part.get("type") not in ("input_text", "output_text", "text"):
+        return part  # (images are never stored)
+    if role == "assistant":
+        return {"type": "output_text", "text": part.get("text", ""),
+                "annotations": part.get("annotations") or [], "logprobs": []}
+    return {"type": "input_text", "text": part.get("text", "")}
+
+
+def _listed_item(item: dict) -> dict:
+    """One input item (validated) as GET .../input_items lists it: as sent, with an id
+    (the client's, or a new one) and a status, a message's content as a list of parts."""
+    kind = item.get("type") or "message"
+    out = {**item, "type": kind}
+    if not isinstance(out.get("id"), str) or not out["id"]:
+        out["id"] = new_id(_ITEM_ID_PREFIX.get(kind, "item_"))
+    if kind in _WITH_STATUS:
+        out.setdefault("status", "completed")
+    if kind == "message":
+        content = item["content"]
+        parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+        out["content"] = [_listed_part(p, item["role"]) for p in parts]
+    return out
+
+
+def _listed_items(value: str | list) -> list[dict]:
+    if isinstance(value, str):
+        return [_listed_item({"type": "message", "role": "user", "content": value})]
+    return [_listed_item(item) for item in value]
+
+
 def parse(body: dict) -> ResponsesRequest:
     req = validate(rw.ResponsesBody, body)
     tools, routes, ignored = _chat_tools(req.tools or [])
@@ -252,13 +298,14 @@ def parse(body: dict) -> ResponsesRequest:
     # Stored conversations live in Redis, which never holds an image (DESIGN.md
     # invariant 3): a response with images in its input is not stored.
     images = any(isinstance(m["content"], list) for m in messages)
+    store = req.store is not False and not images
     out = ResponsesRequest(
         model=req.model, input=messages, instructions=req.instructions,
         tools=tools or None, tools_echo=body["tools"] if req.tools else [],  # as sent
         routes=routes, ignored_tools=ignored,
         tool_choice=body["tool_choice"] if req.tool_choice else "auto",  # as sent
         parallel_tool_calls=req.parallel_tool_calls is not False,
-        stream=bool(req.stream), store=req.store is not False and not images,
+        stream=bool(req.stream), store=store,
         previous_response_id=req.previous_response_id,
         max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
         stop=req.stop, metadata=req.metadata or {}, user=req.user,
@@ -266,6 +313,7 @@ def parse(body: dict) -> ResponsesRequest:
         prompt_cache_key=req.prompt_cache_key,
         text_format=body["text"]["format"] if req.text and req.text.format else None,
         logprobs=rw.INCLUDE_LOGPROBS in (req.include or []), top_logprobs=req.top_logprobs,
+        input_items=_listed_items(body["input"]) if store else [],
     )
     if out.tool_choice not in ("auto", "none") and not out.tools:
         raise bad_request("A forced tool_choice needs a function tool: kvroute runs none of "
@@ -451,11 +499,13 @@ class OutputCall:
 
 
 class _ResponsesRelay(Relay):
-    def __init__(self, request: web.Request, req: ResponsesRequest, history: list[dict]):
+    def __init__(self, request: web.Request, req: ResponsesRequest, history: list[dict],
+                 history_items: list[dict]):
         self.gateway = request.app[GATEWAY]
         self.scope = request.get("scope")
         self.req = req
         self.history = history
+        self.history_items = history_items  # the continued response's input and output items
         self.id = new_id("resp_")
         self.created = int(time.time())
 
@@ -494,8 +544,9 @@ class _ResponsesRelay(Relay):
         obj = self.response(_status(reply), output, reply.usage)
         if self.req.store:
             messages = self.history + self.req.input + [reply.message()]
-            await self.gateway.responses.put(self.scope, self.id,
-                                             {"v": 1, "messages": messages, "response": obj})
+            items = self.history_items + self.req.input_items
+            await self.gateway.responses.put(self.scope, self.id, {
+                "v": 1, "messages": messages, "response": obj, "items": items})
         return obj
 
     def held_error(self, err: APIError) -> bytes:
@@ -613,6 +664,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
     req = await off_loop_if_large(len(raw), parse, body)
     history: list[dict] = []
+    history_items: list[dict] = []
     if req.previous_response_id is not None:
         record = await gateway.responses.get(request.get("scope"), req.previous_response_id)
         if record is None or not isinstance(record.get("messages"), list):
@@ -620,8 +672,12 @@ async def create(request: web.Request) -> web.StreamResponse:
                             "found.", param="previous_response_id",
                             code="previous_response_not_found")
         history = record["messages"]
+        if req.store:
+            # The items the model saw are the continued response's inputs and outputs.
+            history_items = _items_of(record) + _output_of(record)
     chat = carry_fault(body, chat_body(req, history))
-    return await gateway.route_chat(request, chat, _ResponsesRelay(request, req, history), t_start)
+    relay = _ResponsesRelay(request, req, history, history_items)
+    return await gateway.route_chat(request, chat, relay, t_start)
 
 
 def error_fields(err: APIError) -> dict:
@@ -645,6 +701,76 @@ async def retrieve(request: web.Request) -> web.Response:
     return json_response(record["response"], {})
 
 
+def _items_of(record: dict) -> list[dict]:
+    # A record stored before input items were kept lists none.
+    items = record.get("items")
+    return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
+
+
+def _output_of(record: dict) -> list[dict]:
+    response = record.get("response")
+    output = response.get("output") if isinstance(response, dict) else None
+    return output if isinstance(output, list) else []
+
+
+MAX_LIST_LIMIT = 100
+
+
+def _list_params(query: Any) -> tuple[int, str, str | None, list[str]]:
+    """(limit, order, after, include) of a list request, as OpenAI's list endpoints
+    take them; a 400 naming the parameter otherwise."""
+    raw = query.get("limit", "20")
+    limit = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 3 else 0
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise bad_request(f"Invalid 'limit': {raw[:20]!r}; expected an integer from 1 to "
+                          f"{MAX_LIST_LIMIT}.", param="limit", code="invalid_value")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"Invalid 'order': {order[:20]!r}; expected 'asc' or 'desc'.",
+                          param="order", code="invalid_value")
+    # The SDKs send a list as include[]=a&include[]=b; include=a is read the same.
+    include = query.getall("include[]", []) + query.getall("include", [])
+    return limit, order, query.get("after"), include
+
+
+def _without_logprobs(item: dict) -> dict:
+    """An output message item whose text parts' logprobs were not asked for: empty, as
+    a response created without them has them."""
+    if item.get("type") != "message" or not isinstance(item.get("content"), list):
+        return item
+    return {**item, "content": [{**p, "logprobs": []} if isinstance(p, dict)
+                                and p.get("type") == "output_text" else p
+                                for p in item["content"]]}
+
+
+async def input_items(request: web.Request) -> web.Response:
+    """GET /v1/responses/{id}/input_items: the items the model was given for a stored
+    response (those of the responses it continued, their outputs too, then its own
+    input), a page at a time as OpenAI lists them (newest first unless order=asc)."""
+    response_id = request.match_info["response_id"]
+    limit, order, after, include = _list_params(request.query)
+    record = await request.app[GATEWAY].responses.get(request.get("scope"), response_id,
+                                                      param="response_id")
+    if record is None or not isinstance(record.get("response"), dict):
+        raise _unknown(response_id)
+    items = _items_of(record)
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
+        if at is None:
+            raise bad_request(f"No input item with id '{after[:100]}' in this response.",
+                              param="after", code="invalid_value")
+        items = items[at + 1:]
+    page = items[:limit]
+    if rw.INCLUDE_LOGPROBS not in include:
+        page = [_without_logprobs(item) for item in page]
+    return json_response({"object": "list", "data": page,
+                          "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None,
+                          "has_more": len(items) > limit}, {})
+
+
 async def delete(request: web.Request) -> web.Response:
     """DELETE /v1/responses/{id}: forget a stored response (it can no longer be continued)."""
     response_id = request.match_info["response_id"]
@@ -656,4 +782,5 @@ async def delete(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post(PATH, create)
     app.router.add_get(PATH + "/{response_id}", retrieve)
+    app.router.add_get(PATH + "/{response_id}/input_items", input_items)
     app.router.add_delete(PATH + "/{response_id}", delete)
