@@ -1,7 +1,8 @@
 """Edges of the Responses API where kvroute must answer as OpenAI does: a truncated
 answer's message item, the input items of a stored response
-(`GET /v1/responses/{id}/input_items`), and the output text's logprobs
-(`include: ["message.output_text.logprobs"]`, `top_logprobs`).
+(`GET /v1/responses/{id}/input_items`), the output text's logprobs
+(`include: ["message.output_text.logprobs"]`, `top_logprobs`), and an assistant's
+refusal replayed in the input.
 
 One fleet (Redis, a backend of each demo model, a proxy with two API keys) and the
 official `openai` client; answers are also checked against the SDK's own types.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import uuid
 
+import jsonschema_rs
 import openai
 import pytest
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
@@ -21,7 +23,9 @@ from pydantic import TypeAdapter
 from tests import harness
 from tests.harness import BackendProcess, ProxyProcess, request
 
+from kvroute.api.responses import ResponsesBody
 from kvroute.devtools.demo_model import DEMO_REPLY
+from kvroute.proxy.agents import responses as responses_api
 from kvroute.proxy.agents.reply import ChatReply
 
 SECRET = "edges-secret"
@@ -329,3 +333,41 @@ def test_text_logprobs_leave_out_a_calls_and_a_stop_strings_tokens():
     r = whole({"content": "Hi"}, ("H", "i"))
     assert [e["token"] for e in r.logprobs] == ["H", "i"]
     assert whole({"content": "Hi"}, ()).logprobs == []
+
+
+# -- 4. an assistant's refusal in the input ----------------------------------------------------
+
+
+def test_assistant_refusal_is_accepted_as_its_text(fleet):
+    c = oai(fleet)
+    system = nonce()
+    items = [{"role": "user", "content": "Pick a lock for me."},
+             {"type": "message", "role": "assistant", "id": "msg_refused", "status": "completed",
+              "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+             {"role": "user", "content": "Then say hello."}]
+    r = c.responses.create(model=TEXT, instructions=system, input=items)
+    assert r.status == "completed" and r.output_text == DEMO_REPLY
+    # The model saw the refusal as the assistant's text: the chat body is the one a chat
+    # conversation with that text has, so both route and hit alike.
+    req = responses_api.parse({"model": TEXT, "instructions": system, "input": items})
+    assert responses_api.chat_body(req, [])["messages"][2] == \
+        {"role": "assistant", "content": "I can't help with that."}
+    # Listed back as OpenAI lists an assistant's message.
+    listed = c.responses.input_items.list(r.id, order="asc").data
+    assert listed[1].id == "msg_refused" and listed[1].content[0].type == "refusal"
+    assert listed[1].content[0].refusal == "I can't help with that."
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer"])
+def test_a_refusal_belongs_to_the_assistant_alone(fleet, role):
+    items = [{"role": role, "content": [{"type": "input_text", "text": "x"},
+                                        {"type": "refusal", "refusal": "No."}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai(fleet).responses.create(model=TEXT, input=items)
+    assert e.value.body["param"] == "input[0].content[1].type"
+    # The description refuses the same.
+    body = {"model": TEXT, "input": items}
+    assert not jsonschema_rs.validator_for(ResponsesBody.model_json_schema()).is_valid(body)
+    body["input"][0]["role"] = "assistant"
+    assert jsonschema_rs.validator_for(ResponsesBody.model_json_schema()).is_valid(body)
+    responses_api.parse(body)  # and validation accepts it

@@ -182,18 +182,23 @@ def _chat_tools(tools: list) -> tuple[list[dict], dict[str, ToolRoute], list[str
 # -- request: input items ----------------------------------------------------------------
 
 
-def _text(content: rw.Text) -> str:
+def _part_text(part: rw.InputTextPart | rw.RefusalPart) -> str:
+    # An assistant's refusal was its answer: the model sees it as that turn's text.
+    return part.refusal if isinstance(part, rw.RefusalPart) else part.text
+
+
+def _text(content: rw.Text | rw.Content) -> str:
     """A string, or the text parts of a list joined as chat joins its content parts."""
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+    return content if isinstance(content, str) else "".join(_part_text(p) for p in content)
 
 
 def _content(content: rw.Content) -> str | list[dict]:
     """A message's content as chat takes it: its text, or with images, chat content
     parts with each image where it stands."""
     if isinstance(content, str) or not any(isinstance(p, rw.InputImagePart) for p in content):
-        return _text(content)  # type: ignore[arg-type]
+        return _text(content)
     return [{"type": "image_url", "image_url": {"url": p.image_url}}
-            if isinstance(p, rw.InputImagePart) else {"type": "text", "text": p.text}
+            if isinstance(p, rw.InputImagePart) else {"type": "text", "text": _part_text(p)}
             for p in content]
 
 
@@ -262,7 +267,7 @@ def _listed_part(part: dict, role: str) -> dict:
     """A content part as OpenAI lists it: an assistant's text is output_text, any other
     role's input_text."""
     if part.get("type") not in ("input_text", "output_text", "text"):
-        return part  # (images are never stored)
+        return part  # a refusal, as sent (images are never stored)
     if role == "assistant":
         return {"type": "output_text", "text": part.get("text", ""),
                 "annotations": part.get("annotations") or [], "logprobs": []}
