@@ -161,6 +161,15 @@ _DELETED_RESPONSE = {
                    "deleted": {"const": True}},
 }
 
+_ITEM_LIST = {
+    "type": "object", "required": ["object", "data", "first_id", "last_id", "has_more"],
+    "properties": {"object": {"const": "list"},
+                   "data": {"type": "array", "items": {"type": "object",
+                                                       "required": ["id", "type"]}},
+                   "first_id": {"type": ["string", "null"]},
+                   "last_id": {"type": ["string", "null"]}, "has_more": {"type": "boolean"}},
+}
+
 _MODEL_OBJECT = {
     "type": "object", "required": ["id", "object", "created", "owned_by"],
     "properties": {"id": {"type": "string"}, "object": {"const": "model"},
@@ -224,6 +233,31 @@ def _by_id(name: str, about: str, operations: dict[str, tuple[str, dict]]) -> di
             for method, (summary, schema) in operations.items()}
 
 
+def _input_items() -> dict:
+    """GET /v1/responses/{response_id}/input_items, OpenAI's list of a response's input
+    items, with its query parameters."""
+    def query(name: str, about: str, schema: dict) -> dict:
+        return {"name": name, "in": "query", "required": False, "description": about,
+                "schema": schema}
+
+    summary = "The input items of a stored response, a page at a time"
+    parameters = [
+        {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"},
+         "description": "A stored response's id (in the API key's scope)"},
+        query("limit", "Items per page", {"type": "integer", "minimum": 1, "maximum": 100,
+                                          "default": 20}),
+        query("order", "asc: oldest first; desc: newest first",
+              {"enum": ["asc", "desc"], "default": "desc"}),
+        query("after", "The id of the item the page starts after", {"type": "string"}),
+        query("include", "message.output_text.logprobs: the logprobs of earlier outputs' text",
+              {"type": "array", "items": {"type": "string"}}),
+    ]
+    return {"get": {"summary": summary, "parameters": parameters, "responses": {
+        "200": {"description": summary,
+                "content": {"application/json": {"schema": _ITEM_LIST}}},
+        **_errors(400, 401, 404)}}}
+
+
 def spec(role: str) -> dict:
     """role: "proxy" or "backend"."""
     proxy = role == "proxy"
@@ -248,6 +282,7 @@ def spec(role: str) -> dict:
             "response_id", "A stored response's id (in the API key's scope)", {
                 "get": ("A stored response, as its create answered it", _RESPONSE_OBJECT),
                 "delete": ("Forget a stored response", _DELETED_RESPONSE)})
+        paths[RESPONSES_PATH + "/{response_id}/input_items"] = _input_items()
         paths[MODELS_PATH + "/{model}"] = _by_id("model", "A model id of /v1/models", {
             "get": ("One model of /v1/models", _MODEL_OBJECT)})
         paths[MESSAGES_PATH] = _agent(

@@ -18,14 +18,27 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, StringConstraints, Tag, WithJsonSchema, model_validator
 
+from .chat import MAX_TOP_LOGPROBS
 from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
+
+# The `include` value that asks for the output text's logprobs (OpenAI's ResponseIncludable).
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 
 
 class InputTextPart(Body):
     type: Annotated[Literal["input_text", "output_text", "text"], refusing(
         "Content part type {value} is not supported; only text parts (input_text, "
-        "output_text, text) and, in messages, input_image are.", "unsupported_content")]
+        "output_text, text) and, in messages, input_image (and refusal, in assistant "
+        "messages) are.", "unsupported_content")]
     text: str
+
+
+class RefusalPart(Body):
+    """An assistant's refusal, as OpenAI answers one: a replayed conversation holds it.
+    The model sees it as the turn's text."""
+
+    type: Literal["refusal"]
+    refusal: str
 
 
 class InputImagePart(Body):
@@ -39,13 +52,15 @@ class InputImagePart(Body):
 
 def _part_type(part: Any) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
-    return "input_image" if kind == "input_image" else "text"
+    return kind if kind in ("input_image", "refusal") else "text"
 
 
 Text = Union[str, list[InputTextPart]]
-# A message's content: text parts, and images where a user may send them.
+# A message's content: text parts, images where a user may send them, and an
+# assistant's refusals.
 Content = Union[str, list[Annotated[
-    Union[Annotated[InputTextPart, Tag("text")], Annotated[InputImagePart, Tag("input_image")]],
+    Union[Annotated[InputTextPart, Tag("text")], Annotated[InputImagePart, Tag("input_image")],
+          Annotated[RefusalPart, Tag("refusal")]],
     Discriminator(_part_type)]]]
 
 
@@ -54,12 +69,24 @@ Content = Union[str, list[Annotated[
 # any field not named here, so ids never reach the chat body or its prefix keys.
 
 
+# Only the model refuses: a refusal part in another role's message is refused, stated
+# for the description as for validation.
+_REFUSALS_ARE_THE_ASSISTANTS = {"allOf": [{
+    "if": {"required": ["role"], "properties": {"role": {"not": {"const": "assistant"}}}},
+    "then": {"properties": {"content": {"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"properties": {"type": {"not": {"const": "refusal"}}}}},
+    ]}}}}]}
+
+
 class MessageItem(Body):
+    model_config = {"json_schema_extra": _REFUSALS_ARE_THE_ASSISTANTS}
+
     type: Literal["message"] | None = None
     role: Annotated[Literal["user", "assistant", "system", "developer"], refusing(
         "Invalid role {value}; expected one of user, assistant, system, developer.",
         "invalid_value")]
-    content: Content
+    content: Content  # (ResponsesBody checks that only an assistant's holds a refusal)
 
 
 class FunctionCallItem(Body):
@@ -309,12 +336,15 @@ class ResponsesBody(Body):
     background: Annotated[only(False), refusing(
         "'background' responses are not supported.")] | None = None
     text: TextConfig | None = None
-    top_logprobs: Annotated[only(0), refusing(
-        "'top_logprobs' is not supported on /v1/responses.")] | None = None
+    # With `include` naming INCLUDE_LOGPROBS: the alternatives given for each token of
+    # the output text (alone it gives none, as on OpenAI's API).
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    # Accepted, and without effect: kvroute's models do not reason (no reasoning item
-    # to include), caching is automatic, there is one service tier.
+    # INCLUDE_LOGPROBS fills the output text's logprobs; any other value is accepted and
+    # has no effect: there is no reasoning item, nor a hosted tool's result, to add.
     include: list[str] | None = None
+    # Accepted, and without effect: kvroute's models do not reason, caching is
+    # automatic, there is one service tier.
     reasoning: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
@@ -339,4 +369,16 @@ class ResponsesBody(Body):
             if isinstance(item, LocalShellCallOutputItem) and not item.call:
                 raise invalid(f"input[{i}].id", "A local_shell_call_output names its call in "
                               "'id' (or 'call_id').", "missing_required_parameter")
+        return self
+
+    @model_validator(mode="after")
+    def _refusals_are_the_assistants(self) -> "ResponsesBody":
+        for i, item in enumerate(self.input if isinstance(self.input, list) else []):
+            if not isinstance(item, MessageItem) or item.role == "assistant" \
+                    or isinstance(item.content, str):
+                continue
+            for j, part in enumerate(item.content):
+                if isinstance(part, RefusalPart):
+                    raise invalid(f"input[{i}].content[{j}].type", "A refusal part belongs to "
+                                  "an assistant message only.", "invalid_value")
         return self

@@ -106,14 +106,21 @@ class Usage:
 
 @dataclass
 class ChatReply:
-    """The assistant turn of a chat answer: text, tool calls, why it ended, usage. Read
-    whole (`from_completion`) or accumulated chunk by chunk (`add`)."""
+    """The assistant turn of a chat answer: text, tool calls, why it ended, usage, and
+    (when the backend was asked for them) the logprobs of its text's tokens. Read whole
+    (`from_completion`) or accumulated chunk by chunk (`add`)."""
 
     text: str = ""
     tool_calls: list[dict] = field(default_factory=list)  # OpenAI format, arguments a JSON string
     finish_reason: str | None = None  # stop, length, tool_calls
     stop: str | None = None  # the stop string that ended it (the backend's stop_reason)
     usage: Usage = field(default_factory=Usage)
+    # The chat logprob entries of the tokens that made `text`, in order; not those of a
+    # tool call's tokens or of a stop string's (they are no part of the text).
+    logprobs: list[dict] = field(default_factory=list)
+    # Entries of tokens whose text the backend still holds back (maybe the start of a
+    # tool call or stop string): they go to the text once it comes, or nowhere.
+    _unplaced: list[dict] = field(default_factory=list)
 
     @classmethod
     def from_completion(cls, data: bytes) -> "ChatReply":
@@ -121,13 +128,20 @@ class ChatReply:
             body = orjson.loads(data)
             choice = body["choices"][0]
             message = choice["message"]
-            return cls(text=message.get("content") or "",
-                       tool_calls=message.get("tool_calls") or [],
-                       finish_reason=choice.get("finish_reason"), stop=_stop(choice),
-                       usage=Usage.from_chat(body.get("usage")))
+            reply = cls(text=message.get("content") or "",
+                        tool_calls=message.get("tool_calls") or [],
+                        finish_reason=choice.get("finish_reason"), stop=_stop(choice),
+                        usage=Usage.from_chat(body.get("usage")))
+            entries = _logprob_entries(choice)
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
             raise APIError(502, "The backend's answer could not be read.", "server_error", None,
                            "backend_failed") from None
+        if reply.tool_calls or reply.stop is not None:
+            # One list for the whole reply: the text's tokens come first, the calls' or
+            # the stop string's after them.
+            entries = covering(entries, reply.text)
+        reply.logprobs = entries
+        return reply
 
     def add(self, chunk: dict) -> tuple[str, list[dict]]:
         """Take one chat chunk into the reply; the text and tool calls it brought."""
@@ -139,11 +153,26 @@ class ChatReply:
         choice = choices[0]
         delta = choice.get("delta") or {}
         text, calls = delta.get("content") or "", delta.get("tool_calls") or []
+        if not isinstance(text, str) or not isinstance(calls, list):
+            text, calls = "", []
+        self._place(_logprob_entries(choice), text, bool(calls))
         self.text += text
         self.tool_calls += calls
         if choice.get("finish_reason"):
             self.finish_reason, self.stop = choice["finish_reason"], _stop(choice)
         return text, calls
+
+    def _place(self, entries: list[dict], text: str, calls: bool) -> None:
+        # The backend sends each token's entry with the first chunk after it: a chunk of
+        # text alone carries its tokens (and the held-back ones before), one with a call
+        # the call's; held-back tokens come in a chunk of neither.
+        self._unplaced += entries
+        if calls:
+            self.logprobs += covering(self._unplaced, text) if text else []
+            self._unplaced = []
+        elif text:
+            self.logprobs += self._unplaced
+            self._unplaced = []
 
     def message(self) -> dict:
         """The turn as a chat message, exactly as the backend extends its prefix chain with
@@ -152,6 +181,27 @@ class ChatReply:
         if self.tool_calls:
             msg["tool_calls"] = self.tool_calls
         return msg
+
+
+def _logprob_entries(choice: dict) -> list[dict]:
+    """The chat logprob entries of a choice or chunk (none when not asked for)."""
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    return [e for e in content if isinstance(e, dict)] if isinstance(content, list) else []
+
+
+def covering(entries: list[dict], text: str) -> list[dict]:
+    """The first of `entries` whose tokens make up `text`: up to the one whose token
+    brings them to the text's length (in UTF-8 bytes, as each entry's `bytes` counts)."""
+    want, have = len(text.encode()), 0
+    out = []
+    for e in entries:
+        if have >= want:
+            break
+        out.append(e)
+        token_bytes = e.get("bytes")
+        have += len(token_bytes) if isinstance(token_bytes, list) else len(str(e.get("token", "")))
+    return out
 
 
 def _stop(choice: dict) -> str | None:

@@ -27,9 +27,9 @@ Tools become chat function tools, each under the name the model sees:
 A call input item of any kind translates back to the chat tool call the backend
 answered with, so the next turn's prefix keys continue the last one's.
 
-With `store` (OpenAI's default) the response (its conversation, and the response
-object for `GET /v1/responses/{id}`) is kept in Redis for the proxy's
-`--response-ttl` (see store.py), scoped by the API key.
+With `store` (OpenAI's default) the response (its conversation, the response object
+for `GET /v1/responses/{id}` and its input items for `GET .../input_items`) is kept in
+Redis for the proxy's `--response-ttl` (see store.py), scoped by the API key.
 """
 
 from __future__ import annotations
@@ -102,6 +102,10 @@ class ResponsesRequest:
     user: str | None = None
     verbosity: str | None = None
     prompt_cache_key: str | None = None
+    logprobs: bool = False  # `include` names rw.INCLUDE_LOGPROBS
+    top_logprobs: int | None = None
+    # The input items as GET .../input_items lists them (each with an id); only when stored.
+    input_items: list[dict] = field(default_factory=list)
 
 
 # -- request: tools --------------------------------------------------------------------
@@ -178,18 +182,23 @@ def _chat_tools(tools: list) -> tuple[list[dict], dict[str, ToolRoute], list[str
 # -- request: input items ----------------------------------------------------------------
 
 
-def _text(content: rw.Text) -> str:
+def _part_text(part: rw.InputTextPart | rw.RefusalPart) -> str:
+    # An assistant's refusal was its answer: the model sees it as that turn's text.
+    return part.refusal if isinstance(part, rw.RefusalPart) else part.text
+
+
+def _text(content: rw.Text | rw.Content) -> str:
     """A string, or the text parts of a list joined as chat joins its content parts."""
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+    return content if isinstance(content, str) else "".join(_part_text(p) for p in content)
 
 
 def _content(content: rw.Content) -> str | list[dict]:
     """A message's content as chat takes it: its text, or with images, chat content
     parts with each image where it stands."""
     if isinstance(content, str) or not any(isinstance(p, rw.InputImagePart) for p in content):
-        return _text(content)  # type: ignore[arg-type]
+        return _text(content)
     return [{"type": "image_url", "image_url": {"url": p.image_url}}
-            if isinstance(p, rw.InputImagePart) else {"type": "text", "text": p.text}
+            if isinstance(p, rw.InputImagePart) else {"type": "text", "text": _part_text(p)}
             for p in content]
 
 
@@ -243,6 +252,50 @@ def _input_messages(value: str | list) -> list[dict]:
     return out
 
 
+# -- request: input items as stored ---------------------------------------------------
+
+_ITEM_ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_",
+                   "custom_tool_call": "ctc_", "custom_tool_call_output": "ctco_",
+                   "local_shell_call": "lsh_", "local_shell_call_output": "lsho_",
+                   "reasoning": "rs_"}
+# The item types whose objects carry a status when OpenAI lists them.
+_WITH_STATUS = {"message", "function_call", "function_call_output", "local_shell_call",
+                "local_shell_call_output"}
+
+
+def _listed_part(part: dict, role: str) -> dict:
+    """A content part as OpenAI lists it: an assistant's text is output_text, any other
+    role's input_text."""
+    if part.get("type") not in ("input_text", "output_text", "text"):
+        return part  # a refusal, as sent (images are never stored)
+    if role == "assistant":
+        return {"type": "output_text", "text": part.get("text", ""),
+                "annotations": part.get("annotations") or [], "logprobs": []}
+    return {"type": "input_text", "text": part.get("text", "")}
+
+
+def _listed_item(item: dict) -> dict:
+    """One input item (validated) as GET .../input_items lists it: as sent, with an id
+    (the client's, or a new one) and a status, a message's content as a list of parts."""
+    kind = item.get("type") or "message"
+    out = {**item, "type": kind}
+    if not isinstance(out.get("id"), str) or not out["id"]:
+        out["id"] = new_id(_ITEM_ID_PREFIX.get(kind, "item_"))
+    if kind in _WITH_STATUS:
+        out.setdefault("status", "completed")
+    if kind == "message":
+        content = item["content"]
+        parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+        out["content"] = [_listed_part(p, item["role"]) for p in parts]
+    return out
+
+
+def _listed_items(value: str | list) -> list[dict]:
+    if isinstance(value, str):
+        return [_listed_item({"type": "message", "role": "user", "content": value})]
+    return [_listed_item(item) for item in value]
+
+
 def parse(body: dict) -> ResponsesRequest:
     req = validate(rw.ResponsesBody, body)
     tools, routes, ignored = _chat_tools(req.tools or [])
@@ -250,19 +303,22 @@ def parse(body: dict) -> ResponsesRequest:
     # Stored conversations live in Redis, which never holds an image (DESIGN.md
     # invariant 3): a response with images in its input is not stored.
     images = any(isinstance(m["content"], list) for m in messages)
+    store = req.store is not False and not images
     out = ResponsesRequest(
         model=req.model, input=messages, instructions=req.instructions,
         tools=tools or None, tools_echo=body["tools"] if req.tools else [],  # as sent
         routes=routes, ignored_tools=ignored,
         tool_choice=body["tool_choice"] if req.tool_choice else "auto",  # as sent
         parallel_tool_calls=req.parallel_tool_calls is not False,
-        stream=bool(req.stream), store=req.store is not False and not images,
+        stream=bool(req.stream), store=store,
         previous_response_id=req.previous_response_id,
         max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
         stop=req.stop, metadata=req.metadata or {}, user=req.user,
         verbosity=req.text.verbosity if req.text else None,
         prompt_cache_key=req.prompt_cache_key,
         text_format=body["text"]["format"] if req.text and req.text.format else None,
+        logprobs=rw.INCLUDE_LOGPROBS in (req.include or []), top_logprobs=req.top_logprobs,
+        input_items=_listed_items(body["input"]) if store else [],
     )
     if out.tool_choice not in ("auto", "none") and not out.tools:
         raise bad_request("A forced tool_choice needs a function tool: kvroute runs none of "
@@ -306,13 +362,17 @@ def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
                         ("top_p", req.top_p), ("stop", req.stop)):
         if value is not None:
             body[name] = value
+    if req.logprobs:
+        body["logprobs"] = True
+        if req.top_logprobs is not None:
+            body["top_logprobs"] = req.top_logprobs
     return body
 
 
 # -- response: output items --------------------------------------------------------------
 
 _CHAT_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input",
-                "response_format": "text.format"}
+                "response_format": "text.format", "logprobs": "include"}
 
 
 def _usage(u: Usage) -> dict:
@@ -325,13 +385,43 @@ def _usage(u: Usage) -> dict:
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _top(alternatives: Any, with_bytes: bool) -> list[dict]:
+    out = []
+    for t in alternatives if isinstance(alternatives, list) else []:
+        if isinstance(t, dict):
+            top = {"token": t.get("token", ""), "logprob": t.get("logprob", 0.0)}
+            out.append({**top, "bytes": t.get("bytes") or []} if with_bytes else top)
+    return out
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict:
+def part_logprobs(entries: list[dict]) -> list[dict]:
+    """Chat logprob entries as an output_text part's `logprobs`."""
+    return [{"token": e.get("token", ""), "logprob": e.get("logprob", 0.0),
+             "bytes": e.get("bytes") or [], "top_logprobs": _top(e.get("top_logprobs"), True)}
+            for e in entries]
+
+
+def event_logprobs(entries: list[dict]) -> list[dict]:
+    """Chat logprob entries as the `logprobs` of an output_text delta or done event
+    (OpenAI's events carry no bytes)."""
+    return [{"token": e.get("token", ""), "logprob": e.get("logprob", 0.0),
+             "top_logprobs": _top(e.get("top_logprobs"), False)} for e in entries]
+
+
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [],
+            "logprobs": part_logprobs(logprobs or [])}
+
+
+def _message_item(item_id: str, text: str, status: str,
+                  logprobs: list[dict] | None = None) -> dict:
+    """The assistant's message item: `incomplete` when max_output_tokens cut its text."""
     return {"id": item_id, "type": "message", "status": status, "role": "assistant",
-            "content": [_text_part(text)] if status == "completed" else []}
+            "content": [] if status == "in_progress" else [_text_part(text, logprobs)]}
+
+
+def _status(reply: ChatReply) -> str:
+    return "incomplete" if reply.finish_reason == "length" else "completed"
 
 
 def _custom_input(args: str) -> str:
@@ -414,11 +504,13 @@ class OutputCall:
 
 
 class _ResponsesRelay(Relay):
-    def __init__(self, request: web.Request, req: ResponsesRequest, history: list[dict]):
+    def __init__(self, request: web.Request, req: ResponsesRequest, history: list[dict],
+                 history_items: list[dict]):
         self.gateway = request.app[GATEWAY]
         self.scope = request.get("scope")
         self.req = req
         self.history = history
+        self.history_items = history_items  # the continued response's input and output items
         self.id = new_id("resp_")
         self.created = int(time.time())
 
@@ -454,12 +546,12 @@ class _ResponsesRelay(Relay):
     async def finish(self, reply: ChatReply, output: list[dict]) -> dict:
         """The finished response object, stored (with its conversation) unless `store`
         is false."""
-        status = "incomplete" if reply.finish_reason == "length" else "completed"
-        obj = self.response(status, output, reply.usage)
+        obj = self.response(_status(reply), output, reply.usage)
         if self.req.store:
             messages = self.history + self.req.input + [reply.message()]
-            await self.gateway.responses.put(self.scope, self.id,
-                                             {"v": 1, "messages": messages, "response": obj})
+            items = self.history_items + self.req.input_items
+            await self.gateway.responses.put(self.scope, self.id, {
+                "v": 1, "messages": messages, "response": obj, "items": items})
         return obj
 
     def held_error(self, err: APIError) -> bytes:
@@ -474,7 +566,9 @@ class _ResponsesRelay(Relay):
     async def answer(self, reply: ChatReply) -> dict:
         output = []
         if reply.text or not reply.tool_calls:
-            output.append(_message_item(new_id("msg_"), reply.text, "completed"))
+            # Calls come after the text: the text was cut only when the reply ends in it.
+            status = "completed" if reply.tool_calls else _status(reply)
+            output.append(_message_item(new_id("msg_"), reply.text, status, reply.logprobs))
         output += [OutputCall.of(call, self.req.routes).item("completed")
                    for call in reply.tool_calls]
         return await self.finish(reply, output)
@@ -495,6 +589,7 @@ class _ResponsesEvents:
         self.seq = itertools.count()
         self.output: list[dict] = []  # finished items, in output_index order
         self.message: dict | None = None  # the open message item, while its text streams
+        self.placed = 0  # the reply's text logprobs already sent in a delta
 
     async def send(self, kind: str, **fields) -> bool:
         return await self.sse.send(kind, {"type": kind, "sequence_number": next(self.seq),
@@ -508,12 +603,16 @@ class _ResponsesEvents:
     async def text(self, text: str) -> None:
         if self.message is None:
             await self._open_message()
+        new = self.reply.logprobs[self.placed:]
+        self.placed += len(new)
         self.message["text"] += text
+        self.message["logprobs"] += new
         await self.send("response.output_text.delta", item_id=self.message["id"],
-                        output_index=len(self.output), content_index=0, delta=text, logprobs=[])
+                        output_index=len(self.output), content_index=0, delta=text,
+                        logprobs=event_logprobs(new))
 
     async def tool_call(self, call: dict) -> None:
-        await self._close_message()
+        await self._close_message("completed")  # a call follows: the text was not cut
         out, index = OutputCall.of(call, self.relay.req.routes), len(self.output)
         await self.send("response.output_item.added", output_index=index,
                         item=out.item("in_progress"))
@@ -526,7 +625,7 @@ class _ResponsesEvents:
     async def end(self) -> None:
         if not self.output and self.message is None:  # an empty reply is still one message
             await self._open_message()
-        await self._close_message()
+        await self._close_message(_status(self.reply))
         final = await self.relay.finish(self.reply, self.output)
         incomplete = final["status"] == "incomplete"
         await self.send("response.incomplete" if incomplete else "response.completed",
@@ -539,22 +638,23 @@ class _ResponsesEvents:
                                                 "message": error.message}))
 
     async def _open_message(self) -> None:
-        self.message = {"id": new_id("msg_"), "text": ""}
+        self.message = {"id": new_id("msg_"), "text": "", "logprobs": []}
         index = len(self.output)
         await self.send("response.output_item.added", output_index=index,
                         item=_message_item(self.message["id"], "", "in_progress"))
         await self.send("response.content_part.added", item_id=self.message["id"],
                         output_index=index, content_index=0, part=_text_part(""))
 
-    async def _close_message(self) -> None:
+    async def _close_message(self, status: str) -> None:
         if self.message is None:
             return
         item, index = self.message, len(self.output)
-        text = item["text"]
+        text, logprobs = item["text"], item["logprobs"]
         ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        await self.send("response.output_text.done", **ids, text=text, logprobs=[])
-        await self.send("response.content_part.done", **ids, part=_text_part(text))
-        done = _message_item(item["id"], text, "completed")
+        await self.send("response.output_text.done", **ids, text=text,
+                        logprobs=event_logprobs(logprobs))
+        await self.send("response.content_part.done", **ids, part=_text_part(text, logprobs))
+        done = _message_item(item["id"], text, status, logprobs)
         await self.send("response.output_item.done", output_index=index, item=done)
         self.output.append(done)
         self.message = None
@@ -569,6 +669,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
     req = await off_loop_if_large(len(raw), parse, body)
     history: list[dict] = []
+    history_items: list[dict] = []
     if req.previous_response_id is not None:
         record = await gateway.responses.get(request.get("scope"), req.previous_response_id)
         if record is None or not isinstance(record.get("messages"), list):
@@ -576,8 +677,12 @@ async def create(request: web.Request) -> web.StreamResponse:
                             "found.", param="previous_response_id",
                             code="previous_response_not_found")
         history = record["messages"]
+        if req.store:
+            # The items the model saw are the continued response's inputs and outputs.
+            history_items = _items_of(record) + _output_of(record)
     chat = carry_fault(body, chat_body(req, history))
-    return await gateway.route_chat(request, chat, _ResponsesRelay(request, req, history), t_start)
+    relay = _ResponsesRelay(request, req, history, history_items)
+    return await gateway.route_chat(request, chat, relay, t_start)
 
 
 def error_fields(err: APIError) -> dict:
@@ -601,6 +706,76 @@ async def retrieve(request: web.Request) -> web.Response:
     return json_response(record["response"], {})
 
 
+def _items_of(record: dict) -> list[dict]:
+    # A record stored before input items were kept lists none.
+    items = record.get("items")
+    return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
+
+
+def _output_of(record: dict) -> list[dict]:
+    response = record.get("response")
+    output = response.get("output") if isinstance(response, dict) else None
+    return output if isinstance(output, list) else []
+
+
+MAX_LIST_LIMIT = 100
+
+
+def _list_params(query: Any) -> tuple[int, str, str | None, list[str]]:
+    """(limit, order, after, include) of a list request, as OpenAI's list endpoints
+    take them; a 400 naming the parameter otherwise."""
+    raw = query.get("limit", "20")
+    limit = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 3 else 0
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise bad_request(f"Invalid 'limit': {raw[:20]!r}; expected an integer from 1 to "
+                          f"{MAX_LIST_LIMIT}.", param="limit", code="invalid_value")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"Invalid 'order': {order[:20]!r}; expected 'asc' or 'desc'.",
+                          param="order", code="invalid_value")
+    # The SDKs send a list as include[]=a&include[]=b; include=a is read the same.
+    include = query.getall("include[]", []) + query.getall("include", [])
+    return limit, order, query.get("after"), include
+
+
+def _without_logprobs(item: dict) -> dict:
+    """An output message item whose text parts' logprobs were not asked for: empty, as
+    a response created without them has them."""
+    if item.get("type") != "message" or not isinstance(item.get("content"), list):
+        return item
+    return {**item, "content": [{**p, "logprobs": []} if isinstance(p, dict)
+                                and p.get("type") == "output_text" else p
+                                for p in item["content"]]}
+
+
+async def input_items(request: web.Request) -> web.Response:
+    """GET /v1/responses/{id}/input_items: the items the model was given for a stored
+    response (those of the responses it continued, their outputs too, then its own
+    input), a page at a time as OpenAI lists them (newest first unless order=asc)."""
+    response_id = request.match_info["response_id"]
+    limit, order, after, include = _list_params(request.query)
+    record = await request.app[GATEWAY].responses.get(request.get("scope"), response_id,
+                                                      param="response_id")
+    if record is None or not isinstance(record.get("response"), dict):
+        raise _unknown(response_id)
+    items = _items_of(record)
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
+        if at is None:
+            raise bad_request(f"No input item with id '{after[:100]}' in this response.",
+                              param="after", code="invalid_value")
+        items = items[at + 1:]
+    page = items[:limit]
+    if rw.INCLUDE_LOGPROBS not in include:
+        page = [_without_logprobs(item) for item in page]
+    return json_response({"object": "list", "data": page,
+                          "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None,
+                          "has_more": len(items) > limit}, {})
+
+
 async def delete(request: web.Request) -> web.Response:
     """DELETE /v1/responses/{id}: forget a stored response (it can no longer be continued)."""
     response_id = request.match_info["response_id"]
@@ -612,4 +787,5 @@ async def delete(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post(PATH, create)
     app.router.add_get(PATH + "/{response_id}", retrieve)
+    app.router.add_get(PATH + "/{response_id}/input_items", input_items)
     app.router.add_delete(PATH + "/{response_id}", delete)

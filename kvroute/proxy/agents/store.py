@@ -6,7 +6,9 @@ response's canonical conversation: the chat messages of every input item that le
 it and of its reply, without the request's `instructions` (OpenAI does not carry those
 over to a continuation). A continuation then only appends its new
 input, and its chat body is the one the same conversation sent in full would make, so
-it routes to and hits the same cache.
+it routes to and hits the same cache. It also holds those input items as the client
+sent them (each with an id), for `GET /v1/responses/{id}/input_items`: the chat
+messages lose what kind of tool a call was for.
 
 Redis holds it encrypted with AES-256-GCM under a key derived from the deployment
 secret and the API key's scope, and the key name carries a keyed hash of the scope:
