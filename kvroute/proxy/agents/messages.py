@@ -346,9 +346,17 @@ class _MessagesEvents:
             self.text_open = False
 
 
+async def _read(request: web.Request) -> tuple[bytes, dict]:
+    """The body, as read_json reads it; a refusal naming a field in Anthropic's words."""
+    try:
+        return await read_json(request)
+    except APIError as err:
+        raise refusal(err, {}) from None
+
+
 async def create(request: web.Request) -> web.StreamResponse:
     t_start = time.perf_counter()
-    raw, body = await read_json(request)
+    raw, body = await _read(request)
     req = await off_loop_if_large(len(raw), parse, body)
     try:
         return await request.app[GATEWAY].route_chat(
@@ -360,7 +368,7 @@ async def create(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     """Asks a backend serving the model to render the chat body with its chat template:
     the count equals what messages.create reports as input (uncached + cached) tokens."""
-    raw, body = await read_json(request)
+    raw, body = await _read(request)
     req = await off_loop_if_large(len(raw), parse, body, True)
     chat: dict = {"model": req.model, "messages": req.messages}
     if req.tools:

@@ -1,0 +1,112 @@
+"""The Messages API at its edges, through a real proxy and backends: bodies nested past
+what the server can re-encode, the order of a whole message's blocks, replies cut by
+max_tokens, max_tokens 0 (fill the cache only), Anthropic's validation rules, and
+consecutive turns of one role combined into one.
+
+Real parts only, as in test_agent_apis.py: the session's redis-server, two backends
+of the tool-calling demo model (fault injection on, for `kvroute_fault: "force:TEXT"`,
+which makes the model reply TEXT then EOS), one proxy, real HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+from tests import harness
+from tests.harness import BackendProcess, ProxyProcess, request
+from tests.test_agent_apis import claude, half_cached, named_events, system_prompt
+
+from kvroute.api.http import MAX_DEPTH
+
+MODEL = "edges-tool"
+SECRET, TOKEN = "edges-secret", "edges-internal-token"
+F_TOOL = [{"name": "f", "description": "Does f", "input_schema": {"type": "object"}}]
+F_CALL = '<tool_call>{"name":"f","arguments":{}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def fleet(tool_model, tmp_path_factory, redis_server):
+    logs = tmp_path_factory.mktemp("messages-edges")
+
+    def backends(redis_url: str) -> list[BackendProcess]:
+        common = ["--redis-url", redis_url, "--secret", SECRET, "--internal-token", TOKEN,
+                  "--enable-faults"]
+        return [BackendProcess(tool_model, MODEL, logs, backend_id=f"edges-{i}", extra=common)
+                for i in (1, 2)]
+
+    def proxies(redis_url: str) -> list[ProxyProcess]:
+        return [ProxyProcess(redis_url, logs, ["--secret", SECRET, "--internal-token", TOKEN])]
+
+    with harness.fleet(backends, proxies, redis_server.database()) as f:
+        yield {**f, "proxy": f["proxies"][0]}
+
+
+def post(fleet, path: str, body: dict) -> tuple[int, dict, bytes]:
+    return request(fleet["proxy"].url + path, "POST", body, headers={"x-api-key": "any"})
+
+
+def refused(fleet, path: str, body: dict) -> str:
+    """The message of Anthropic's 400 for `body`."""
+    status, _, data = post(fleet, path, body)
+    err = json.loads(data)
+    assert status == 400, (status, data[:300])
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+    return err["error"]["message"]
+
+
+def nested(depth: int) -> dict:
+    value: dict | int = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+# -- JSON nested past what the server writes ----------------------------------------------
+
+
+def test_orjson_writes_254_levels():
+    # kvroute/api/http.py's depth check assumes orjson's limit on writing: a new orjson
+    # with another one must change _WRITE_DEPTH.
+    orjson.dumps(nested(254))
+    with pytest.raises(TypeError):
+        orjson.dumps(nested(255))
+
+
+def test_deep_json_is_a_400_on_every_api(fleet):
+    deep_tool = [{"name": "f", "input_schema": {"type": "object", "x": nested(250)}}]
+    hi = [user("Hi")]
+    message = refused(fleet, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": hi,
+                                              "tools": deep_tool})
+    assert message.startswith("tools.0.input_schema.x"), message
+    assert f"nested more than {MAX_DEPTH} levels deep" in message, message
+    message = refused(fleet, "/v1/messages/count_tokens", {"model": MODEL, "messages": hi,
+                                                           "tools": deep_tool})
+    assert message.startswith("tools.0.input_schema.x"), message
+    use = {"type": "tool_use", "id": "call_1", "name": "f", "input": nested(300)}
+    message = refused(fleet, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [
+        user("Hi"), {"role": "assistant", "content": [use]}, user("Go on.")]})
+    assert message.startswith("messages.1.content.0.input"), message
+    # The other APIs, in their own envelope; and the backend itself.
+    chat_tool = [{"type": "function", "function": {"name": "f", "parameters": nested(250)}}]
+    proxy, backend = fleet["proxy"].url, fleet["backends"]["edges-1"].url
+    for url, path, body in (
+            (proxy, "/v1/chat/completions", {"messages": hi, "tools": chat_tool}),
+            (proxy, "/v1/responses", {"input": "Hi", "tools": [
+                {"type": "function", "name": "f", "parameters": nested(300)}]}),
+            (backend, "/v1/chat/completions", {"messages": hi, "tools": chat_tool})):
+        status, _, data = request(url + path, "POST", {"model": MODEL, **body},
+                                  headers={"x-kvroute-token": TOKEN})
+        err = json.loads(data)["error"]
+        assert status == 400 and err["code"] == "nested_too_deeply", (path, data[:300])
+        assert err["param"].startswith("tools[0]"), err
+    # Deep, but within the limit: served.
+    status, _, data = post(fleet, "/v1/messages/count_tokens", {
+        "model": MODEL, "messages": hi,
+        "tools": [{"name": "f", "input_schema": {"type": "object", "x": nested(MAX_DEPTH - 8)}}]})
+    assert status == 200, data[:300]
