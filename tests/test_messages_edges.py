@@ -110,3 +110,57 @@ def test_deep_json_is_a_400_on_every_api(fleet):
         "model": MODEL, "messages": hi,
         "tools": [{"name": "f", "input_schema": {"type": "object", "x": nested(MAX_DEPTH - 8)}}]})
     assert status == 200, data[:300]
+
+
+# -- Anthropic's validation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"messages": [user("")]}, "messages.0: all messages must have non-empty content"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0: all messages must have"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                {"type": "text", "text": ""}]}]},
+     "messages.0.content.1.text: text content blocks must be non-empty"),
+    ({"messages": [user("Hi"), {"role": "assistant", "content": ""}, user("Go on.")]},
+     "messages.1: all messages must have non-empty content"),
+    ({"messages": [user("Hi"), {"role": "assistant", "content": [{"type": "text", "text": ""}]},
+                   user("Go on.")]}, "messages.1.content.0.text: text content blocks"),
+    ({"tools": [{"name": "read file", "input_schema": {}}]},
+     "tools.0.name: String should match pattern '^[a-zA-Z0-9_-]{1,128}$'"),
+    ({"tools": [{"name": "x" * 129, "input_schema": {}}]}, "tools.0.name: String should match"),
+    ({"tools": [{"name": "f", "input_schema": {}}, {"name": "g", "input_schema": {}},
+                {"name": "f", "input_schema": {}, "defer_loading": True}]},
+     "tools.2.name: Tool names must be unique"),
+    ({"thinking": {"type": "sometimes"}}, "thinking.type: Input should be 'enabled'"),
+    ({"thinking": {"budget_tokens": 2048}}, "thinking.type: Field required"),
+])
+def test_refused_as_anthropic_refuses(fleet, fields, message):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [user("Hi")], **fields}
+    got = refused(fleet, "/v1/messages", body)
+    assert got.startswith(message), got
+    body.pop("max_tokens")
+    assert refused(fleet, "/v1/messages/count_tokens", body) == got
+
+
+@pytest.mark.parametrize("fields", [
+    {"thinking": {"type": "enabled", "budget_tokens": 2048}},
+    {"thinking": {"type": "adaptive", "display": "omitted"}},
+    {"thinking": {"type": "disabled"}},
+    {"thinking": {"type": "between_tools"}},
+    {"tools": [{"name": "mcp__git-hub__get_file_1", "input_schema": {}}, *F_TOOL]},
+    # Histories a strict check would break (a client may trim a conversation): a
+    # result whose call is not there, a call whose result is not.
+    {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "call_gone", "content": "done"}]}]},
+    {"messages": [user("Hi"), {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "call_1", "name": "f", "input": {}}]}, user("Never mind.")]},
+    # The optional empty ones: a system message (Anthropic's directive-only form), a
+    # tool result.
+    {"messages": [user("Hi"), {"role": "system", "content": ""}, user("Go on.")]},
+    {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "call_1", "content": ""}]}]},
+])
+def test_accepted_as_anthropic_accepts(fleet, fields):
+    status, _, data = post(fleet, "/v1/messages/count_tokens",
+                           {"model": MODEL, "messages": [user("Hi")], **fields})
+    assert status == 200, data[:300]
