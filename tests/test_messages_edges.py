@@ -164,3 +164,30 @@ def test_accepted_as_anthropic_accepts(fleet, fields):
     status, _, data = post(fleet, "/v1/messages/count_tokens",
                            {"model": MODEL, "messages": [user("Hi")], **fields})
     assert status == 200, data[:300]
+
+
+# -- consecutive turns of one role -----------------------------------------------------------
+
+
+def count(fleet, messages: list[dict], **kw) -> int:
+    status, _, data = post(fleet, "/v1/messages/count_tokens",
+                           {"model": MODEL, "messages": messages, **kw})
+    assert status == 200, data[:300]
+    return json.loads(data)["input_tokens"]
+
+
+def test_consecutive_messages_of_one_role_are_one_turn(fleet):
+    text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    assert count(fleet, [user("Hi"), user("there")]) == count(
+        fleet, [{"role": "user", "content": [text("Hi"), text("there")]}])
+    use = {"type": "tool_use", "id": "call_1", "name": "f", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "call_1", "content": "42"}
+    split = [user("Do f."), {"role": "assistant", "content": "On it."},
+             {"role": "assistant", "content": [use]},
+             {"role": "user", "content": [result]}, user("Thanks.")]
+    joined = [user("Do f."), {"role": "assistant", "content": [text("On it."), use]},
+              {"role": "user", "content": [result, text("Thanks.")]}]
+    assert count(fleet, split, tools=F_TOOL) == count(fleet, joined, tools=F_TOOL)
+    # And a conversation sent either way is served.
+    m = claude(fleet).messages.create(model=MODEL, max_tokens=4, messages=[user("Hi"), user("there")])
+    assert m.type == "message"

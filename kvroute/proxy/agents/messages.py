@@ -149,6 +149,25 @@ def _assistant(content: str | list) -> dict:
     return msg
 
 
+def _turns(messages: list) -> list[tuple[int, str, Any]]:
+    """(index, role, content) of each turn: consecutive user (or assistant) messages
+    are one turn, their blocks in order, as Anthropic's API combines them. So the chat
+    template sees one message whichever way a client split the turn, and two user
+    messages count and cache as one with both blocks."""
+    turns: list[tuple[int, str, Any]] = []
+    for i, msg in enumerate(messages):
+        if turns and msg.role != "system" and turns[-1][1] == msg.role:
+            index, role, content = turns[-1]
+            turns[-1] = (index, role, _blocks_of(content) + _blocks_of(msg.content))
+        else:
+            turns.append((i, msg.role, msg.content))
+    return turns
+
+
+def _blocks_of(content: str | list) -> list:
+    return [mw.TextBlock(type="text", text=content)] if isinstance(content, str) else content
+
+
 def _messages(req: mw.CountTokensBody) -> tuple[list[dict], int | None]:
     """The chat messages, and the index in `req.messages` of the first system message
     inside the conversation (after a user or assistant turn), or None."""
@@ -157,16 +176,16 @@ def _messages(req: mw.CountTokensBody) -> tuple[list[dict], int | None]:
     if system is not None:
         out.append({"role": "system", "content": system})
     mid_system, begun = None, False
-    for i, msg in enumerate(req.messages):
-        if msg.role == "system":
+    for i, role, content in _turns(req.messages):
+        if role == "system":
             # One without text (Anthropic's directive-only form) says nothing to a template.
-            text = _system_text(msg.content)
+            text = _system_text(content)
             if text:
                 if begun and mid_system is None:
                     mid_system = i
                 out.append({"role": "system", "content": text})
             continue
-        out += _user(msg.content) if msg.role == "user" else [_assistant(msg.content)]
+        out += _user(content) if role == "user" else [_assistant(content)]
         begun = True
     return out, mid_system
 
