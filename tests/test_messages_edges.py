@@ -112,6 +112,22 @@ def test_deep_json_is_a_400_on_every_api(fleet):
     assert status == 200, data[:300]
 
 
+# -- a whole message is the stream's ---------------------------------------------------------
+
+
+def test_a_whole_message_lists_its_blocks_in_the_order_written(fleet):
+    kw = {"model": MODEL, "max_tokens": 64, "tools": F_TOOL, "messages": [user("Check.")],
+          "extra_body": {"kvroute_fault": f"force:Checking.{F_CALL}Done."}}
+    whole = claude(fleet).messages.create(**kw)
+    with claude(fleet).messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    blocks = [(b.type, b.text if b.type == "text" else (b.name, b.input)) for b in whole.content]
+    assert blocks == [("text", "Checking."), ("tool_use", ("f", {})), ("text", "Done.")]
+    assert blocks == [(b.type, b.text if b.type == "text" else (b.name, b.input))
+                      for b in streamed.content]
+    assert whole.stop_reason == streamed.stop_reason == "tool_use"
+
+
 # -- Anthropic's validation ------------------------------------------------------------------
 
 

@@ -7,9 +7,11 @@ text blocks its content (blocks joined by a blank line), a system message inside
 its tool calls (ids kept, so the next turn's body is the one the backend advertised),
 a user's `tool_result` blocks tool messages; tools take OpenAI's function format (a
 deferred tool, `defer_loading`, is left out, as Anthropic leaves it out of the prompt).
-It is routed like any chat completion (`Gateway.route_chat`), so a chat completion and
-a Messages request with the same history share one cache, and the backend's chat
-answer comes back as a message, or as Anthropic's event stream.
+Consecutive user (or assistant) messages are first combined into one turn, as
+Anthropic's API combines them. It is routed like any chat completion
+(`Gateway.route_chat`), so a chat completion and a Messages request with the same
+history share one cache, and the backend's chat answer, always streamed, comes back as
+Anthropic's event stream or as a message whose blocks keep the stream's order.
 
 Claude Code's billing line (a system text block `x-anthropic-billing-header: ...`) is
 dropped: it is a header for Anthropic's billing, not prompt, and its hash changes from
@@ -42,7 +44,7 @@ from kvroute.api.validation import validate
 from kvroute.api.routes import COUNT_TOKENS_PATH, MESSAGES_COUNT_PATH, MESSAGES_PATH
 
 from .gateway import GATEWAY, Relay, SSEWriter, carry_fault, off_loop_if_large, sse_event
-from .reply import ChatReply, Usage, new_id, tool_call_parts, upstream_error
+from .reply import ChatReply, Usage, chat_chunks, new_id, tool_call_parts, upstream_error
 
 PATH, COUNT_PATH = MESSAGES_PATH, MESSAGES_COUNT_PATH
 # Several text blocks of one turn (Claude Code sends a few) read as paragraphs.
@@ -237,11 +239,15 @@ def _tool_choice(choice: mw.ToolChoice | None) -> str | dict:
 
 
 def chat_body(req: MessagesRequest) -> dict:
-    """The canonical chat-completions body of a Messages request."""
-    body: dict = {"model": req.model, "messages": req.messages, "max_tokens": req.max_tokens,
-                  "stream": req.stream}
-    if req.stream:
-        body["stream_options"] = {"include_usage": True}
+    """The canonical chat-completions body of a Messages request.
+
+    Always streamed from the backend, even for a client that asked for a whole message:
+    only a stream says in which order the model wrote its text and its tool calls (a
+    whole chat answer has the text in one field, the calls in another), and a message
+    lists its content blocks in that order, as Anthropic's stream does."""
+    body: dict = {"model": req.model, "messages": req.messages,
+                  "max_tokens": req.max_tokens, "stream": True,
+                  "stream_options": {"include_usage": True}}
     if req.tools:
         body["tools"] = req.tools
         body["tool_choice"] = req.tool_choice
@@ -287,10 +293,29 @@ def _tool_use(call: dict) -> dict:
     return {"type": "tool_use", "id": call_id, "name": name, "input": tool_input}
 
 
+class _Content:
+    """A message's content blocks in the order the model wrote them: a text block per
+    run of text, a tool_use block per call."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict] = []
+
+    def add(self, text: str, calls: list[dict]) -> None:
+        if text and self.blocks and self.blocks[-1]["type"] == "text":
+            self.blocks[-1]["text"] += text
+        elif text:
+            self.blocks.append({"type": "text", "text": text})
+        self.blocks += [_tool_use(call) for call in calls]
+
+
 class _MessagesRelay(Relay):
     def __init__(self, req: MessagesRequest):
         self.req = req
         self.id = new_id("msg_")
+
+    @property
+    def client_stream(self) -> bool:
+        return self.req.stream
 
     def message(self, content: list[dict], reply: ChatReply | None, usage: Usage) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.req.model,
@@ -305,9 +330,27 @@ class _MessagesRelay(Relay):
         return backend_refusal(err, self.req)
 
     async def answer(self, reply: ChatReply) -> dict:
-        content = [{"type": "text", "text": reply.text}] if reply.text else []
-        content += [_tool_use(call) for call in reply.tool_calls]
-        return self.message(content, reply, reply.usage)
+        # A whole chat answer, from a backend that did not stream though asked to: its
+        # text and calls no longer say their order; text first, as chat lists them.
+        content = _Content()
+        content.add(reply.text, reply.tool_calls)
+        return self.message(content.blocks, reply, reply.usage)
+
+    async def stream(self, request: web.Request, upstream: Any, headers: dict,
+                     bid: str) -> web.StreamResponse:
+        if self.req.stream:
+            return await super().stream(request, upstream, headers, bid)
+        # A whole message, read from the backend's stream (chat_body): the blocks in
+        # the order they came. A failure raises UpstreamFailed: nothing has reached the
+        # client, so the proxy may try the request elsewhere (forward.py).
+        reply, content = ChatReply(usage=Usage.from_headers(headers)), _Content()
+        try:
+            async for chunk in chat_chunks(upstream, bid):
+                content.add(*reply.add(chunk))
+        finally:
+            self.completion_tokens = reply.usage.completion_tokens
+        return json_response(self.message(content.blocks, reply, reply.usage),
+                             self.headers(headers))
 
     def events(self, sse: SSEWriter, reply: ChatReply) -> "_MessagesEvents":
         return _MessagesEvents(self, sse, reply)
