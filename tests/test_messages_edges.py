@@ -19,6 +19,8 @@ from tests.harness import BackendProcess, ProxyProcess, request
 from tests.test_agent_apis import claude, half_cached, named_events, system_prompt
 
 from kvroute.api.http import MAX_DEPTH
+from kvroute.proxy.agents import messages as messages_api
+from kvroute.proxy.agents.reply import ChatReply, Usage
 
 MODEL = "edges-tool"
 SECRET, TOKEN = "edges-secret", "edges-internal-token"
@@ -126,6 +128,35 @@ def test_a_whole_message_lists_its_blocks_in_the_order_written(fleet):
     assert blocks == [(b.type, b.text if b.type == "text" else (b.name, b.input))
                       for b in streamed.content]
     assert whole.stop_reason == streamed.stop_reason == "tool_use"
+
+
+# -- cut by max_tokens -----------------------------------------------------------------------
+
+
+def test_a_reply_cut_by_max_tokens_says_max_tokens_even_with_a_tool_call(fleet):
+    # A whole call, then a second one cut short: 16 tokens end inside the second.
+    fault = "force:" + F_CALL + '<tool_call>{"name":"f",'
+    kw = {"model": MODEL, "max_tokens": 16, "tools": F_TOOL, "messages": [user("Do f twice.")],
+          "extra_body": {"kvroute_fault": fault}}
+    whole = claude(fleet).messages.create(**kw)
+    assert whole.stop_reason == "max_tokens", whole
+    assert whole.usage.output_tokens == 16
+    with claude(fleet).messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "max_tokens", streamed
+
+
+def test_finish_reason_length_is_max_tokens_whatever_the_reply_holds():
+    # What the backend reports for a cut once it says "length" after a tool call too
+    # (and leaves an unfinished call's markup out of the text).
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for reply in (ChatReply(finish_reason="length"),
+                  ChatReply(tool_calls=[call], finish_reason="length"),
+                  ChatReply(text="Let me", tool_calls=[call], finish_reason="length")):
+        assert messages_api._stop_reason(reply, 16) == "max_tokens"
+    # A call that ended within the budget is a tool_use.
+    done = ChatReply(tool_calls=[call], finish_reason="tool_calls", usage=Usage(10, 0, 12))
+    assert messages_api._stop_reason(done, 16) == "tool_use"
 
 
 # -- Anthropic's validation ------------------------------------------------------------------

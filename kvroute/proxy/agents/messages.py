@@ -273,12 +273,24 @@ def _usage(u: Usage) -> dict:
             "output_tokens": u.completion_tokens}
 
 
-def _stop_reason(reply: ChatReply) -> str:
+def _stop_reason(reply: ChatReply, max_tokens: int) -> str:
+    # A reply cut by max_tokens says so even when it holds tool calls: the last one may
+    # be cut short, and a client (Claude Code) must know its answer is incomplete.
+    if _cut(reply, max_tokens):
+        return "max_tokens"
     if reply.finish_reason == "tool_calls" or reply.tool_calls:
         return "tool_use"
-    if reply.finish_reason == "length":
-        return "max_tokens"
     return "stop_sequence" if reply.stop is not None else "end_turn"
+
+
+def _cut(reply: ChatReply, max_tokens: int) -> bool:
+    if reply.finish_reason == "length":
+        return True
+    # A backend that predates reporting "length" for it says "tool_calls" when the cut
+    # came after a complete call: a reply that used its whole budget was cut (or ended
+    # exactly there; the two cannot be told apart).
+    return (reply.finish_reason == "tool_calls" and max_tokens > 0
+            and reply.usage.completion_tokens >= max_tokens)
 
 
 def _tool_use(call: dict) -> dict:
@@ -320,7 +332,7 @@ class _MessagesRelay(Relay):
     def message(self, content: list[dict], reply: ChatReply | None, usage: Usage) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.req.model,
                 "content": content,
-                "stop_reason": _stop_reason(reply) if reply else None,
+                "stop_reason": _stop_reason(reply, self.req.max_tokens or 0) if reply else None,
                 "stop_sequence": reply.stop if reply else None, "usage": _usage(usage)}
 
     def held_error(self, err: APIError) -> bytes:
@@ -394,9 +406,9 @@ class _MessagesEvents:
     async def end(self) -> None:
         await self._close_text()
         reply = self.reply
-        await self.send("message_delta", delta={"stop_reason": _stop_reason(reply),
-                                                "stop_sequence": reply.stop},
-                        usage=_usage(reply.usage))
+        await self.send("message_delta", delta={
+            "stop_reason": _stop_reason(reply, self.relay.req.max_tokens or 0),
+            "stop_sequence": reply.stop}, usage=_usage(reply.usage))
         await self.send("message_stop")
 
     async def fail(self, error: APIError) -> None:
