@@ -159,6 +159,37 @@ def test_finish_reason_length_is_max_tokens_whatever_the_reply_holds():
     assert messages_api._stop_reason(done, 16) == "tool_use"
 
 
+# -- max_tokens 0: fill the cache ----------------------------------------------------------
+
+
+def test_max_tokens_zero_fills_the_cache_and_answers_nothing(fleet):
+    c = claude(fleet)
+    kw = {"model": MODEL, "system": system_prompt(), "messages": [user("Read this first.")]}
+    counted = c.messages.count_tokens(**kw).input_tokens
+    raw = c.messages.with_raw_response.create(max_tokens=0, **kw)
+    m, backend = raw.parse(), raw.headers["x-kvroute-backend"]
+    assert m.content == [] and m.stop_reason == "max_tokens" and m.stop_sequence is None
+    assert m.usage.output_tokens == 0
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted
+    raw = c.messages.with_raw_response.create(max_tokens=8, **kw)
+    assert raw.headers["x-kvroute-backend"] == backend
+    u = raw.parse().usage
+    assert half_cached(u.cache_read_input_tokens, counted), u
+
+    # Streamed: the message's events without a content block.
+    kw["system"] = system_prompt()
+    status, headers, data = post(fleet, "/v1/messages", {**kw, "max_tokens": 0, "stream": True})
+    events = named_events(data)
+    assert status == 200 and [n for n, _ in events] == [
+        "message_start", "ping", "message_delta", "message_stop"], events
+    delta = events[2][1]
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}, delta
+    assert delta["usage"]["output_tokens"] == 0 and delta["usage"]["input_tokens"] > 0
+    raw = c.messages.with_raw_response.create(max_tokens=8, **kw)
+    assert raw.headers["x-kvroute-backend"] == headers["x-kvroute-backend"]
+    assert raw.parse().usage.cache_read_input_tokens > 0
+
+
 # -- Anthropic's validation ------------------------------------------------------------------
 
 

@@ -287,7 +287,9 @@ class CountTokensBody(Body):
 
 
 class MessagesBody(CountTokensBody):
-    max_tokens: Annotated[int, Field(ge=1)]
+    # 0: prefill the prompt into the cache and generate nothing (Anthropic's "populate
+    # the prompt cache without generating a response").
+    max_tokens: Annotated[int, Field(ge=0)]
     stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None

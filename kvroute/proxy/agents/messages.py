@@ -12,6 +12,7 @@ Anthropic's API combines them. It is routed like any chat completion
 (`Gateway.route_chat`), so a chat completion and a Messages request with the same
 history share one cache, and the backend's chat answer, always streamed, comes back as
 Anthropic's event stream or as a message whose blocks keep the stream's order.
+`max_tokens: 0` fills the prompt cache and answers nothing (`chat_body`).
 
 Claude Code's billing line (a system text block `x-anthropic-billing-header: ...`) is
 dropped: it is a header for Anthropic's billing, not prompt, and its hash changes from
@@ -244,9 +245,13 @@ def chat_body(req: MessagesRequest) -> dict:
     Always streamed from the backend, even for a client that asked for a whole message:
     only a stream says in which order the model wrote its text and its tool calls (a
     whole chat answer has the text in one field, the calls in another), and a message
-    lists its content blocks in that order, as Anthropic's stream does."""
+    lists its content blocks in that order, as Anthropic's stream does.
+
+    max_tokens 0 (fill the prompt cache, generate nothing) asks the backend for one
+    token: the chat API has no "prefill only", and a backend commits a prompt's cache
+    when its reply ends. The relay drops that token from the answer."""
     body: dict = {"model": req.model, "messages": req.messages,
-                  "max_tokens": req.max_tokens, "stream": True,
+                  "max_tokens": max(req.max_tokens or 0, 1), "stream": True,
                   "stream_options": {"include_usage": True}}
     if req.tools:
         body["tools"] = req.tools
@@ -267,16 +272,16 @@ def chat_body(req: MessagesRequest) -> dict:
 # -- response --------------------------------------------------------------------------
 
 
-def _usage(u: Usage) -> dict:
+def _usage(u: Usage, prefill_only: bool = False) -> dict:
     return {"input_tokens": max(0, u.prompt_tokens - u.cached_tokens),
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": u.cached_tokens,
-            "output_tokens": u.completion_tokens}
+            "output_tokens": 0 if prefill_only else u.completion_tokens}
 
 
 def _stop_reason(reply: ChatReply, max_tokens: int) -> str:
     # A reply cut by max_tokens says so even when it holds tool calls: the last one may
     # be cut short, and a client (Claude Code) must know its answer is incomplete.
-    if _cut(reply, max_tokens):
+    if max_tokens == 0 or _cut(reply, max_tokens):
         return "max_tokens"
     if reply.finish_reason == "tool_calls" or reply.tool_calls:
         return "tool_use"
@@ -324,6 +329,8 @@ class _MessagesRelay(Relay):
     def __init__(self, req: MessagesRequest):
         self.req = req
         self.id = new_id("msg_")
+        # max_tokens 0: the backend generated one token (chat_body); the answer has none.
+        self.prefill_only = req.max_tokens == 0
 
     @property
     def client_stream(self) -> bool:
@@ -331,9 +338,10 @@ class _MessagesRelay(Relay):
 
     def message(self, content: list[dict], reply: ChatReply | None, usage: Usage) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.req.model,
-                "content": content,
+                "content": [] if self.prefill_only else content,
                 "stop_reason": _stop_reason(reply, self.req.max_tokens or 0) if reply else None,
-                "stop_sequence": reply.stop if reply else None, "usage": _usage(usage)}
+                "stop_sequence": reply.stop if reply and not self.prefill_only else None,
+                "usage": _usage(usage, self.prefill_only)}
 
     def held_error(self, err: APIError) -> bytes:
         return sse_event("error", {"type": "error", **error_fields(err)})
@@ -386,6 +394,8 @@ class _MessagesEvents:
         await self.send("ping")
 
     async def text(self, text: str) -> None:
+        if self.relay.prefill_only:
+            return
         if not self.text_open:
             await self.send("content_block_start", index=self.blocks,
                             content_block={"type": "text", "text": ""})
@@ -394,6 +404,8 @@ class _MessagesEvents:
                         delta={"type": "text_delta", "text": text})
 
     async def tool_call(self, call: dict) -> None:
+        if self.relay.prefill_only:
+            return
         await self._close_text()
         block, index = _tool_use(call), self.blocks
         await self.send("content_block_start", index=index, content_block={**block, "input": {}})
@@ -406,9 +418,11 @@ class _MessagesEvents:
     async def end(self) -> None:
         await self._close_text()
         reply = self.reply
+        prefill_only = self.relay.prefill_only
         await self.send("message_delta", delta={
             "stop_reason": _stop_reason(reply, self.relay.req.max_tokens or 0),
-            "stop_sequence": reply.stop}, usage=_usage(reply.usage))
+            "stop_sequence": None if prefill_only else reply.stop},
+            usage=_usage(reply.usage, prefill_only))
         await self.send("message_stop")
 
     async def fail(self, error: APIError) -> None:
