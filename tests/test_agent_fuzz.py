@@ -213,25 +213,33 @@ MESSAGES_FIELDS = {
 }
 ok_text_block = st.fixed_dictionaries({"type": st.just("text"), "text": text},
                                       optional={"cache_control": st.just({"type": "ephemeral"})})
+# A user or assistant turn is not empty, nor is a text block of one (Anthropic's rules).
+ok_turn_text_block = st.fixed_dictionaries(
+    {"type": st.just("text"), "text": name_text},
+    optional={"cache_control": st.just({"type": "ephemeral"})})
 ok_tool_result = st.fixed_dictionaries(
     {"type": st.just("tool_result"), "tool_use_id": name_text},
     optional={"content": st.one_of(text, st.lists(ok_text_block, max_size=2)),
               "is_error": st.booleans()})
 ok_user = st.fixed_dictionaries({"role": st.just("user"), "content": st.one_of(
-    text, st.lists(st.one_of(ok_text_block, ok_tool_result), max_size=3))})
+    name_text, st.lists(st.one_of(ok_turn_text_block, ok_tool_result), min_size=1, max_size=3))})
 ok_assistant = st.fixed_dictionaries({"role": st.just("assistant"), "content": st.one_of(
-    text, st.lists(st.one_of(ok_text_block, st.fixed_dictionaries(
+    name_text, st.lists(st.one_of(ok_turn_text_block, st.fixed_dictionaries(
         {"type": st.just("tool_use"), "id": name_text, "name": name_text,
          "input": st.dictionaries(text, json_values, max_size=2)}),
-        st.just({"type": "thinking", "thinking": "hm", "signature": "x"})), max_size=3))})
+        st.just({"type": "thinking", "thinking": "hm", "signature": "x"})), min_size=1,
+        max_size=3))})
+# Anthropic's tool names: ^[a-zA-Z0-9_-]{1,128}$, each once.
+ok_tool_name = st.from_regex(r"[a-zA-Z0-9_-]{1,20}", fullmatch=True)
 OK_MESSAGES = {
     "messages": st.builds(lambda turns, last: [m for pair in turns for m in pair] + [last],
                           st.lists(st.tuples(ok_user, ok_assistant), max_size=2), ok_user),
     "system": st.one_of(text, st.lists(ok_text_block, max_size=2)),
     "tools": st.lists(st.fixed_dictionaries(
-        {"name": name_text, "input_schema": st.just({"type": "object", "properties": {
+        {"name": ok_tool_name, "input_schema": st.just({"type": "object", "properties": {
             "city": {"type": "string"}}})}, optional={"description": text,
-                                                      "type": st.just("custom")}), max_size=2),
+                                                      "type": st.just("custom")}),
+        max_size=2, unique_by=lambda tool: tool["name"]),
     "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "none"])},
                                          optional={"disable_parallel_tool_use": st.booleans()}),
     "stop_sequences": st.lists(text, max_size=4),
@@ -240,7 +248,9 @@ OK_MESSAGES = {
     "top_k": st.integers(0, 5000),
     "output_config": st.just({"format": {"type": "json_schema", "schema": {"type": "object"}}}),
     "metadata": st.fixed_dictionaries({}, optional={"user_id": text}),
-    "thinking": st.just({"type": "enabled", "budget_tokens": 1024}),
+    "thinking": st.sampled_from([{"type": "enabled", "budget_tokens": 1024},
+                                 {"type": "adaptive"}, {"type": "disabled"},
+                                 {"type": "between_tools"}]),
 }
 
 RESPONSES_BASE = {"model": MODEL, "input": "Hi", "max_output_tokens": 4}

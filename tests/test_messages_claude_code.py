@@ -300,8 +300,9 @@ DOCUMENT = {"type": "document", "source": {"type": "text", "media_type": "text/p
     (lambda b: with_message(b, 1, {"role": "tool", "content": "x"}),
      "messages.1.role: Input should be 'user', 'assistant' or 'system'"),
     (lambda b: {k: v for k, v in b.items() if k != "max_tokens"}, "max_tokens: Field required"),
-    (lambda b: {**b, "max_tokens": 0},
-     "max_tokens: Input should be greater than or equal to 1"),
+    # (0 is taken: fill the prompt cache only, as Anthropic's API does; test_messages_edges.py)
+    (lambda b: {**b, "max_tokens": -1},
+     "max_tokens: Input should be greater than or equal to 0"),
     (lambda b: {**b, "max_tokens": "many"}, "max_tokens: Input should be a valid integer"),
     (lambda b: {k: v for k, v in b.items() if k != "model"}, "model: Field required"),
     (lambda b: with_message(b, 0, {"role": "user", "content": [{"type": "text", "text": "see"},
@@ -328,7 +329,7 @@ DOCUMENT = {"type": "document", "source": {"type": "text", "media_type": "text/p
      "Constrained decoding cannot use the JSON schema: Unknown format: no-such-format"),
     # Found by the fuzzer: a block type that is no string crashed the refusal's wording.
     (lambda b: {**b, "system": [{"type": {}, "text": ""}]}, "system.0: "),
-], ids=["role", "no-max_tokens", "max_tokens-0", "max_tokens-type", "no-model", "image",
+], ids=["role", "no-max_tokens", "max_tokens-negative", "max_tokens-type", "no-model", "image",
         "document-in-tool-result", "server-tool-block", "server-tool", "tool_choice-any",
         "tool_choice-tool", "prefill", "structured-output", "block-type-not-a-string"])
 def test_body_refusals(fleet, change, message):

@@ -14,6 +14,16 @@ from .errors import APIError, bad_request
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SSE_DONE = b"data: [DONE]\n\n"  # the last event of a chat or completion stream
 
+# orjson reads JSON nested up to 1024 levels deep but writes at most 254: a body nested
+# deeper than it can write would be accepted, then fail (a 500) wherever the server
+# writes it again (an agent API's translation, the prefix chain, the forward to the
+# backend). Such bodies are refused where they are read, with room to spare: a
+# translation puts a client's value a few levels deeper than it was (a Messages tool's
+# input_schema becomes a chat tool's function.parameters).
+MAX_DEPTH = 200
+_WRITE_DEPTH = 254  # orjson's limit (tests/test_messages_edges.py pins it)
+_NAMED_STEPS = 5  # how much of a too-deep value's path a refusal names
+
 
 def parse_json(raw: bytes) -> dict:
     if not raw:
@@ -24,7 +34,42 @@ def parse_json(raw: bytes) -> dict:
         raise bad_request(f"The request body is not valid JSON: {exc}.", code="invalid_json")
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    _check_depth(raw, body)
     return body
+
+
+def _check_depth(raw: bytes, body: dict) -> None:
+    """A 400 for a body nested more than MAX_DEPTH levels deep, naming where."""
+    if raw.count(b"{") + raw.count(b"[") <= MAX_DEPTH:  # too few brackets to nest that deep
+        return
+    # Writing the body below enough extra levels is the test, in C: a walk in Python
+    # would cost as much as the parse itself on a large agent history.
+    wrapped: Any = body
+    for _ in range(_WRITE_DEPTH - MAX_DEPTH):
+        wrapped = [wrapped]
+    try:
+        orjson.dumps(wrapped)
+    except orjson.JSONEncodeError:
+        param = _too_deep(body)
+        raise bad_request(f"Invalid '{param}': nested more than {MAX_DEPTH} levels deep (JSON "
+                          "objects and arrays within each other), which this server does not "
+                          "accept.", param=param, code="nested_too_deeply") from None
+
+
+def _too_deep(body: dict) -> str:
+    """The path (`tools[0].input_schema.x`, its first steps) to a value nested past
+    MAX_DEPTH."""
+    stack: list[tuple[Any, int, tuple]] = [(body, 1, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth > MAX_DEPTH:
+            out = ""
+            for step in path[:_NAMED_STEPS]:
+                out += f"[{step}]" if isinstance(step, int) else (f".{step}" if out else step)
+            return out
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        stack += [(v, depth + 1, path + (k,)) for k, v in items if isinstance(v, (dict, list))]
+    return "body"  # not reached: orjson writes whatever it read, but for its depth
 
 
 async def read_json(request: web.Request) -> tuple[bytes, dict]:

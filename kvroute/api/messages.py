@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, Tag, WrapValidator, model_validator
+from pydantic import Field, StringConstraints, Tag, WrapValidator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .validation import MAX_STOP, Body, NonEmpty, invalid, refusing, tagged_by
@@ -25,6 +25,15 @@ from .validation import MAX_STOP, Body, NonEmpty, invalid, refusing, tagged_by
 # proxy/agents/messages.py words the refusal after the block type that was sent.
 UNSUPPORTED_BLOCK = "unsupported_content"
 PREFILL = "prefill_unsupported"
+# Anthropic's refusals of empty content, in its words.
+EMPTY_TURN = ("all messages must have non-empty content except for the optional final "
+              "assistant message")
+EMPTY_TEXT = "text content blocks must be non-empty"
+# Anthropic's rule for a tool's name (MCP tools are `mcp__server__tool`).
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"
+# The described form of a rule a body validator enforces in Anthropic's words (a
+# constraint pydantic enforced itself would refuse in its own words first).
+_AT_LEAST_ONE = {"string": {"minLength": 1}, "list": {"minItems": 1}}
 
 
 def _blocks(*members: tuple[type, str]) -> Any:
@@ -44,6 +53,12 @@ def _blocks(*members: tuple[type, str]) -> Any:
 class TextBlock(Body):
     type: Literal["text"]
     text: str
+
+
+class TurnTextBlock(TextBlock):
+    """A text block of a user or assistant turn: not empty (`_content_is_non_empty`)."""
+
+    text: Annotated[str, Field(json_schema_extra=_AT_LEAST_ONE["string"])]
 
 
 class Base64Source(Body):
@@ -99,20 +114,27 @@ class ThinkingBlock(Body):
     type: Literal["thinking", "redacted_thinking"]
 
 
-UserBlock = _blocks((TextBlock, "text"), (ImageBlock, "image"), (ToolResultBlock, "tool_result"))
-AssistantBlock = _blocks((TextBlock, "text"), (ToolUseBlock, "tool_use"),
+UserBlock = _blocks((TurnTextBlock, "text"), (ImageBlock, "image"),
+                    (ToolResultBlock, "tool_result"))
+AssistantBlock = _blocks((TurnTextBlock, "text"), (ToolUseBlock, "tool_use"),
                          (ThinkingBlock, "thinking"), (ThinkingBlock, "redacted_thinking"))
 SystemBlock = _blocks((TextBlock, "text"))
 
 
+def _non_empty(kind: Any) -> Any:
+    """A turn's content, described as not empty (`_content_is_non_empty` enforces it)."""
+    return Union[Annotated[str, Field(json_schema_extra=_AT_LEAST_ONE["string"])],
+                 Annotated[list[kind], Field(json_schema_extra=_AT_LEAST_ONE["list"])]]
+
+
 class UserTurn(Body):
     role: Literal["user"]
-    content: Union[str, list[UserBlock]]
+    content: _non_empty(UserBlock)
 
 
 class AssistantTurn(Body):
     role: Literal["assistant"]
-    content: Union[str, list[AssistantBlock]]
+    content: _non_empty(AssistantBlock)
 
 
 class SystemTurn(Body):
@@ -143,7 +165,7 @@ class ClientTool(Body):
     type: Annotated[Literal["custom"], refusing(
         "Tool type {value} is not supported; only client tools (name, description, "
         "input_schema) are: kvroute runs no server tools.")] | None = None
-    name: NonEmpty
+    name: Annotated[str, StringConstraints(pattern=TOOL_NAME)]
     description: str | None = None
     input_schema: dict[str, Any]
     # A deferred tool is not shown to the model until a tool search loads it (Anthropic's
@@ -182,6 +204,14 @@ class Metadata(Body):
     user_id: str | None = None
 
 
+class Thinking(Body):
+    """Accepted, without effect: kvroute's models do not think. Every type the
+    anthropic SDK sends is known; their other fields (`budget_tokens`, `display`) are
+    not checked."""
+
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+
+
 class OutputConfig(Body):
     effort: str | None = None  # accepted, without effect: kvroute's models do not reason
     format: JSONSchemaFormat | None = None
@@ -202,7 +232,7 @@ class CountTokensBody(Body):
     tool_choice: ToolChoice | None = None
     # Accepted, without effect: no thinking blocks are produced (so no thinking is ever
     # cleared either), metadata is not kept, every request is served alike.
-    thinking: dict[str, Any] | None = None
+    thinking: Thinking | None = None
     context_management: dict[str, Any] | None = None
     output_config: OutputConfig | None = None
     metadata: Metadata | None = None
@@ -221,6 +251,16 @@ class CountTokensBody(Body):
         return self
 
     @model_validator(mode="after")
+    def _tool_names_are_unique(self) -> "CountTokensBody":
+        seen: dict[str, int] = {}
+        for i, tool in enumerate(self.tools or []):
+            if tool.name in seen:
+                raise invalid(f"tools[{i}].name", f"Tool names must be unique: '{tool.name}' "
+                              f"is also the name of tools.{seen[tool.name]}.")
+            seen[tool.name] = i
+        return self
+
+    @model_validator(mode="after")
     def _ends_with_the_user(self) -> "CountTokensBody":
         # A chat template closes every assistant turn and opens a new one: continuing a
         # partial reply (prefill) cannot be expressed. (JSON Schema cannot say "the last
@@ -231,9 +271,25 @@ class CountTokensBody(Body):
                           PREFILL)
         return self
 
+    @model_validator(mode="after")
+    def _content_is_non_empty(self) -> "CountTokensBody":
+        # After the prefill check: a final assistant turn is refused for that. (A system
+        # message may be empty: Anthropic's directive-only form.)
+        for i, msg in enumerate(self.messages):
+            if msg.role == "system":
+                continue
+            if not msg.content:
+                raise invalid(f"messages[{i}]", EMPTY_TURN)
+            for j, block in enumerate(msg.content if isinstance(msg.content, list) else ()):
+                if isinstance(block, TextBlock) and not block.text:
+                    raise invalid(f"messages[{i}].content[{j}].text", EMPTY_TEXT)
+        return self
+
 
 class MessagesBody(CountTokensBody):
-    max_tokens: Annotated[int, Field(ge=1)]
+    # 0: prefill the prompt into the cache and generate nothing (Anthropic's "populate
+    # the prompt cache without generating a response").
+    max_tokens: Annotated[int, Field(ge=0)]
     stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None

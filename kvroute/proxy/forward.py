@@ -26,6 +26,7 @@ from kvroute.core.usage import USAGE_HEADER, StreamTail
 
 from . import loading
 from .agents.gateway import Relay
+from .agents.reply import UpstreamFailed
 from .fleet import Backend, watch_of
 from .misses import Facts, Miss, client_reason, explain
 from .observe.stats import TeamCounts
@@ -65,6 +66,9 @@ class RoutedRequest:
 
     @property
     def stream(self) -> bool:
+        """Whether the client reads a stream (a model load it waits for is streamed)."""
+        if self.relay is not None and self.relay.client_stream is not None:
+            return self.relay.client_stream
         return self.body.get("stream") is True
 
     @property
@@ -186,9 +190,7 @@ async def forward(state: State, req: RoutedRequest, decision: Decision,
         state.metrics.child(state.metrics.requests, req.model, bid, str(upstream.status)).inc()
         if ctype.startswith("text/event-stream"):
             if req.relay is not None:
-                resp = await req.relay.stream(req.request, upstream, headers, bid)
-                req.outcome.generated_tokens = req.relay.completion_tokens
-                return resp
+                return await _relay_stream(req, upstream, headers, bid)
             return await relay_stream(req.request, upstream, headers, bid, req.outcome)
         try:
             data = await upstream.read()
@@ -213,6 +215,22 @@ async def forward(state: State, req: RoutedRequest, decision: Decision,
         if upstream is not None:
             release(upstream)
 
+
+
+async def _relay_stream(req: RoutedRequest, upstream, headers: dict,
+                        bid: str) -> web.StreamResponse:
+    try:
+        resp = await req.relay.stream(req.request, upstream, headers, bid)
+    except UpstreamFailed as exc:
+        # Only a relay that reads the stream into a whole answer raises it: nothing has
+        # reached the client, so a stream that broke is retried elsewhere, as a whole
+        # answer whose read fails is; an error the backend sent is the answer.
+        if exc.broken:
+            raise Retry(exc.error, failover=True) from None
+        raise exc.error from None
+    finally:
+        req.outcome.generated_tokens = req.relay.completion_tokens
+    return resp
 
 
 def release(upstream: aiohttp.ClientResponse) -> None:

@@ -83,6 +83,12 @@ class Relay:
 
     completion_tokens: int = 0
 
+    @property
+    def client_stream(self) -> bool | None:
+        """Whether the client reads a stream, for an API whose chat body streams either
+        way; None: as the chat body says."""
+        return None
+
     def headers(self, headers: dict) -> dict:
         return headers
 

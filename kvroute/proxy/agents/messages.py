@@ -7,9 +7,12 @@ text blocks its content (blocks joined by a blank line), a system message inside
 its tool calls (ids kept, so the next turn's body is the one the backend advertised),
 a user's `tool_result` blocks tool messages; tools take OpenAI's function format (a
 deferred tool, `defer_loading`, is left out, as Anthropic leaves it out of the prompt).
-It is routed like any chat completion (`Gateway.route_chat`), so a chat completion and
-a Messages request with the same history share one cache, and the backend's chat
-answer comes back as a message, or as Anthropic's event stream.
+Consecutive user (or assistant) messages are first combined into one turn, as
+Anthropic's API combines them. It is routed like any chat completion
+(`Gateway.route_chat`), so a chat completion and a Messages request with the same
+history share one cache, and the backend's chat answer, always streamed, comes back as
+Anthropic's event stream or as a message whose blocks keep the stream's order.
+`max_tokens: 0` fills the prompt cache and answers nothing (`chat_body`).
 
 Claude Code's billing line (a system text block `x-anthropic-billing-header: ...`) is
 dropped: it is a header for Anthropic's billing, not prompt, and its hash changes from
@@ -42,7 +45,7 @@ from kvroute.api.validation import validate
 from kvroute.api.routes import COUNT_TOKENS_PATH, MESSAGES_COUNT_PATH, MESSAGES_PATH
 
 from .gateway import GATEWAY, Relay, SSEWriter, carry_fault, off_loop_if_large, sse_event
-from .reply import ChatReply, Usage, new_id, tool_call_parts, upstream_error
+from .reply import ChatReply, Usage, chat_chunks, new_id, tool_call_parts, upstream_error
 
 PATH, COUNT_PATH = MESSAGES_PATH, MESSAGES_COUNT_PATH
 # Several text blocks of one turn (Claude Code sends a few) read as paragraphs.
@@ -149,6 +152,25 @@ def _assistant(content: str | list) -> dict:
     return msg
 
 
+def _turns(messages: list) -> list[tuple[int, str, Any]]:
+    """(index, role, content) of each turn: consecutive user (or assistant) messages
+    are one turn, their blocks in order, as Anthropic's API combines them. So the chat
+    template sees one message whichever way a client split the turn, and two user
+    messages count and cache as one with both blocks."""
+    turns: list[tuple[int, str, Any]] = []
+    for i, msg in enumerate(messages):
+        if turns and msg.role != "system" and turns[-1][1] == msg.role:
+            index, role, content = turns[-1]
+            turns[-1] = (index, role, _blocks_of(content) + _blocks_of(msg.content))
+        else:
+            turns.append((i, msg.role, msg.content))
+    return turns
+
+
+def _blocks_of(content: str | list) -> list:
+    return [mw.TextBlock(type="text", text=content)] if isinstance(content, str) else content
+
+
 def _messages(req: mw.CountTokensBody) -> tuple[list[dict], int | None]:
     """The chat messages, and the index in `req.messages` of the first system message
     inside the conversation (after a user or assistant turn), or None."""
@@ -157,16 +179,16 @@ def _messages(req: mw.CountTokensBody) -> tuple[list[dict], int | None]:
     if system is not None:
         out.append({"role": "system", "content": system})
     mid_system, begun = None, False
-    for i, msg in enumerate(req.messages):
-        if msg.role == "system":
+    for i, role, content in _turns(req.messages):
+        if role == "system":
             # One without text (Anthropic's directive-only form) says nothing to a template.
-            text = _system_text(msg.content)
+            text = _system_text(content)
             if text:
                 if begun and mid_system is None:
                     mid_system = i
                 out.append({"role": "system", "content": text})
             continue
-        out += _user(msg.content) if msg.role == "user" else [_assistant(msg.content)]
+        out += _user(content) if role == "user" else [_assistant(content)]
         begun = True
     return out, mid_system
 
@@ -218,11 +240,19 @@ def _tool_choice(choice: mw.ToolChoice | None) -> str | dict:
 
 
 def chat_body(req: MessagesRequest) -> dict:
-    """The canonical chat-completions body of a Messages request."""
-    body: dict = {"model": req.model, "messages": req.messages, "max_tokens": req.max_tokens,
-                  "stream": req.stream}
-    if req.stream:
-        body["stream_options"] = {"include_usage": True}
+    """The canonical chat-completions body of a Messages request.
+
+    Always streamed from the backend, even for a client that asked for a whole message:
+    only a stream says in which order the model wrote its text and its tool calls (a
+    whole chat answer has the text in one field, the calls in another), and a message
+    lists its content blocks in that order, as Anthropic's stream does.
+
+    max_tokens 0 (fill the prompt cache, generate nothing) asks the backend for one
+    token: the chat API has no "prefill only", and a backend commits a prompt's cache
+    when its reply ends. The relay drops that token from the answer."""
+    body: dict = {"model": req.model, "messages": req.messages,
+                  "max_tokens": max(req.max_tokens or 0, 1), "stream": True,
+                  "stream_options": {"include_usage": True}}
     if req.tools:
         body["tools"] = req.tools
         body["tool_choice"] = req.tool_choice
@@ -242,17 +272,20 @@ def chat_body(req: MessagesRequest) -> dict:
 # -- response --------------------------------------------------------------------------
 
 
-def _usage(u: Usage) -> dict:
+def _usage(u: Usage, prefill_only: bool = False) -> dict:
     return {"input_tokens": max(0, u.prompt_tokens - u.cached_tokens),
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": u.cached_tokens,
-            "output_tokens": u.completion_tokens}
+            "output_tokens": 0 if prefill_only else u.completion_tokens}
 
 
-def _stop_reason(reply: ChatReply) -> str:
+def _stop_reason(reply: ChatReply, max_tokens: int) -> str:
+    # A reply cut by max_tokens says so even when it holds tool calls (the backend
+    # reports "length" then): the last one may be cut short, and a client (Claude
+    # Code) must know its answer is incomplete. max_tokens 0 answers nothing, as cut.
+    if max_tokens == 0 or reply.finish_reason == "length":
+        return "max_tokens"
     if reply.finish_reason == "tool_calls" or reply.tool_calls:
         return "tool_use"
-    if reply.finish_reason == "length":
-        return "max_tokens"
     return "stop_sequence" if reply.stop is not None else "end_turn"
 
 
@@ -268,16 +301,38 @@ def _tool_use(call: dict) -> dict:
     return {"type": "tool_use", "id": call_id, "name": name, "input": tool_input}
 
 
+class _Content:
+    """A message's content blocks in the order the model wrote them: a text block per
+    run of text, a tool_use block per call."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict] = []
+
+    def add(self, text: str, calls: list[dict]) -> None:
+        if text and self.blocks and self.blocks[-1]["type"] == "text":
+            self.blocks[-1]["text"] += text
+        elif text:
+            self.blocks.append({"type": "text", "text": text})
+        self.blocks += [_tool_use(call) for call in calls]
+
+
 class _MessagesRelay(Relay):
     def __init__(self, req: MessagesRequest):
         self.req = req
         self.id = new_id("msg_")
+        # max_tokens 0: the backend generated one token (chat_body); the answer has none.
+        self.prefill_only = req.max_tokens == 0
+
+    @property
+    def client_stream(self) -> bool:
+        return self.req.stream
 
     def message(self, content: list[dict], reply: ChatReply | None, usage: Usage) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.req.model,
-                "content": content,
-                "stop_reason": _stop_reason(reply) if reply else None,
-                "stop_sequence": reply.stop if reply else None, "usage": _usage(usage)}
+                "content": [] if self.prefill_only else content,
+                "stop_reason": _stop_reason(reply, self.req.max_tokens or 0) if reply else None,
+                "stop_sequence": reply.stop if reply and not self.prefill_only else None,
+                "usage": _usage(usage, self.prefill_only)}
 
     def held_error(self, err: APIError) -> bytes:
         return sse_event("error", {"type": "error", **error_fields(err)})
@@ -286,9 +341,27 @@ class _MessagesRelay(Relay):
         return backend_refusal(err, self.req)
 
     async def answer(self, reply: ChatReply) -> dict:
-        content = [{"type": "text", "text": reply.text}] if reply.text else []
-        content += [_tool_use(call) for call in reply.tool_calls]
-        return self.message(content, reply, reply.usage)
+        # A whole chat answer, from a backend that did not stream though asked to: its
+        # text and calls no longer say their order; text first, as chat lists them.
+        content = _Content()
+        content.add(reply.text, reply.tool_calls)
+        return self.message(content.blocks, reply, reply.usage)
+
+    async def stream(self, request: web.Request, upstream: Any, headers: dict,
+                     bid: str) -> web.StreamResponse:
+        if self.req.stream:
+            return await super().stream(request, upstream, headers, bid)
+        # A whole message, read from the backend's stream (chat_body): the blocks in
+        # the order they came. A failure raises UpstreamFailed: nothing has reached the
+        # client, so the proxy may try the request elsewhere (forward.py).
+        reply, content = ChatReply(usage=Usage.from_headers(headers)), _Content()
+        try:
+            async for chunk in chat_chunks(upstream, bid):
+                content.add(*reply.add(chunk))
+        finally:
+            self.completion_tokens = reply.usage.completion_tokens
+        return json_response(self.message(content.blocks, reply, reply.usage),
+                             self.headers(headers))
 
     def events(self, sse: SSEWriter, reply: ChatReply) -> "_MessagesEvents":
         return _MessagesEvents(self, sse, reply)
@@ -312,6 +385,8 @@ class _MessagesEvents:
         await self.send("ping")
 
     async def text(self, text: str) -> None:
+        if self.relay.prefill_only:
+            return
         if not self.text_open:
             await self.send("content_block_start", index=self.blocks,
                             content_block={"type": "text", "text": ""})
@@ -320,6 +395,8 @@ class _MessagesEvents:
                         delta={"type": "text_delta", "text": text})
 
     async def tool_call(self, call: dict) -> None:
+        if self.relay.prefill_only:
+            return
         await self._close_text()
         block, index = _tool_use(call), self.blocks
         await self.send("content_block_start", index=index, content_block={**block, "input": {}})
@@ -332,9 +409,11 @@ class _MessagesEvents:
     async def end(self) -> None:
         await self._close_text()
         reply = self.reply
-        await self.send("message_delta", delta={"stop_reason": _stop_reason(reply),
-                                                "stop_sequence": reply.stop},
-                        usage=_usage(reply.usage))
+        prefill_only = self.relay.prefill_only
+        await self.send("message_delta", delta={
+            "stop_reason": _stop_reason(reply, self.relay.req.max_tokens or 0),
+            "stop_sequence": None if prefill_only else reply.stop},
+            usage=_usage(reply.usage, prefill_only))
         await self.send("message_stop")
 
     async def fail(self, error: APIError) -> None:
@@ -346,9 +425,17 @@ class _MessagesEvents:
             self.text_open = False
 
 
+async def _read(request: web.Request) -> tuple[bytes, dict]:
+    """The body, as read_json reads it; a refusal naming a field in Anthropic's words."""
+    try:
+        return await read_json(request)
+    except APIError as err:
+        raise refusal(err, {}) from None
+
+
 async def create(request: web.Request) -> web.StreamResponse:
     t_start = time.perf_counter()
-    raw, body = await read_json(request)
+    raw, body = await _read(request)
     req = await off_loop_if_large(len(raw), parse, body)
     try:
         return await request.app[GATEWAY].route_chat(
@@ -360,7 +447,7 @@ async def create(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     """Asks a backend serving the model to render the chat body with its chat template:
     the count equals what messages.create reports as input (uncached + cached) tokens."""
-    raw, body = await read_json(request)
+    raw, body = await _read(request)
     req = await off_loop_if_large(len(raw), parse, body, True)
     chat: dict = {"model": req.model, "messages": req.messages}
     if req.tools:

@@ -34,11 +34,12 @@ def upstream_error(status: int, data: bytes) -> APIError:
 
 
 class UpstreamFailed(Exception):
-    """The backend's stream broke after its first byte, or carried an error event."""
+    """The backend's stream broke after its first byte (`broken`), or carried an error
+    event (the backend's own failure, which another backend would likely repeat)."""
 
-    def __init__(self, error: APIError):
+    def __init__(self, error: APIError, broken: bool = True):
         super().__init__(error.message)
-        self.error = error
+        self.error, self.broken = error, broken
 
 
 async def chat_chunks(upstream: Any, bid: str) -> AsyncIterator[dict]:
@@ -74,7 +75,7 @@ async def chat_chunks(upstream: Any, bid: str) -> AsyncIterator[dict]:
                     raise UpstreamFailed(APIError(502, f"Backend {bid} sent an unreadable event.",
                                                   "server_error", None, "backend_failed")) from None
                 if isinstance(chunk, dict) and "error" in chunk:
-                    raise UpstreamFailed(upstream_error(500, payload))
+                    raise UpstreamFailed(upstream_error(500, payload), broken=False)
                 if isinstance(chunk, dict):
                     yield chunk
     raise UpstreamFailed(APIError(502, f"Backend {bid} ended its stream early.", "server_error",
