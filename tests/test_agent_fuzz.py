@@ -120,6 +120,8 @@ RESPONSES_FIELDS = {
     "stop": st.one_of(odd_text, st.lists(odd_text, max_size=5), any_json),
 }
 ok_call_id = name_text
+# Tool names as OpenAI and Anthropic take them, each once.
+ok_tool_name = st.from_regex(r"[a-zA-Z0-9_-]{1,20}", fullmatch=True)
 ok_response_item = st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant"]),
                            "content": st.one_of(text, st.lists(st.fixed_dictionaries(
@@ -140,10 +142,10 @@ OK_RESPONSES = {
                                                               "content": text}))),
     "instructions": text,
     "tools": st.lists(st.fixed_dictionaries(
-        {"type": st.just("function"), "name": name_text},
+        {"type": st.just("function"), "name": ok_tool_name},
         optional={"description": text, "strict": st.booleans(),
                   "parameters": st.just({"type": "object", "properties": {"city": {"type": "string"}}})}),
-        max_size=2),
+        max_size=2, unique_by=lambda t: t["name"]),
     "tool_choice": st.sampled_from(["auto", "none"]),
     "max_output_tokens": st.integers(1, 8),
     "temperature": st.floats(0, 2),
@@ -230,7 +232,6 @@ ok_assistant = st.fixed_dictionaries({"role": st.just("assistant"), "content": s
         st.just({"type": "thinking", "thinking": "hm", "signature": "x"})), min_size=1,
         max_size=3))})
 # Anthropic's tool names: ^[a-zA-Z0-9_-]{1,128}$, each once.
-ok_tool_name = st.from_regex(r"[a-zA-Z0-9_-]{1,20}", fullmatch=True)
 OK_MESSAGES = {
     "messages": st.builds(lambda turns, last: [m for pair in turns for m in pair] + [last],
                           st.lists(st.tuples(ok_user, ok_assistant), max_size=2), ok_user),
