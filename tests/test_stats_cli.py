@@ -63,6 +63,19 @@ def test_readable_at_100_columns():
     assert text.count("x5.0") == len(NAMES)  # each backend's sharing ratio
 
 
+def test_every_column_shows_at_80_columns():
+    # 80 columns: what `kvroute stats` gets when its output is not a terminal. The
+    # models table's name column and the top table's last column were squeezed to nothing.
+    console = Console(width=80, record=True, color_system=None)
+    console.print(render(snapshot(), decisions=3))
+    text = console.export_text()
+    assert max(map(len, text.splitlines())) <= 80, text
+    models = text[text.index("models"):text.index("backends")]
+    assert "kvroute-demo" in models, models
+    assert "non-2xx" in text and "3 (4xx 2, 5xx 1)" in text, text
+    assert "…" not in text, text
+
+
 def test_the_fleets_cache_sharing_in_stats():
     cache = snapshot()["cache"]
     assert cache == {"bytes": 2 << 30, "bytes_unshared": 10 << 30, "sharing_ratio": 5.0,

@@ -56,7 +56,8 @@ def render(stats: dict, decisions: int = 10) -> Group:
     t = stats["totals"]
     head = Table(title=f"kvroute — {datetime.fromtimestamp(stats['now']):%H:%M:%S}, "
                  f"up {stats['uptime_s']:.0f}s")
-    _numbers(head, "hit ratio", "prompt tok", "cached tok", "prefill s saved", "s lost",
+    # Two-line headers: at 80 columns (a pipe, a small terminal) every column still shows.
+    _numbers(head, "hit\nratio", "prompt\ntok", "cached\ntok", "prefill s\nsaved", "s lost",
              "requests")
     head.add_column("non-2xx", justify="right")
     lost = sum(r["seconds_lost"] for r in stats.get("reasons", {}).values())
@@ -66,8 +67,8 @@ def render(stats: dict, decisions: int = 10) -> Group:
 
     models = Table(title="models")
     _name(models, "model", list(stats["models"]), keep=True)
-    _numbers(models, "hit ratio", "requests", "s saved", "TTFT cached p50/p95 ms",
-             "TTFT cold p50/p95 ms")
+    _numbers(models, "hit\nratio", "requests", "s saved", "TTFT cached\np50/p95 ms",
+             "TTFT cold\np50/p95 ms")
     for name, m in sorted(stats["models"].items()):
         c, k = m["ttft_ms"]["cached"], m["ttft_ms"]["cold"]
         models.add_row(name, percent(m["hit_ratio"]), f"{m['requests']:,}", f"{m['seconds_saved']:.1f}",
