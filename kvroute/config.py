@@ -194,7 +194,15 @@ _JSON_LOGS = _opt("json_logs", bool, False, "log one JSON object per line", swit
 _SECRET = _opt("secret", str, "", "salt of the prefix keys; the same on every proxy and backend")
 _BLOCK_BYTES = _opt("block_bytes", int, DEFAULT_BLOCK_BYTES, "prefix-key block size in bytes; the same everywhere")
 _MAX_BODY = _opt("max_body_bytes", parse_bytes, 8 << 20, "largest accepted request body")
-_LOAD_TIMEOUT = _opt("load_timeout", float, 300.0, "seconds a request waits while its model "
+def positive_seconds(value: Any) -> float:
+    """A duration in seconds that must be more than 0 (a wait of 0 would fail at once)."""
+    seconds = float(value)
+    if not seconds > 0:  # also NaN
+        raise ValueError("seconds, more than 0")
+    return seconds
+
+
+_LOAD_TIMEOUT = _opt("load_timeout", positive_seconds, 300.0, "seconds a request waits while its model "
                      "loads on demand", toml="proxy.load_timeout")
 _TOKEN = _opt("internal_token", str, "", "token shared by proxies and backends (x-kvroute-token)")
 

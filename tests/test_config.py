@@ -116,7 +116,9 @@ def test_unknown_file_keys_are_named(tmp_path):
                          "unknown keys relicas (did you mean replicas?)"),
                         ("models = [1, 2]\n", "[[models]] #1: each model is a table"),
                         ("[proxy]\nport = 80.5\n", "proxy.port in the config file: invalid value 80.5"),
-                        ("[[models]]\nmax_batch = true\n", "max_batch: invalid value True")]:
+                        ("[[models]]\nmax_batch = true\n", "max_batch: invalid value True"),
+                        ("[proxy]\nload_timeout = 0\n", "proxy.load_timeout in the config file: "
+                                                       "invalid value 0 (seconds, more than 0)")]:
         path.write_text(text)
         with pytest.raises(ConfigError, match=re.escape(named)):
             config.build(parse(config.SERVE, ["--config", str(path)]), {})

@@ -11,17 +11,33 @@ need less). Refusals carry the arithmetic, so a user sees which term to lower.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from kvroute.config import ConfigError
 from kvroute.core.accel import physical_memory
 from kvroute.core.sizes import format_bytes
 
 PROCESS_OVERHEAD = 512 << 20  # Python, MLX and the allocator of one backend process
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+# A Hugging Face repo id: "name" or "owner/name", no path syntax.
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def check_model_path(path: str) -> None:
+    """A model is a local directory or a repo id: anything else would only fail later,
+    inside a backend, as a traceback. ConfigError names it."""
+    if os.path.isdir(path):
+        return
+    if os.path.isabs(path) or path.startswith((".", "~")) or not _REPO_ID.fullmatch(path):
+        raise ConfigError(f"model {path!r}: no such directory (and not a repo id)")
 
 
 def local_dir(path: str) -> Path | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import secrets
 import signal
 import socket
@@ -49,23 +48,10 @@ COLORS = ["cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cy
 def resolve_path(spec: ModelSpec, console: Console) -> str:
     if spec.path != DEMO:
         if spec.preload:  # one loaded on demand fails its load instead (state load_failed)
-            _check_model_path(spec.path)
+            capacity.check_model_path(spec.path)
         return spec.path
     with console.status(f"building the demo model ({spec.demo_variant}) ..."):
         return str(demo_model.ensure(spec.demo_variant))
-
-
-# A Hugging Face repo id: "name" or "owner/name", no path syntax.
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-
-
-def _check_model_path(path: str) -> None:
-    """A model is a local directory or a repo id: anything else would only fail later,
-    inside a backend, as a traceback."""
-    if os.path.isdir(path):
-        return
-    if os.path.isabs(path) or path.startswith((".", "~")) or not _REPO_ID.fullmatch(path):
-        raise ConfigError(f"model {path!r}: no such directory (and not a repo id)")
 
 
 def replica_cost(spec: ModelSpec, path: str) -> capacity.Cost:

@@ -24,7 +24,7 @@ import orjson
 
 from . import capacity
 from .capacity import Cost, Refusal, Resident
-from kvroute.config import ConfigError, ModelSpec
+from kvroute.config import DEMO, ConfigError, ModelSpec
 from kvroute.core.model_loads import (FAILED, LOAD_FAILED, LOADED, LOADING, NO_CAPACITY,
                                       PUBLISH_PERIOD, UNLOADED, UNLOADING, ModelLoads,
                                       ModelState, quietly)
@@ -180,6 +180,13 @@ class Loader:
         slot.task = asyncio.create_task(self._load(slot))
 
     async def _load(self, slot: Slot) -> None:
+        if slot.spec.path != DEMO:
+            try:  # before making room: a path that is not there must not unload a model
+                capacity.check_model_path(slot.spec.path)
+            except ConfigError as exc:
+                self._fail(slot, FAILED, LOAD_FAILED, f"loading model '{slot.alias}' failed: "
+                           f"{exc}", FAILED_RETRY_AFTER)
+                return
         async with self.admit:
             others = [s.resident() for s in self.slots.values()
                       if s is not slot and s.state in (LOADED, LOADING)]
@@ -201,8 +208,10 @@ class Loader:
                 self.launcher.repick_port(child)
                 await self.launcher.spawn(child)
             # Loaded once one replica answers: the proxies route to it while the others
-            # finish starting (each is watched, restarted should it exit).
-            await self.launcher.wait_healthy(slot.children, self.config.load_timeout, enough=1)
+            # finish starting (each is watched, restarted should it exit). As long as a
+            # start may take, not load_timeout: that is how long a request waits, and a
+            # load that outlasts one request's patience still serves the next ones.
+            await self.launcher.wait_healthy(slot.children, self.config.ready_timeout, enough=1)
         except asyncio.CancelledError:
             await self.launcher.stop_children(slot.children)
             raise
@@ -214,6 +223,9 @@ class Loader:
         self._loaded(slot, time.monotonic() - t0)
 
     def _fail(self, slot: Slot, state: str, code: str, message: str, retry_after: float) -> None:
+        if code != NO_CAPACITY:  # a refusal for room is logged where it is decided
+            log.warning("%s; requests for it get this error for %.0fs, then it is tried again",
+                        message, retry_after)
         slot.state, slot.error_code, slot.error = state, code, message
         slot.error_at, slot.retry_after = time.time(), retry_after
         self.changed.set()
