@@ -9,6 +9,7 @@ while a load runs; the test after it starts two deployments of its own (two mach
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import subprocess
@@ -25,7 +26,7 @@ from tests.harness import ServeProcess, SSEStream, chat, get_json, request, wait
 DEMO = {"path": "demo", "cache_bytes": "32MiB"}
 
 
-def config(idle: str) -> dict:
+def config(idle: str, empty_dir: Path) -> dict:
     return {
         "max_loaded_models": 2,
         "proxy": {"load_timeout": 120},
@@ -33,9 +34,15 @@ def config(idle: str) -> dict:
             {**DEMO, "alias": "m1", "pin": True},
             {**DEMO, "alias": "m2", "preload": False},
             {**DEMO, "alias": "m3", "preload": False, "idle_unload": idle},
-            {"path": "/nonexistent/kvroute-model", "alias": "broken", "preload": False},
+            # A folder with no model in it: its backend starts and fails to load.
+            {"path": str(empty_dir), "alias": "broken", "preload": False},
+            # No such folder (nor a repo id): refused before anything is started or unloaded.
+            {"path": "/nonexistent/kvroute-model", "alias": "ghost", "preload": False},
         ],
     }
+
+
+MODELS = {"m1", "m2", "m3", "broken", "ghost"}
 
 
 MESSAGES = [{"role": "user", "content": "Hello there."}]
@@ -43,7 +50,9 @@ MESSAGES = [{"role": "user", "content": "Hello there."}]
 
 class Deployment:
     def __init__(self, tmp: Path, model_cache: Path, idle: str = "6s"):
-        self.serve = ServeProcess(config(idle), tmp, env={"KVROUTE_CACHE_DIR": str(model_cache)})
+        (tmp / "empty-model").mkdir()
+        self.serve = ServeProcess(config(idle, tmp / "empty-model"), tmp,
+                                  env={"KVROUTE_CACHE_DIR": str(model_cache)})
         self.proc, self.log, self.url = self.serve.proc, self.serve.log_path, self.serve.url
         self.pids: set[int] = set()  # every process of the deployment seen so far
         self.most_backends = 0
@@ -101,13 +110,13 @@ def dep(tmp_path_factory, model_cache):
 
 def test_models_in_any_order_never_more_than_the_limit(dep):
     listed = dep.models()
-    assert set(listed) == {"m1", "m2", "m3", "broken"}
+    assert set(listed) == MODELS
     assert listed["m1"]["state"] == "loaded"
-    assert {listed[m]["state"] for m in ("m2", "m3", "broken")} == {"unloaded"}
+    assert {listed[m]["state"] for m in MODELS - {"m1"}} == {"unloaded"}
     for model in ("m1", "m2", "m3", "m1", "m3", "m2"):
         assert dep.finish_of(model) in ("stop", "length")
         assert dep.models()[model]["state"] == "loaded"
-        assert set(dep.models()) == {"m1", "m2", "m3", "broken"}
+        assert set(dep.models()) == MODELS
     assert dep.most_backends <= 2, dep.most_backends
     stats = dep.stats()
     # The pinned model was loaded once and never unloaded; the others took turns.
@@ -186,13 +195,33 @@ def test_broken_model_gets_a_clear_error_and_the_others_keep_serving(dep):
     assert err.value.status_code == 503
     body = err.value.body if isinstance(err.value.body, dict) else {}
     assert body.get("code") == "model_load_failed", err.value.body
-    assert "'broken'" in body["message"] and "Repo id must be" in body["message"], body
+    assert "'broken'" in body["message"] and "could not be loaded" in body["message"], body
     assert int(err.value.response.headers["Retry-After"]) >= 1
     s = SSEStream(dep.url + "/v1/chat/completions", {"model": "broken", "messages": MESSAGES})
     assert s.status == 503 and s.headers["Content-Type"].startswith("application/json")
-    assert len(re.findall(r"loading broken", dep.log.read_text())) == 1  # no retry storm
+    log = dep.log.read_text()
+    assert len(re.findall(r"loading broken", log)) == 1  # no retry storm
+    # serve's own log says it failed and for how long requests get the error.
+    assert re.search(r"loading model 'broken' failed: .*then it is tried again", log)
     assert dep.models()["broken"]["state"] == "unloaded"
     assert dep.finish_of("m1") in ("stop", "length")
+
+
+def test_a_model_whose_path_is_not_there_unloads_nothing(dep):
+    # Its load fails before room is made: the loaded models stay, and even a streaming
+    # client gets a plain 503 naming the path (the machine refused before a byte).
+    before = {m: e["state"] for m, e in dep.models().items()}
+    unloads = {m: e["unloads"] for m, e in dep.stats().items()}
+    s = SSEStream(dep.url + "/v1/chat/completions", {"model": "ghost", "messages": MESSAGES},
+                  timeout=60)
+    assert s.status == 503 and s.headers["Content-Type"].startswith("application/json")
+    assert int(s.headers["Retry-After"]) >= 1
+    err = json.loads(s.resp.read())["error"]
+    assert err["code"] == "model_load_failed", err
+    assert "'/nonexistent/kvroute-model': no such directory" in err["message"], err
+    assert {m: e["state"] for m, e in dep.models().items()} == before
+    assert {m: e["unloads"] for m, e in dep.stats().items()} == unloads
+    assert "loading ghost" not in dep.log.read_text()
 
 
 def test_no_room_answers_503_naming_the_limit(dep):
@@ -202,6 +231,11 @@ def test_no_room_answers_503_naming_the_limit(dep):
                        {"model": "m2", "messages": MESSAGES, "max_tokens": 8}, timeout=180)
     wait_until(lambda: dep.models()["m2"]["state"] == "loading", 30, interval=0.05,
                what="m2 to be loading")
+    # A streaming request that the machine refuses gets a plain 503 too, not a stream.
+    refused = SSEStream(dep.url + "/v1/chat/completions", {"model": "m3", "messages": MESSAGES},
+                        timeout=60)
+    assert refused.status == 503 and int(refused.headers["Retry-After"]) >= 1
+    assert json.loads(refused.resp.read())["error"]["code"] == "model_capacity"
     with pytest.raises(openai.APIStatusError) as err:
         dep.finish_of("m3")
     assert err.value.status_code == 503, err.value.body
@@ -234,8 +268,18 @@ def test_sigterm_during_a_load_leaves_no_process(dep):
                what=f"{cold} to be loading")
     dep.backends()  # note the pids of the load in progress
     pids = set(dep.pids) | {dep.proc.pid}
+    assert stream.resp.readline() == b": loading\n"
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend([*stream.events(), time.monotonic()]))
+    reader.start()
+    t0 = time.monotonic()
     dep.stop()
     assert dep.proc.returncode == 0, dep.log.read_text()[-2000:]
+    reader.join(30)
+    # The held stream is answered as the proxy begins to stop, not cut when it ends.
+    event, done, at = got
+    assert event["error"]["code"] == "shutting_down" and done == "[DONE]", event
+    assert at - t0 < 2.5, at - t0
 
     def gone(pid: int) -> bool:
         try:

@@ -153,10 +153,13 @@ def test_two_models_supervision_and_clean_shutdown(tmp_path, model_cache, redis_
                    for b in health["backends"]}
         assert budgets == {"small-1": 64 << 20, "large-1": 128 << 20}
 
-        # SIGKILL of a backend: the launcher restarts it (a new instance) and it serves again.
+        # SIGKILL of a model's only backend: the launcher restarts it (a new instance),
+        # and a request sent meanwhile waits for it instead of failing.
         small = next(b for b in health["backends"] if b["id"] == "small-1")
         before = get_json(small["url"] + "/health")
         os.kill(before["pid"], signal.SIGKILL)
+        r = c.chat.completions.create(model="small", messages=[{"role": "user", "content": "still?"}])
+        assert r.choices[0].finish_reason == "stop"
         after = wait_until(
             lambda: (h := get_json(small["url"] + "/health"))["instance_id"] != before["instance_id"] and h,
             30, interval=0.2, what="the killed backend to be restarted")

@@ -155,8 +155,15 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/stats", stats)
     app.router.add_get("/dashboard", dashboard)
     app.on_startup.append(_startup)
+    app.on_shutdown.append(_shutdown)
     app.on_cleanup.append(_cleanup)
     return app
+
+
+async def _shutdown(app: web.Application) -> None:
+    # Before aiohttp waits for the handlers: a request held for a load or a restart
+    # is answered now (503, or its stream's error event), not cut when the wait ends.
+    app[STATE_KEY].models.closing = True
 
 
 async def _startup(app: web.Application) -> None:

@@ -54,6 +54,12 @@ class OnDemand:
     waits: dict[str, asyncio.Future] = field(default_factory=dict)
     touched: dict[str, float] = field(default_factory=dict)
     background: set = field(default_factory=set)
+    closing: bool = False  # the proxy is stopping: held requests are answered at once
+
+    def accepted(self, model: str) -> bool:
+        """Whether the model's machine has taken its load (or has it loaded)."""
+        s = self.summaries.get(model)
+        return s is not None and s.state in (LOADING, LOADED)
 
     def needs_load(self, model: str, serving: bool) -> bool:
         """A configured model that is not loaded (or being unloaded), or whose backend this
@@ -94,11 +100,15 @@ class OnDemand:
     async def wait_loaded(self, model: str, serving: Callable[[], "asyncio.Future[bool]"]) -> None:
         """Until a backend serving `model` is live; APIError when its load fails, is
         refused, or takes longer than load_timeout."""
+        if self.closing:
+            raise shutting_down()
+        if (failed := self.recent_failure(model)) is not None:
+            raise failed  # answered at once: no wait to log
         wait = self.waits.get(model)
         if wait is None or wait.done():
             s = self.summaries.get(model)
-            log.info("requests for %s wait while it loads (state %s, up to %.0fs)", model,
-                     s.state if s else "unknown", self.load_timeout)
+            log.info("requests for %s wait for a live backend (model state %s, up to %.0fs)",
+                     model, s.state if s else "unknown", self.load_timeout)
             wait = self.waits[model] = asyncio.ensure_future(self._load(model, serving))
             wait.add_done_callback(_consume_exception)
         try:
@@ -113,6 +123,8 @@ class OnDemand:
         deadline = time.monotonic() + self.load_timeout
         sent = 0.0
         while time.monotonic() < deadline:
+            if self.closing:
+                raise shutting_down()
             s = self.summaries.get(model)
             if s is not None and s.error and s.error_at >= started - 0.5 and s.state in (FAILED, UNLOADED):
                 raise error_of(model, s)
@@ -180,6 +192,13 @@ def public_state(s: ModelState | None, live: bool) -> str:
     return LOADING if s.state == LOADING else UNLOADED
 
 
+def shutting_down() -> APIError:
+    err = APIError(503, "The proxy is shutting down; send the request again.", "server_error",
+                   None, "shutting_down")
+    err.retry_after = 1.0  # type: ignore[attr-defined]
+    return err
+
+
 def error_of(model: str, s: ModelState) -> APIError:
     if s.error_code == NO_CAPACITY:
         err = APIError(503, s.error[:1].upper() + s.error[1:] + ".", "server_error", "model",
@@ -209,10 +228,21 @@ async def hold(request: web.Request, models: OnDemand, model: str, stream: bool,
     if not stream:
         await models.wait_loaded(model, serving)
         return None
-    if (failed := models.recent_failure(model)) is not None:
-        raise failed  # known before a byte is sent: a plain error response
-    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
     wait = asyncio.ensure_future(models.wait_loaded(model, serving))
+    try:
+        # The stream starts once the model's machine has taken the load (a refusal, for
+        # room or a failed path, is then a plain 503 with Retry-After), or after a
+        # keep-alive's time at most: a client or gateway must not wait on silence.
+        deadline = time.monotonic() + KEEPALIVE
+        while not wait.done() and not models.accepted(model) and time.monotonic() < deadline:
+            await asyncio.wait([wait], timeout=POLL)
+        if wait.done():
+            wait.result()  # raises the error: nothing was sent yet
+            return None
+    except BaseException:
+        wait.cancel()
+        raise
+    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
     try:
         await resp.prepare(request)
         request[HELD] = resp

@@ -28,6 +28,7 @@ from kvroute.api.routes import CHAT_PATH
 from kvroute.api.validation import validate
 from kvroute.core import prefix
 from kvroute.core.images import ImageError
+from kvroute.core.model_loads import LOADED
 from kvroute.core.registry import RegistryUnavailable
 
 from . import loading
@@ -95,7 +96,23 @@ async def _route_to_backend(state: State, req: RoutedRequest) -> web.StreamRespo
         if state.fleet.layout(model) != layout:  # its backends' template decides
             await _chain(state.config, req, state.fleet.layout(model))
     if loading.held(req.request) is None:
-        return await _dispatch(state, req)
+        try:
+            return await _dispatch(state, req)
+        except APIError as err:
+            if not _restart_expected(state, req, err):
+                raise
+        # Every backend of a loaded model failed unreached (killed, crashed): its
+        # `kvroute serve` restarts them, so the request waits for one, as for a load.
+        log.warning("no backend of %s could be reached; requests wait for one to come back "
+                    "(up to %.0fs)", model, state.models.load_timeout)
+        gone = {b.id: b.record.instance_id for b in state.fleet.serving(model) if b.id in req.failed}
+        done = await loading.hold(req.request, state.models, model, req.stream,
+                                  functools.partial(_serving_again, state, model, gone),
+                                  req.error_event)
+        if done is not None:
+            return done
+        if loading.held(req.request) is None:
+            return await _dispatch(state, req)
     try:  # the client's stream has started: errors and answers go into it
         resp = await _dispatch(state, req)
     except APIError as err:
@@ -176,6 +193,21 @@ async def _serving_now(state: State, model: str) -> bool:
     except RegistryUnavailable:
         pass
     return bool(state.fleet.serving(model))
+
+
+def _restart_expected(state: State, req: RoutedRequest, err: APIError) -> bool:
+    """Whether no backend could be reached for a model its `kvroute serve` has loaded
+    (and so restarts): nothing ran the request, and no stream has started."""
+    s = state.models.summaries.get(req.model)
+    return (err.code in ("backend_unreachable", "no_backend") and s is not None
+            and s.state == LOADED and not req.outcome)
+
+
+async def _serving_again(state: State, model: str, gone: dict[str, str]) -> bool:
+    """Whether a backend serves `model` that is not one found dead (a restarted one
+    is a new instance)."""
+    await _serving_now(state, model)
+    return any(b.record.instance_id != gone.get(b.id) for b in state.fleet.serving(model))
 
 
 async def _dispatch(state: State, req: RoutedRequest) -> web.StreamResponse:
