@@ -20,46 +20,21 @@ from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from openai.types.responses.response_item_list import ResponseItemList
 from pydantic import TypeAdapter
 
-from tests import harness
-from tests.harness import BackendProcess, ProxyProcess, request
+from tests.harness import request
+# The Codex tests' fleet (Redis, a backend of each demo model, a proxy with two API
+# keys, one per team), started again for this module.
+from tests.test_responses_codex import KEY, OTHER_KEY, TEXT, TOOL, fleet, oai  # noqa: F401
 
 from kvroute.api.responses import ResponsesBody
 from kvroute.devtools.demo_model import DEMO_REPLY
 from kvroute.proxy.agents import responses as responses_api
 from kvroute.proxy.agents.reply import ChatReply
 
-SECRET = "edges-secret"
-TOKEN = "edges-internal-token"
-KEY, OTHER_KEY = "sk-edges", "sk-edges-other"
-TEXT, TOOL = "edges-text", "edges-tool"
 LOGPROBS = "message.output_text.logprobs"
 WEATHER = [{"type": "function", "name": "get_weather", "description": "Current weather",
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
 EVENTS = TypeAdapter(ResponseStreamEvent)
 ITEMS = TypeAdapter(ResponseItem)
-
-
-@pytest.fixture(scope="module")
-def fleet(text_model, tool_model, tmp_path_factory, redis_server):
-    logs = tmp_path_factory.mktemp("edges")
-    common = ["--secret", SECRET, "--internal-token", TOKEN]
-
-    def backends(redis_url: str) -> list[BackendProcess]:
-        return [BackendProcess(text_model, TEXT, logs, backend_id="edges-text",
-                               extra=["--redis-url", redis_url, *common]),
-                BackendProcess(tool_model, TOOL, logs, backend_id="edges-tool",
-                               extra=["--redis-url", redis_url, *common])]
-
-    def proxies(redis_url: str) -> list[ProxyProcess]:
-        return [ProxyProcess(redis_url, logs, [*common, "--api-key", f"{KEY}:team-a",
-                                               "--api-key", f"{OTHER_KEY}:team-b"])]
-
-    with harness.fleet(backends, proxies, redis_server.database()) as f:
-        yield f["proxies"][0].url
-
-
-def oai(url: str, key: str = KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
 
 
 def nonce() -> str:
