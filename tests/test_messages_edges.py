@@ -18,7 +18,8 @@ from tests import harness
 from tests.harness import BackendProcess, ProxyProcess, request
 from tests.test_agent_apis import claude, half_cached, named_events, system_prompt
 
-from kvroute.api.http import MAX_DEPTH
+from kvroute.api.errors import APIError
+from kvroute.api.http import MAX_DEPTH, parse_json
 from kvroute.proxy.agents import messages as messages_api
 from kvroute.proxy.agents.reply import ChatReply, Usage
 
@@ -112,6 +113,17 @@ def test_deep_json_is_a_400_on_every_api(fleet):
         "model": MODEL, "messages": hi,
         "tools": [{"name": "f", "input_schema": {"type": "object", "x": nested(MAX_DEPTH - 8)}}]})
     assert status == 200, data[:300]
+
+
+def test_the_deep_path_is_named_past_many_shallow_containers():
+    # Depth first, holding one path: many shallow lists before the deep branch (a body
+    # that cost gigabytes when every container was queued with its own path).
+    wide = [[[] for _ in range(1000)] for _ in range(50)]
+    raw = json.dumps({"model": "m", "wide": wide, "deep": {"k": [nested(MAX_DEPTH)]}}).encode()
+    with pytest.raises(APIError) as e:
+        parse_json(raw)
+    assert e.value.param == "deep.k[0].a.a", e.value.param  # its first 5 steps
+    assert parse_json(json.dumps({"wide": wide, "deep": nested(MAX_DEPTH - 2)}).encode())
 
 
 # -- a whole message is the stream's ---------------------------------------------------------

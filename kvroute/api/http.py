@@ -58,17 +58,25 @@ def _check_depth(raw: bytes, body: dict) -> None:
 
 def _too_deep(body: dict) -> str:
     """The path (`tools[0].input_schema.x`, its first steps) to a value nested past
-    MAX_DEPTH."""
-    stack: list[tuple[Any, int, tuple]] = [(body, 1, ())]
+    MAX_DEPTH. Depth first, holding only the path it is on: a body of many shallow
+    containers beside one deep branch costs its size in time, not size x depth."""
+    path: list = []
+    stack: list = [iter(body.items())]  # one iterator per container on the path
     while stack:
-        value, depth, path = stack.pop()
-        if depth > MAX_DEPTH:
-            out = ""
-            for step in path[:_NAMED_STEPS]:
-                out += f"[{step}]" if isinstance(step, int) else (f".{step}" if out else step)
-            return out
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        stack += [(v, depth + 1, path + (k,)) for k, v in items if isinstance(v, (dict, list))]
+        for key, value in stack[-1]:
+            if isinstance(value, (dict, list)):
+                path.append(key)
+                if len(stack) + 1 > MAX_DEPTH:
+                    out = ""
+                    for step in path[:_NAMED_STEPS]:
+                        out += f"[{step}]" if isinstance(step, int) else (f".{step}" if out else step)
+                    return out
+                stack.append(iter(value.items()) if isinstance(value, dict) else enumerate(value))
+                break
+        else:
+            stack.pop()
+            if path:
+                path.pop()
     return "body"  # not reached: orjson writes whatever it read, but for its depth
 
 

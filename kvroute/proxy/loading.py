@@ -114,9 +114,7 @@ class OnDemand:
         try:
             await asyncio.wait_for(asyncio.shield(wait), self.load_timeout)
         except asyncio.TimeoutError:
-            raise APIError(503, f"Model '{model}' did not finish loading within "
-                           f"{self.load_timeout:.0f}s (load_timeout).", "server_error", "model",
-                           "model_load_timeout") from None
+            raise self._timed_out(model) from None
 
     async def _load(self, model: str, serving) -> None:
         started = time.time()
@@ -139,9 +137,12 @@ class OnDemand:
                 await quietly(self.states.request_load(model, "proxy"))
             await asyncio.sleep(POLL)
             await self.refresh()
-        raise APIError(503, f"Model '{model}' did not finish loading within "
-                       f"{self.load_timeout:.0f}s (load_timeout).", "server_error", "model",
-                       "model_load_timeout")
+        raise self._timed_out(model)
+
+    def _timed_out(self, model: str) -> APIError:
+        return APIError(503, f"Model '{model}' had no live backend within "
+                        f"{self.load_timeout:.0f}s (load_timeout): its load or restart did not "
+                        "finish.", "server_error", "model", "model_load_timeout")
 
     def listing(self, live: dict[str, float], images: set[str] = frozenset()) -> list[dict]:
         """/v1/models: every configured model, and any other model a live backend serves

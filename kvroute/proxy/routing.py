@@ -105,7 +105,8 @@ async def _route_to_backend(state: State, req: RoutedRequest) -> web.StreamRespo
         # `kvroute serve` restarts them, so the request waits for one, as for a load.
         log.warning("no backend of %s could be reached; requests wait for one to come back "
                     "(up to %.0fs)", model, state.models.load_timeout)
-        gone = {b.id: b.record.instance_id for b in state.fleet.serving(model) if b.id in req.failed}
+        gone = {b.id: (b.record.instance_id, b.record.updated_at)
+                for b in state.fleet.serving(model) if b.id in req.failed}
         done = await loading.hold(req.request, state.models, model, req.stream,
                                   functools.partial(_serving_again, state, model, gone),
                                   req.error_event)
@@ -203,11 +204,16 @@ def _restart_expected(state: State, req: RoutedRequest, err: APIError) -> bool:
             and s.state == LOADED and not req.outcome)
 
 
-async def _serving_again(state: State, model: str, gone: dict[str, str]) -> bool:
-    """Whether a backend serves `model` that is not one found dead (a restarted one
-    is a new instance)."""
+async def _serving_again(state: State, model: str, gone: dict[str, tuple[str, float]]) -> bool:
+    """Whether a backend serves `model` that was not found unreachable, was restarted
+    (a new instance), or has written a heartbeat since (it lives: the failure was the
+    way to it, a blip)."""
     await _serving_now(state, model)
-    return any(b.record.instance_id != gone.get(b.id) for b in state.fleet.serving(model))
+    for b in state.fleet.serving(model):
+        instance, beat = gone.get(b.id, ("", 0.0))
+        if b.record.instance_id != instance or b.record.updated_at > beat:
+            return True
+    return False
 
 
 async def _dispatch(state: State, req: RoutedRequest) -> web.StreamResponse:
