@@ -126,6 +126,39 @@ def test_logprobs_match_the_text_a_stop_string_cut(backend):
     assert "".join(t.token for ch in chunks if ch.logprobs for t in ch.logprobs.content) == whole
 
 
+def test_logprobs_are_the_contents_tokens_around_calls_and_stops(backend):
+    # Forced output (the backend's test-only fault) with a call between two texts, and
+    # text of multi-byte characters (byte tokens: each decodes alone to U+FFFD) before a
+    # stop string. A token's logprob goes with the text that holds it; a call's tokens
+    # and the stop string's have none.
+    c = client(backend)
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    kw = dict(model=backend.model_id, messages=conversation(), tools=TOOLS, logprobs=True,
+              extra_body={"kvroute_fault": f"force:Checking. {call} Done ok"})
+    r = c.chat.completions.create(**kw)
+    (tool_call,) = r.choices[0].message.tool_calls
+    assert tool_call.function.name == "get_weather"
+    tokens = [t.token for t in r.choices[0].logprobs.content]
+    content = r.choices[0].message.content
+    assert content.startswith("Checking.") and content.endswith(" Done ok"), content
+    assert "".join(tokens) == content, repr(tokens)
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(**kw, stream=True) if ch.choices]
+    for ch in chunks:  # a text chunk's logprobs are its own text's
+        if ch.logprobs and ch.logprobs.content and not ch.delta.tool_calls:
+            assert "".join(t.token for t in ch.logprobs.content) == ch.delta.content, ch
+    assert [t.token for ch in chunks if ch.logprobs for t in ch.logprobs.content] == tokens
+
+    kw = dict(model=backend.model_id, messages=conversation(), logprobs=True, stop=["END"],
+              extra_body={"kvroute_fault": "force:\u00e9\u00e8\U0001f600 ok ok END more"})
+    r = c.chat.completions.create(**kw)
+    content = r.choices[0].message.content
+    assert content == "\u00e9\u00e8\U0001f600 ok ok "
+    # Each entry's bytes are the token's own (a byte of the emoji is one byte, not the
+    # three of U+FFFD): joined, they are the text up to the token the stop string began in.
+    joined = b"".join(bytes(t.bytes) for t in r.choices[0].logprobs.content).decode()
+    assert content.startswith(joined) and joined.endswith(" ok ok"), joined
+
+
 def test_completion_logprobs(backend):
     c = client(backend)
     r = c.completions.create(model=backend.model_id, prompt="Count: 3", max_tokens=3, logprobs=2)

@@ -35,9 +35,11 @@ def chat_logprobs(entries: list[dict]) -> dict:
             {
                 "token": e["token"],
                 "logprob": e["logprob"],
-                "bytes": _token_bytes(e["token"]),
+                "bytes": e.get("bytes") or _token_bytes(e["token"]),
                 "top_logprobs": [
-                    {"token": t, "logprob": v, "bytes": _token_bytes(t)} for t, v in e["top"]
+                    {"token": t, "logprob": v, "bytes": b}
+                    for (t, v), b in zip(e["top"], e.get("top_bytes") or map(_token_bytes, (
+                        t for t, _ in e["top"])))
                 ],
             }
             for e in entries

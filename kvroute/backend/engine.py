@@ -52,6 +52,7 @@ from .mlx_patches import fast_gated_delta, keep_buffer_cache
 from .output import Chunk, OutputParser
 from .sampling import make_processors, make_sampler
 from .store import Commit, Store, always_trimmable, common_prefix, held_tokens
+from .token_bytes import TokenBytes
 
 log = logging.getLogger("kvroute.backend.engine")
 
@@ -76,6 +77,7 @@ class Engine:
     ):
         self.model = model
         self.tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)  # each logprob's real bytes
         self.model_id = model_id
         self.store = store
         self.metrics = metrics
@@ -672,12 +674,13 @@ class Engine:
             cached = "true" if is_cache_hit(job.cached_tokens, len(job.prompt)) else "false"
             self.metrics.l(self.metrics.ttft, cached=cached).observe(job.first_token_at - job.submitted)
         is_eos = r.token in self.tokenizer.eos_token_ids
-        if job.params.logprobs and not is_eos:
-            job.pending_logprobs.append(self._logprob_entry(r, job.params.top_logprobs))
         chunk = Chunk()
         if not is_eos:
             job.detokenizer.add_token(r.token)
+            start = job.parser.fed
             chunk = job.parser.feed(job.detokenizer.last_segment)
+            if job.params.logprobs:
+                self._place_logprob(job, r, start, bool(chunk.tool_calls))
         if chunk.stopped:
             self._emit_chunk(job, chunk, end="stop")
             if r.finish_reason is None:
@@ -709,6 +712,23 @@ class Engine:
             exit_path = "tool_calls" if job.parser.n_tool_calls else "eos"
         self._finish(job, exit_path)
 
+    def _place_logprob(self, job: Job, r: Any, start: int, ended_call: bool) -> None:
+        """Queue the token's logprob with where its text lies in the text fed to the
+        parser (`_sendable_logprobs` reads it). The detokenizer holds a token back
+        while its text is not whole (a byte of a multi-byte character, a lone space):
+        the tokens held share the span of the text that comes out with a later one."""
+        entry = self._logprob_entry(r, job.params.top_logprobs)
+        # A token read while the parser is inside a tool call, or that ended one, is
+        # the call's (its marker may be one special token that comes out with a space).
+        entry["call"] = job.parser.in_tool or ended_call
+        entry["start"], entry["text"] = start, None
+        job.pending_logprobs.append(entry)
+        if not getattr(job.detokenizer, "_unflushed", ""):  # all text out: spans known
+            for e in reversed(job.pending_logprobs):
+                if e["text"] is not None:
+                    break
+                e["text"] = (e["start"], job.parser.fed)
+
     def _logprob_entry(self, r: Any, top: int) -> dict:
         logprobs = r.logprobs
         entry = {"id": r.token, "logprob": logprobs[r.token].item(), "top": []}
@@ -720,30 +740,32 @@ class Engine:
         return entry
 
     def _emit_chunk(self, job: Job, chunk: Chunk, end: str = "") -> None:
-        logprobs = self._sendable_logprobs(job, len(chunk.text), end)
+        logprobs = self._sendable_logprobs(job, end)
         if not (chunk.text or chunk.tool_calls or logprobs):
             return
         job.reply_text.append(chunk.text)
         job.reply_tool_calls += chunk.tool_calls
         job.emit(Delta(chunk.text, chunk.tool_calls, logprobs))
 
-    def _sendable_logprobs(self, job: Job, new_text: int, end: str) -> list[dict]:
-        """The logprobs that go out with `new_text` more characters of reply: those of
-        the tokens that text completes. Tokens of text held back (a possible stop
-        string) wait for it; at a stop, every token that holds part of the stop string
-        is dropped (as the string is); at the finish, whatever is left goes out."""
-        job.text_sent += new_text
+    def _sendable_logprobs(self, job: Job, end: str) -> list[dict]:
+        """The logprobs that go out now: those of tokens whose text the parser has
+        decided, by position in the text fed to it (not by token length: a byte token
+        of a character decodes alone to a replacement character). Tokens of text held
+        back (a possible stop string) wait for it; a tool call's tokens are dropped (a
+        chat answer's logprobs are its content's); at a stop, every token that holds
+        part of the stop string is dropped, as the string is; at the finish, the rest
+        goes."""
+        p = job.parser
+        limit = p.stop_at if end == "stop" else (float("inf") if end == "finish" else p.consumed)
         out = []
         while job.pending_logprobs:
             entry = job.pending_logprobs[0]
-            if "token" not in entry:  # named once, however long its text is held back
-                entry = job.pending_logprobs[0] = self._named_logprobs(entry)
-            n = len(entry["token"])
-            if not (end == "finish" or job.logprob_text_sent + n <= job.text_sent):
+            span = entry["text"] or (entry["start"], p.fed)  # at the finish: what came out
+            if not (end == "finish" or entry["text"] is not None and span[1] <= limit):
                 break
-            out.append(entry)
-            job.logprob_text_sent += n
             job.pending_logprobs.pop(0)
+            if not (entry["call"] or p.in_call(*span)):
+                out.append(self._named_logprobs(entry))
         if end:
             job.pending_logprobs = []
         return out
@@ -754,8 +776,10 @@ class Engine:
             return tok.decode([i])
         return {
             "token": name(entry["id"]),
+            "bytes": self.token_bytes(entry["id"]),
             "logprob": entry["logprob"],
             "top": [(name(i), v) for i, v in entry["top"]],
+            "top_bytes": [self.token_bytes(i) for i, _ in entry["top"]],
         }
 
     def _finish(self, job: Job, exit_path: str, stop: str | None = None) -> None:

@@ -72,10 +72,6 @@ class Job:
     parser: OutputParser | None = None
     detokenizer: Any = None
     pending_logprobs: list[dict] = field(default_factory=list)
-    # Characters of reply text sent, and of it what sent logprob tokens cover: a token's
-    # logprob goes out with the text that holds it (a stop string's tokens never do).
-    text_sent: int = 0
-    logprob_text_sent: int = 0
     outbox: list | None = None
     reply_text: list[str] = field(default_factory=list)
     reply_tool_calls: list[dict] = field(default_factory=list)

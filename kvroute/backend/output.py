@@ -77,14 +77,33 @@ class OutputParser:
         self.pending = ""
         self.in_tool = False
         self.n_tool_calls = 0
+        # Positions in the text fed so far, so the engine can tell which tokens' text
+        # the client got (their logprobs go with it): how much was fed, where the call
+        # being read began, the spans of calls (not text), where a stop string began.
+        self.fed = 0
+        self._call_start = 0
+        self.call_spans: list[tuple[int, int]] = []
+        self.stop_at: int | None = None
+
+    @property
+    def consumed(self) -> int:
+        """Text fed and decided: sent as text, as a call, or dropped (not held back)."""
+        return self.fed - len(self.pending) - (len(self.tool_start) if self.in_tool else 0)
+
+    def in_call(self, start: int, end: int) -> bool:
+        """Whether the text from `start` to `end` (a token's) lies wholly in a tool
+        call's markup: a token that holds some of the text beside it is the text's."""
+        return any(a <= start and end <= b for a, b in self.call_spans)
 
     def _markers(self) -> list[str]:
         return self.stop + ([self.tool_start] if self.tool_start else [])
 
     def feed(self, text: str) -> Chunk:
         self.pending += text
+        self.fed += len(text)
         out = Chunk()
         while True:
+            base = self.fed - len(self.pending)  # where pending begins in the text fed
             if self.in_tool:
                 end = self.pending.find(self.tool_end)
                 if end < 0:
@@ -93,6 +112,7 @@ class OutputParser:
                 calls = self._parse_tool(body)
                 if calls:
                     out.tool_calls += calls
+                    self.call_spans.append((self._call_start, base + end + len(self.tool_end)))
                 else:  # keep the model's words when they do not parse
                     out.text += self.tool_start + body + self.tool_end
                 self.pending = self.pending[end + len(self.tool_end) :]
@@ -109,9 +129,9 @@ class OutputParser:
             out.text += self.pending[:i]
             self.pending = self.pending[i + len(marker) :]
             if marker == self.tool_start:
-                self.in_tool = True
+                self.in_tool, self._call_start = True, base + i
                 continue
-            out.stopped, out.stop = True, marker
+            out.stopped, out.stop, self.stop_at = True, marker, base + i
             self.pending = ""
             return out
 
@@ -130,6 +150,8 @@ class OutputParser:
                 out.text += self.tool_start + self.pending
             # Cut by max tokens inside a call: half a call is neither an answer nor a
             # call; the finish reason ("length") says so, the markup stays out of the text.
+            if calls or cut:
+                self.call_spans.append((self._call_start, self.fed))
         else:
             out.text += self.pending
         self.pending = ""

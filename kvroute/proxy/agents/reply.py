@@ -116,12 +116,10 @@ class ChatReply:
     finish_reason: str | None = None  # stop, length, tool_calls
     stop: str | None = None  # the stop string that ended it (the backend's stop_reason)
     usage: Usage = field(default_factory=Usage)
-    # The chat logprob entries of the tokens that made `text`, in order; not those of a
-    # tool call's tokens or of a stop string's (they are no part of the text).
+    # The chat logprob entries of the tokens that made `text`, in order. The backend
+    # sends only those: each with the text that holds it, none of a tool call's tokens
+    # or of a stop string's (kvroute/backend/engine.py, `_sendable_logprobs`).
     logprobs: list[dict] = field(default_factory=list)
-    # Entries of tokens whose text the backend still holds back (maybe the start of a
-    # tool call or stop string): they go to the text once it comes, or nowhere.
-    _unplaced: list[dict] = field(default_factory=list)
 
     @classmethod
     def from_completion(cls, data: bytes) -> "ChatReply":
@@ -133,15 +131,10 @@ class ChatReply:
                         tool_calls=message.get("tool_calls") or [],
                         finish_reason=choice.get("finish_reason"), stop=_stop(choice),
                         usage=Usage.from_chat(body.get("usage")))
-            entries = _logprob_entries(choice)
+            reply.logprobs = _logprob_entries(choice)
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
             raise APIError(502, "The backend's answer could not be read.", "server_error", None,
                            "backend_failed") from None
-        if reply.tool_calls or reply.stop is not None:
-            # One list for the whole reply: the text's tokens come first, the calls' or
-            # the stop string's after them.
-            entries = covering(entries, reply.text)
-        reply.logprobs = entries
         return reply
 
     def add(self, chunk: dict) -> tuple[str, list[dict]]:
@@ -156,24 +149,12 @@ class ChatReply:
         text, calls = delta.get("content") or "", delta.get("tool_calls") or []
         if not isinstance(text, str) or not isinstance(calls, list):
             text, calls = "", []
-        self._place(_logprob_entries(choice), text, bool(calls))
+        self.logprobs += _logprob_entries(choice)
         self.text += text
         self.tool_calls += calls
         if choice.get("finish_reason"):
             self.finish_reason, self.stop = choice["finish_reason"], _stop(choice)
         return text, calls
-
-    def _place(self, entries: list[dict], text: str, calls: bool) -> None:
-        # The backend sends each token's entry with the first chunk after it: a chunk of
-        # text alone carries its tokens (and the held-back ones before), one with a call
-        # the call's; held-back tokens come in a chunk of neither.
-        self._unplaced += entries
-        if calls:
-            self.logprobs += covering(self._unplaced, text) if text else []
-            self._unplaced = []
-        elif text:
-            self.logprobs += self._unplaced
-            self._unplaced = []
 
     def message(self) -> dict:
         """The turn as a chat message, exactly as the backend extends its prefix chain with
@@ -189,20 +170,6 @@ def _logprob_entries(choice: dict) -> list[dict]:
     logprobs = choice.get("logprobs")
     content = logprobs.get("content") if isinstance(logprobs, dict) else None
     return [e for e in content if isinstance(e, dict)] if isinstance(content, list) else []
-
-
-def covering(entries: list[dict], text: str) -> list[dict]:
-    """The first of `entries` whose tokens make up `text`: up to the one whose token
-    brings them to the text's length (in UTF-8 bytes, as each entry's `bytes` counts)."""
-    want, have = len(text.encode()), 0
-    out = []
-    for e in entries:
-        if have >= want:
-            break
-        out.append(e)
-        token_bytes = e.get("bytes")
-        have += len(token_bytes) if isinstance(token_bytes, list) else len(str(e.get("token", "")))
-    return out
 
 
 def _stop(choice: dict) -> str | None:
