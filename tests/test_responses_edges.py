@@ -146,6 +146,16 @@ def test_input_items_list_a_stored_responses_inputs_as_openai_does(fleet):
     # The first response's own: its input alone.
     assert [i.id for i in c.responses.input_items.list(r1.id, order="asc")] == ids[:2]
 
+    # A third turn: r1's output is two responses back, its logprobs no longer kept (each
+    # record would copy every earlier output's); r2's, the continued one's, are.
+    r3 = c.responses.create(model=TEXT, previous_response_id=r2.id, input="And then?",
+                            include=[LOGPROBS])
+    r4 = c.responses.create(model=TEXT, previous_response_id=r3.id, input="Go on.")
+    status, body = get(fleet, f"/v1/responses/{r4.id}/input_items?order=asc&include[]={LOGPROBS}")
+    outputs = [i for i in body["data"] if i["role"] == "assistant"]
+    assert [o["id"] for o in outputs] == [r1.output[0].id, r2.output[0].id, r3.output[0].id]
+    assert [bool(o["content"][0]["logprobs"]) for o in outputs] == [False, False, True]
+
 
 def test_input_items_of_unknown_unstored_or_foreign_responses_are_404(fleet):
     c = oai(fleet)

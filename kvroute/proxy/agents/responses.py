@@ -678,10 +678,11 @@ async def create(request: web.Request) -> web.StreamResponse:
                             code="previous_response_not_found")
         history = record["messages"]
         if req.store:
-            # The items the model saw are the continued response's inputs and outputs;
-            # the outputs without their logprobs, which every later record would copy
-            # (a 500-token answer's, with 20 alternatives each, is ~0.7 MB).
-            history_items = _items_of(record) + [_without_logprobs(o) for o in _output_of(record)]
+            # The items the model saw are the continued response's inputs and outputs.
+            # Older outputs' logprobs are dropped: kept, every later record of the chain
+            # would copy them all (a 500-token answer's, with 20 alternatives each, is
+            # ~0.7 MB); the continued response's own output keeps its logprobs.
+            history_items = [_without_logprobs(i) for i in _items_of(record)] + _output_of(record)
     chat = carry_fault(body, chat_body(req, history))
     relay = _ResponsesRelay(request, req, history, history_items)
     return await gateway.route_chat(request, chat, relay, t_start)
