@@ -111,6 +111,9 @@ def dep(tmp_path_factory, model_cache):
 def test_models_in_any_order_never_more_than_the_limit(dep):
     listed = dep.models()
     assert set(listed) == MODELS
+    # A model not loaded has a `created` all the same: when serve began to offer it.
+    created = listed["ghost"]["created"]
+    assert time.time() - 600 < created <= time.time(), listed["ghost"]
     assert listed["m1"]["state"] == "loaded"
     assert {listed[m]["state"] for m in MODELS - {"m1"}} == {"unloaded"}
     for model in ("m1", "m2", "m3", "m1", "m3", "m2"):
@@ -118,6 +121,7 @@ def test_models_in_any_order_never_more_than_the_limit(dep):
         assert dep.models()[model]["state"] == "loaded"
         assert set(dep.models()) == MODELS
     assert dep.most_backends <= 2, dep.most_backends
+    assert dep.models()["ghost"]["created"] == created  # not the last publication's time
     stats = dep.stats()
     # The pinned model was loaded once and never unloaded; the others took turns.
     assert (stats["m1"]["loads"], stats["m1"]["unloads"]) == (1, 0)

@@ -67,6 +67,7 @@ class ModelState:
     error_at: float = 0.0
     retry_after: float = 0.0  # seconds a client should wait before asking again
     updated_at: float = 0.0
+    configured_at: float = 0.0  # when its machine's `kvroute serve` began to offer it
 
     def to_json(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))
@@ -95,7 +96,8 @@ def summarize(states: list[ModelState]) -> ModelState:
         unloads=sum(s.unloads for s in states), load_seconds=sum(s.load_seconds for s in states),
         last_load_seconds=max(states, key=lambda s: s.updated_at).last_load_seconds,
         error=failed.error, error_code=failed.error_code, error_at=failed.error_at,
-        retry_after=failed.retry_after, pinned=any(s.pinned for s in states))
+        retry_after=failed.retry_after, pinned=any(s.pinned for s in states),
+        configured_at=min((s.configured_at for s in states if s.configured_at > 0), default=0.0))
 
 
 class ModelLoads:

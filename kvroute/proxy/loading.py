@@ -175,10 +175,11 @@ class OnDemand:
 
 def _created(model: str, live: dict[str, float], s: ModelState | None) -> int:
     """A Unix time for `created`: when the live backends loaded the model; for one not
-    loaded, when its state last changed (it has no load time now)."""
+    loaded, when its machine's `kvroute serve` began to offer it (it has no load time
+    now; not its state's publication time, which moves every few seconds)."""
     if model in live:
         return int(live[model])
-    return int(s.updated_at) if s is not None else 0
+    return int(s.configured_at) if s is not None else 0
 
 
 def public_state(s: ModelState | None, live: bool) -> str:

@@ -81,6 +81,7 @@ class Loader:
         self.config = launcher.config
         self.slots = {s.alias: s for s in slots}
         self.machine = self.config.machine or f"{socket.gethostname()}:{self.config.port}"
+        self.configured_at = time.time()  # /v1/models' `created` of a model not loaded
         self.loads: ModelLoads | None = None
         self.changed = asyncio.Event()
         self.admit = asyncio.Lock()  # one admission decision at a time
@@ -298,7 +299,8 @@ class Loader:
             replicas=s.spec.replicas, memory_bytes=s.bytes, last_used=s.last_used, loads=s.loads,
             unloads=s.unloads, load_seconds=round(s.load_seconds, 3),
             last_load_seconds=round(s.last_load_seconds, 3), error=s.error,
-            error_code=s.error_code, error_at=s.error_at, retry_after=s.retry_after)
+            error_code=s.error_code, error_at=s.error_at, retry_after=s.retry_after,
+            configured_at=self.configured_at)
             for s in self.slots.values()]
 
     async def publish(self) -> None:
