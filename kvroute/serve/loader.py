@@ -176,18 +176,18 @@ class Loader:
         if slot.state == FAILED and time.time() - slot.error_at < FAILED_RETRY_AFTER:
             self.changed.set()  # republish the error for the proxy that asked
             return
+        if slot.spec.path != DEMO:
+            try:  # before `loading` is published: a path that is not there never loads,
+                capacity.check_model_path(slot.spec.path)  # and unloads nothing
+            except ConfigError as exc:
+                self._fail(slot, FAILED, LOAD_FAILED, f"loading model '{slot.alias}' failed: "
+                           f"{exc}", FAILED_RETRY_AFTER)
+                return
         slot.state = LOADING
         self.changed.set()
         slot.task = asyncio.create_task(self._load(slot))
 
     async def _load(self, slot: Slot) -> None:
-        if slot.spec.path != DEMO:
-            try:  # before making room: a path that is not there must not unload a model
-                capacity.check_model_path(slot.spec.path)
-            except ConfigError as exc:
-                self._fail(slot, FAILED, LOAD_FAILED, f"loading model '{slot.alias}' failed: "
-                           f"{exc}", FAILED_RETRY_AFTER)
-                return
         async with self.admit:
             others = [s.resident() for s in self.slots.values()
                       if s is not slot and s.state in (LOADED, LOADING)]
