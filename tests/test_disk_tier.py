@@ -11,7 +11,8 @@ import signal
 import uuid
 
 import pytest
-from tests.harness import BackendProcess, chat, metric_sum, request, small_tmpfs, wait_until
+from tests.harness import (BackendProcess, chat, get_json, metric_sum, request, small_tmpfs,
+                           wait_until)
 from tests.test_families import GREEDY, assert_same_answer, cached, conversation
 
 from kvroute.devtools import arch_models
@@ -180,6 +181,14 @@ def test_proxy_routes_turn2_back_to_the_restarted_backend(text_model, tmp_path, 
         wait_until(lambda: [(b["disk_hits"], b["ram_hits"]) for b in proxy.health()["backends"]
                             if b["id"] == served.backend_id] == [(1, 0)], 30,
                    what="the disk hit in the proxy's fleet view")
+        # ... with the bytes its disk tier holds: records and their blocks, as the
+        # backend's own /health counts them (not the record files alone).
+        def same_bytes() -> bool:
+            held = get_json(restarted.url + "/health")["disk"]["bytes"]
+            listed = [b["disk_bytes"] for b in proxy.health()["backends"]
+                      if b["id"] == served.backend_id]
+            return listed == [held] and held > 100_000
+        wait_until(same_bytes, 30, what="the proxy to list the disk tier's bytes")
     finally:
         if proxy is not None:
             proxy.stop()

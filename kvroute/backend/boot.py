@@ -206,7 +206,7 @@ def _disk_record(state: State) -> dict:
     hits = {f"{tier}_hits": int(m.l(m.hits, tier=tier)._value.get()) for tier in ("ram", "disk")}
     if disk is None:
         return hits
-    return {**hits, "disk_bytes": disk.nbytes, "disk_budget": disk.budget_bytes,
+    return {**hits, "disk_bytes": disk.held_bytes, "disk_budget": disk.budget_bytes,
             "restore_tps": disk.restore_tps}
 
 

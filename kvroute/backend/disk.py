@@ -172,7 +172,8 @@ class DiskTier:
         self._index_directory()
         orphans = self.blocks.drop_unlisted()
         if orphans:
-            log.info("disk cache: removed %d blocks no record lists (an interrupted write)", orphans)
+            log.info("disk cache: removed %d blocks no record lists (of records dropped or "
+                     "removed, or an interrupted write)", orphans)
         self.enabled = True
         self.metrics.l(self.metrics.disk_enabled).set(1)
         self.metrics.l(self.metrics.disk_budget).set(self.budget_bytes)
@@ -683,6 +684,7 @@ class DiskTier:
             **self.blocks.stats(),
             "budget_bytes": self.budget_bytes,
             "write_queue": self._waiting(),
+            "fsync": "always" if self.fsync else "never",
             "restore_bytes_per_s": round(self.restore_bps),
             "restore_tokens_per_s": round(self.restore_tps),
         }
