@@ -72,3 +72,34 @@ def test_one_machines_refusal_waits_for_the_others():
     assert summarize([refused, quiet]).error == ""
     assert summarize([refused, ModelState("m", "b", LOADING)]).state == LOADING
     assert summarize([refused]).error == "no room"
+
+
+def test_a_loop_of_quiet_redis_calls_stops_when_cancelled(redis_db):
+    # The loader's loops (idle checks, load requests) call Redis through `quietly`; a
+    # cancellation that lands in redis-py's read can be swallowed there, and the loop
+    # went on: serve hung on SIGTERM. Cancelled at many points, every loop ends.
+    import random
+
+    from kvroute.core import redis_client
+    from kvroute.core.model_loads import quietly
+
+    async def main(url: str) -> int:
+        r = redis_client.connect(url)
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(0.005)
+                await quietly(r.hgetall("kvr:{models}:used"), {})
+
+        stuck = 0
+        rng = random.Random(7)
+        for _ in range(100):
+            task = asyncio.create_task(loop())
+            await asyncio.sleep(rng.uniform(0.004, 0.008))
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=1.0)
+            stuck += not done
+        await r.aclose()
+        return stuck
+
+    assert asyncio.run(main(redis_db.url)) == 0

@@ -192,6 +192,13 @@ class ModelLoads:
 async def quietly(aw, default=None):
     """Await a Redis call whose failure must not stop the caller's loop."""
     try:
-        return await aw
+        result = await aw
     except (RedisError, OSError, asyncio.TimeoutError):
-        return default
+        result = default
+    # redis-py may swallow a cancellation that lands in its read (or turn it into one of
+    # those errors): the task is still being cancelled, and a loop that carried on
+    # would never stop (serve then hung on SIGTERM).
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+    return result

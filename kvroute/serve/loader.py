@@ -39,6 +39,7 @@ FAILED_RETRY_AFTER = 30.0  # seconds a failed load is answered from its error, n
 CAPACITY_RETRY_AFTER = 5.0  # what a refused request's Retry-After says
 DRAIN_TIMEOUT = 120.0  # seconds an unloading model's in-flight requests get to finish
 IDLE_CHECK = 1.0
+STOP_WAIT = 5.0  # seconds the loader's tasks get to end once cancelled
 
 
 @dataclass
@@ -142,7 +143,12 @@ class Loader:
         tasks += [w for s in self.slots.values() for w in s.watches]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Bounded: a task that outlives its cancellation must not keep serve (and the
+        # backends it stops after this) from stopping.
+        _, stuck = await asyncio.wait(tasks, timeout=STOP_WAIT) if tasks else ((), ())
+        if stuck:
+            log.warning("%d loader tasks did not stop within %.0fs; stopping anyway",
+                        len(stuck), STOP_WAIT)
         if self.loads is not None:
             await quietly(self.loads.withdraw(self.machine, list(self.slots)))
             await self.loads.close()
