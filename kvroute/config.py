@@ -16,7 +16,7 @@ more than one place again. Most of its length is the tables themselves.
 
 The file (every key optional):
 
-    secret = "change-me"                 # salts prefix keys; random per launch if unset
+    secret = "change-me"                 # salts prefix keys; unset: one kept in the cache dir
     memory_fraction = 0.85               # of the GPU's (else physical) memory weights and caches may take
 
     [redis]
@@ -351,7 +351,8 @@ SERVE = [
          env="KVROUTE_API_KEYS", many=True, metavar="KEY[:SCOPE]",
          toml="proxy.api_keys"),
     _opt("redis_url", str, "", "use this Redis instead of an embedded one", toml="redis.url"),
-    _opt("secret", str, "", "prefix-key salt (default: random per launch)", toml="secret"),
+    _opt("secret", str, "", "prefix-key salt (default: made once, kept in the cache "
+         "directory, so disk-tier records stay routable across restarts)", toml="secret"),
     _opt("prefill_step", int, None, "tokens per prefill chunk of every backend (default: the "
          "file's, else 2048 on a GPU and 512 on the CPU)", env=False),
     # Per-model settings a newcomer needs on the command line: each one, when given,

@@ -92,6 +92,20 @@ def test_readme_serve_command_serves_and_caches(tmp_path, model_cache):
     wait_until(lambda: all(gone(pid) for pid in pids), 30, interval=0.1,
                what="the README deployment's processes to exit")
 
+    # Started again as typed (no secret set): the conversation's next turn is routed to
+    # the backend whose disk tier holds it. A new random salt per start made every
+    # record's prefix keys unfindable, and the turn went by load to a cold backend.
+    proc = start_serve(cmd, {"KVROUTE_PORT": str(port), "KVROUTE_CACHE_DIR": str(model_cache)}, log)
+    try:
+        wait_proxy(port, 2, proc, log)
+        messages += [{"role": "assistant", "content": r2.choices[0].message.content},
+                     {"role": "user", "content": "And after a restart?"}]
+        raw = c.chat.completions.with_raw_response.create(model="kvroute-demo", messages=messages)
+        assert raw.headers["x-kvroute-route-reason"] == "disk-hit", dict(raw.headers)
+        assert raw.parse().usage.prompt_tokens_details.cached_tokens >= r2.usage.prompt_tokens
+    finally:
+        stop(proc, 30)
+
 
 CONFIG = """
 secret = "test-secret"

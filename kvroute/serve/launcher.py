@@ -14,7 +14,9 @@ then Redis — within 10 seconds.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -41,6 +43,7 @@ from .redis_server import RedisServer
 STOP_GRACE = 7.0  # seconds children get to exit before SIGKILL (the whole stop stays < 10 s)
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan"]
 
+log = logging.getLogger("kvroute.serve")
 
 # -- models and memory ------------------------------------------------------------
 
@@ -106,6 +109,32 @@ def first_free_port(start: int, taken: set[int]) -> int:
         port += 1
 
 
+def kept_secret() -> str:
+    """The prefix-key salt of this machine's deployments when none is configured: made
+    once, kept (owner-only) in the cache directory. A disk tier's records carry their
+    conversations' prefix keys under the salt they were written with: a new salt at
+    each start would make every record unfindable to the proxy after a restart."""
+    path = demo_model.default_cache_dir() / "prefix-secret"
+    try:
+        kept = path.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{32}", kept):
+            return kept
+    except OSError:
+        pass
+    secret = secrets.token_hex(16)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("prefix secret not kept (%s): disk-tier records will not be routed to "
+                    "after a restart; set `secret` to keep one", exc)
+    return secret
+
+
 class Launcher:
     def __init__(self, config: ServeConfig, console: Console | None = None):
         self.config = config
@@ -113,7 +142,7 @@ class Launcher:
         self.children: list[Child] = []
         self.redis: RedisServer | None = None
         self.redis_url = config.redis_url
-        self.secret = config.secret or secrets.token_hex(16)
+        self.secret = config.secret or kept_secret()
         self.token = config.internal_token or secrets.token_hex(16)  # only this deployment's proxies reach its backends
         self.stopping = asyncio.Event()
         self.paths: dict[str, str] = {}
