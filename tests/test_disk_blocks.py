@@ -148,3 +148,29 @@ def test_a_restored_prefix_the_ram_store_holds_is_not_read_again(tmp_path):
     assert same_cache(found.cache, kv_of(conversation(1)))
     assert again.stats()["block_reads"] == 2  # its own two blocks only
     again.close()
+
+
+def test_after_a_restart_the_next_turn_replaces_its_record_and_evicts_no_more_than_needed(tmp_path):
+    # Three conversations on disk; a restart; the newest one's next turn (its record's
+    # tokens and one block more) is committed in the new process. Its record replaces
+    # the one it grew from (they piled up, one per restart), and the budget, just
+    # above what the tier holds, makes room for what the write adds alone: a block and
+    # a record, not the whole conversation (two others were evicted for it).
+    tier, _ = write_three(tmp_path)
+    tier.close()
+    again, metrics = make_tier(tmp_path)  # a restart
+    block = again.blocks.nbytes // len(block_files(tmp_path))
+    again.budget_bytes = again.stats()["bytes"] + 2 * block
+    store = Store(budget_bytes=1 << 30)
+    store.listeners.append(again.on_store_event)
+    turn = conversation(2) + [9000 + j for j in range(BLOCK_TOKENS)]
+    store.insert("m", turn, kv_of(turn), "finish", chain=[2, 22])
+    wait_until(lambda: sorted(len(r.tokens) for r in again.index.values())
+               == [len(conversation(0)), len(conversation(1)), len(turn)], 30,
+               what="the next turn's record in place of the one it grew from")
+    assert len(records(tmp_path)) == 3
+    assert metrics.disk_evictions.labels(model="m", backend="b")._value.get() == 0
+    (newest,) = [r for r in again.index.values() if len(r.tokens) == len(turn)]
+    assert newest.chain == [2, 22]  # the replaced record's keys are its own
+    assert again.stats()["bytes"] <= again.budget_bytes
+    again.close()

@@ -431,17 +431,23 @@ class DiskTier:
             if entry is None:  # a later entry that extends it was queued
                 return
             self._pending_bytes -= entry.nbytes
-            extended = [r for r in self.index.values() if _extends(entry, r)]
-        chain = list(dict.fromkeys([*entry.chain, *(k for r in extended for k in r.chain)]))
-        if self._write(entry, chain):
-            for record in extended:  # after the file that holds their tokens is in place
-                self._remove(record.name)
+        self._write(entry)
 
-    def _write(self, entry: Entry, chain: list[int] | None = None) -> bool:
+    def _write(self, entry: Entry) -> bool:
+        """Write `entry` as a record (its new blocks first); the records it extends are
+        removed once it is in place: a restored conversation's next turn, or a whole
+        entry, replaces the file it grew from (their chain keys become its own)."""
         if entry.nbytes > self.budget_bytes:
             return False
-        chain = list(entry.chain) if chain is None else chain
-        self._enforce_budget(entry.nbytes)
+        with self.lock:
+            extended = [r for r in self.index.values() if _extends(entry, r)]
+            # What the write adds: its own bytes and blocks not on disk yet, less the
+            # records it replaces (the budget counts each block once).
+            new = {b.key: b.nbytes for b in entry.shared if b.key not in self.blocks.files}
+        incoming = (entry.nbytes - sum(b.nbytes for b in entry.shared) + sum(new.values())
+                    - sum(r.size for r in extended))
+        chain = list(dict.fromkeys([*entry.chain, *(k for r in extended for k in r.chain)]))
+        self._enforce_budget(max(0, incoming))
         meta = {
             "version": diskfile.FORMAT_VERSION, "fingerprint": self.fingerprint,
             "model": entry.model, "tokens": entry.tokens.tolist(), "scope": entry.scope,
@@ -485,6 +491,8 @@ class DiskTier:
             if entry.id in self._seen or entry.id in self._superseded:
                 self._by_entry[entry.id] = name
         self.metrics.l(self.metrics.disk_writes, result="ok").inc()
+        for old in extended:  # after the file that holds their tokens is in place
+            self._remove(old.name)
         self._enforce_budget(0)
         self._update_gauges()
         return True
