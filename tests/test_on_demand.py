@@ -283,7 +283,7 @@ def test_sigterm_during_a_load_leaves_no_process(dep):
     # The held stream is answered as the proxy begins to stop, not cut when it ends.
     event, done, at = got
     assert event["error"]["code"] == "shutting_down" and done == "[DONE]", event
-    assert at - t0 < 2.5, at - t0
+    assert at - t0 < 4.5, at - t0  # not after the 5 s the proxy gives its handlers
 
     def gone(pid: int) -> bool:
         try:
