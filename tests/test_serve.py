@@ -180,6 +180,11 @@ def test_two_models_supervision_and_clean_shutdown(tmp_path, model_cache, redis_
         assert after["pid"] != before["pid"]
         r = c.chat.completions.create(model="small", messages=[{"role": "user", "content": "again"}])
         assert r.choices[0].finish_reason == "stop"
+        # Again, streamed: the stream starts at once and carries the answer once it is back.
+        os.kill(after["pid"], signal.SIGKILL)
+        chunks = list(c.chat.completions.create(
+            model="small", messages=[{"role": "user", "content": "streamed"}], stream=True))
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
 
         pids = [get_json(b["url"] + "/health")["pid"] for b in health["backends"]]
         proxy_pid = get_json(f"http://127.0.0.1:{port}/health")["pid"]

@@ -231,23 +231,26 @@ async def hold(request: web.Request, models: OnDemand, model: str, stream: bool,
         await models.wait_loaded(model, serving)
         return None
     wait = asyncio.ensure_future(models.wait_loaded(model, serving))
+    resp = held(request)  # a second wait (a restart after a load) goes on in it
+    if resp is None:
+        try:
+            # The stream starts once the model's machine has taken the load (a refusal,
+            # for room or a failed path, is then a plain 503 with Retry-After), or after
+            # a keep-alive's time at most: a client or gateway must not wait on silence.
+            deadline = time.monotonic() + KEEPALIVE
+            while not wait.done() and not models.accepted(model) and time.monotonic() < deadline:
+                await asyncio.wait([wait], timeout=POLL)
+            if wait.done():
+                wait.result()  # raises the error: nothing was sent yet
+                return None
+        except BaseException:
+            wait.cancel()
+            raise
     try:
-        # The stream starts once the model's machine has taken the load (a refusal, for
-        # room or a failed path, is then a plain 503 with Retry-After), or after a
-        # keep-alive's time at most: a client or gateway must not wait on silence.
-        deadline = time.monotonic() + KEEPALIVE
-        while not wait.done() and not models.accepted(model) and time.monotonic() < deadline:
-            await asyncio.wait([wait], timeout=POLL)
-        if wait.done():
-            wait.result()  # raises the error: nothing was sent yet
-            return None
-    except BaseException:
-        wait.cancel()
-        raise
-    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
-    try:
-        await resp.prepare(request)
-        request[HELD] = resp
+        if resp is None:
+            resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+            await resp.prepare(request)
+            request[HELD] = resp
         while not wait.done():
             await resp.write(b": loading\n\n")
             await asyncio.wait([wait], timeout=KEEPALIVE)

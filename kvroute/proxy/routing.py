@@ -95,29 +95,16 @@ async def _route_to_backend(state: State, req: RoutedRequest) -> web.StreamRespo
             return done
         if state.fleet.layout(model) != layout:  # its backends' template decides
             await _chain(state.config, req, state.fleet.layout(model))
-    if loading.held(req.request) is None:
-        try:
-            return await _dispatch(state, req)
-        except APIError as err:
-            if not _restart_expected(state, req, err):
-                raise
-        # Every backend of a loaded model failed unreached (killed, crashed): its
-        # `kvroute serve` restarts them, so the request waits for one, as for a load.
-        log.warning("no backend of %s could be reached; requests wait for one to come back "
-                    "(up to %.0fs)", model, state.models.load_timeout)
-        gone = {b.id: (b.record.instance_id, b.record.updated_at)
-                for b in state.fleet.serving(model) if b.id in req.failed}
-        done = await loading.hold(req.request, state.models, model, req.stream,
-                                  functools.partial(_serving_again, state, model, gone),
-                                  req.error_event)
-        if done is not None:
-            return done
-        if loading.held(req.request) is None:
-            return await _dispatch(state, req)
-    try:  # the client's stream has started: errors and answers go into it
-        resp = await _dispatch(state, req)
+    try:
+        resp = await _dispatch_through_restarts(state, req)
     except APIError as err:
+        if loading.held(req.request) is None:
+            raise
+        # The client's stream has started (a wait for a load or a restart): errors and
+        # answers go into it.
         return await loading.write_error(req.request, err, req.error_event)
+    if loading.held(req.request) is None:
+        return resp
     return await loading.finish(req.request, resp, req.error_event)
 
 
@@ -196,6 +183,29 @@ async def _serving_now(state: State, model: str) -> bool:
     return bool(state.fleet.serving(model))
 
 
+async def _dispatch_through_restarts(state: State, req: RoutedRequest) -> web.StreamResponse:
+    """`_dispatch`; when every backend of a loaded model failed unreached (killed,
+    crashed), its `kvroute serve` restarts them: the request waits for one, as for a
+    load (a streaming client's stream starts), and goes again, until `load_timeout`.
+    A wait that fails on a started stream returns that stream, ended with the error."""
+    deadline = time.monotonic() + state.models.load_timeout
+    while True:
+        try:
+            return await _dispatch(state, req)
+        except APIError as err:
+            if not _restart_expected(state, req, err) or time.monotonic() > deadline:
+                raise
+        log.warning("no backend of %s could be reached; its requests wait for one to come "
+                    "back (up to %.0fs)", req.model, state.models.load_timeout)
+        gone = {b.id: b.record.instance_id for b in state.fleet.serving(req.model)
+                if b.id in req.failed}
+        done = await loading.hold(req.request, state.models, req.model, req.stream,
+                                  functools.partial(_serving_again, state, req.model, gone,
+                                                    time.time()), req.error_event)
+        if done is not None:
+            return done
+
+
 def _restart_expected(state: State, req: RoutedRequest, err: APIError) -> bool:
     """Whether no backend could be reached for a model its `kvroute serve` has loaded
     (and so restarts): nothing ran the request, and no stream has started."""
@@ -204,16 +214,14 @@ def _restart_expected(state: State, req: RoutedRequest, err: APIError) -> bool:
             and s.state == LOADED and not req.outcome)
 
 
-async def _serving_again(state: State, model: str, gone: dict[str, tuple[str, float]]) -> bool:
+async def _serving_again(state: State, model: str, gone: dict[str, str], since: float) -> bool:
     """Whether a backend serves `model` that was not found unreachable, was restarted
-    (a new instance), or has written a heartbeat since (it lives: the failure was the
-    way to it, a blip)."""
+    (a new instance), or has written a heartbeat since the failure (it lives: the
+    failure was the way to it, a blip; a heartbeat it wrote before dying, read late,
+    is older)."""
     await _serving_now(state, model)
-    for b in state.fleet.serving(model):
-        instance, beat = gone.get(b.id, ("", 0.0))
-        if b.record.instance_id != instance or b.record.updated_at > beat:
-            return True
-    return False
+    return any(b.id not in gone or b.record.instance_id != gone[b.id]
+               or b.record.updated_at > since for b in state.fleet.serving(model))
 
 
 async def _dispatch(state: State, req: RoutedRequest) -> web.StreamResponse:
