@@ -15,7 +15,8 @@ from pydantic import (AfterValidator, Field, StringConstraints, Tag, ValidationE
                       WithJsonSchema, WrapValidator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
+from .validation import (Body, NonEmpty, Stop, ToolName, invalid, only, refusing, repeated,
+                         tagged_by)
 
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
@@ -25,10 +26,6 @@ MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 # A schema name as OpenAI takes it: ^[a-zA-Z0-9_-]{1,64}$.
 Name = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
-# A tool's name: OpenAI's characters, up to Anthropic's 128 rather than OpenAI's 64,
-# since Messages requests (Claude Code's MCP tools, mcp__server__tool) and Codex's
-# namespaced tools arrive here as chat requests.
-ToolName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 class TextPart(Body):
@@ -331,12 +328,10 @@ class ChatCompletionBody(GenerationBody):
     @model_validator(mode="after")
     def _tool_names_are_unique(self) -> "ChatCompletionBody":
         # A call names its function: two of one name would make it ambiguous.
-        seen: set[str] = set()
-        for i, tool in enumerate(self.tools or []):
-            if tool.function.name in seen:
-                raise invalid(f"tools[{i}].function.name", f"Tool names must be unique: "
-                              f"'{tool.function.name}' is given twice.")
-            seen.add(tool.function.name)
+        if found := repeated(t.function.name for t in self.tools or []):
+            name = self.tools[found[0]].function.name
+            raise invalid(f"tools[{found[0]}].function.name", f"Tool names must be unique: "
+                          f"'{name}' is given twice.")
         return self
 
     @model_validator(mode="after")

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, StringConstraints, Tag, WrapValidator, model_validator
+from pydantic import Field, Tag, WrapValidator, model_validator
 from pydantic_core import PydanticCustomError
 
-from .validation import MAX_STOP, Body, NonEmpty, invalid, refusing, tagged_by
+from .validation import (MAX_STOP, Body, NonEmpty, ToolName, invalid, refusing, repeated,
+                         tagged_by)
 
 
 # The one `code` of a refused content block (an image, a server tool's result, ...):
@@ -29,8 +30,6 @@ PREFILL = "prefill_unsupported"
 EMPTY_TURN = ("all messages must have non-empty content except for the optional final "
               "assistant message")
 EMPTY_TEXT = "text content blocks must be non-empty"
-# Anthropic's rule for a tool's name (MCP tools are `mcp__server__tool`).
-TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"
 # The described form of a rule a body validator enforces in Anthropic's words (a
 # constraint pydantic enforced itself would refuse in its own words first).
 _AT_LEAST_ONE = {"string": {"minLength": 1}, "list": {"minItems": 1}}
@@ -165,7 +164,7 @@ class ClientTool(Body):
     type: Annotated[Literal["custom"], refusing(
         "Tool type {value} is not supported; only client tools (name, description, "
         "input_schema) are: kvroute runs no server tools.")] | None = None
-    name: Annotated[str, StringConstraints(pattern=TOOL_NAME)]
+    name: ToolName
     description: str | None = None
     input_schema: dict[str, Any]
     # A deferred tool is not shown to the model until a tool search loads it (Anthropic's
@@ -252,12 +251,10 @@ class CountTokensBody(Body):
 
     @model_validator(mode="after")
     def _tool_names_are_unique(self) -> "CountTokensBody":
-        seen: dict[str, int] = {}
-        for i, tool in enumerate(self.tools or []):
-            if tool.name in seen:
-                raise invalid(f"tools[{i}].name", f"Tool names must be unique: '{tool.name}' "
-                              f"is also the name of tools.{seen[tool.name]}.")
-            seen[tool.name] = i
+        if found := repeated(t.name for t in self.tools or []):
+            i, first = found
+            raise invalid(f"tools[{i}].name", f"Tool names must be unique: "
+                          f"'{self.tools[i].name}' is also the name of tools.{first}.")
         return self
 
     @model_validator(mode="after")

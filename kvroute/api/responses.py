@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, StringConstraints, Tag, WithJsonSchema, model_validator
 
-from .chat import MAX_TOP_LOGPROBS
+from .chat import MAX_TOP_LOGPROBS, RefusalPart
 from .validation import Body, NonEmpty, Stop, invalid, only, refusing, tagged_by
 
 # The `include` value that asks for the output text's logprobs (OpenAI's ResponseIncludable).
@@ -31,14 +31,6 @@ class InputTextPart(Body):
         "output_text, text) and, in messages, input_image (and refusal, in assistant "
         "messages) are.", "unsupported_content")]
     text: str
-
-
-class RefusalPart(Body):
-    """An assistant's refusal, as OpenAI answers one: a replayed conversation holds it.
-    The model sees it as the turn's text."""
-
-    type: Literal["refusal"]
-    refusal: str
 
 
 class InputImagePart(Body):

@@ -36,6 +36,20 @@ M = TypeVar("M", bound=Body)
 MAX_STOP = 4
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 Stop = Union[str, Annotated[list[str], Field(max_length=MAX_STOP)]]
+# A tool's name, as Anthropic takes it: OpenAI's characters, up to 128 of them rather
+# than OpenAI's 64, since Messages requests (Claude Code's MCP tools, mcp__server__tool)
+# and Codex's namespaced tools arrive as chat requests.
+ToolName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
+
+
+def repeated(names: Any) -> tuple[int, int] | None:
+    """(index, index of its first use) of the first name given twice, else None."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            return i, seen[name]
+        seen[name] = i
+    return None
 
 
 def invalid(param: str, message: str, code: str = "invalid_value") -> PydanticCustomError:
