@@ -165,10 +165,10 @@ def test_finish_reason_length_is_max_tokens_whatever_the_reply_holds():
     for reply in (ChatReply(finish_reason="length"),
                   ChatReply(tool_calls=[call], finish_reason="length"),
                   ChatReply(text="Let me", tool_calls=[call], finish_reason="length")):
-        assert messages_api._stop_reason(reply, 16) == "max_tokens"
+        assert messages_api._stop_reason(reply, prefill_only=False) == "max_tokens"
     # A call that ended within the budget is a tool_use.
     done = ChatReply(tool_calls=[call], finish_reason="tool_calls", usage=Usage(10, 0, 12))
-    assert messages_api._stop_reason(done, 16) == "tool_use"
+    assert messages_api._stop_reason(done, prefill_only=False) == "tool_use"
 
 
 # -- max_tokens 0: fill the cache ----------------------------------------------------------

@@ -25,21 +25,16 @@ def _stop_reason(f: Finish) -> dict:
     return {"stop_reason": f.stop} if f.stop is not None else {}
 
 
-def _token_bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8"))
-
-
 def chat_logprobs(entries: list[dict]) -> dict:
     return {
         "content": [
             {
                 "token": e["token"],
                 "logprob": e["logprob"],
-                "bytes": e.get("bytes") or _token_bytes(e["token"]),
+                "bytes": e["bytes"],  # the token's own (engine.py, `_named_logprobs`)
                 "top_logprobs": [
                     {"token": t, "logprob": v, "bytes": b}
-                    for (t, v), b in zip(e["top"], e.get("top_bytes") or map(_token_bytes, (
-                        t for t, _ in e["top"])))
+                    for (t, v), b in zip(e["top"], e["top_bytes"])
                 ],
             }
             for e in entries

@@ -755,19 +755,17 @@ class Engine:
         chat answer's logprobs are its content's); at a stop, every token that holds
         part of the stop string is dropped, as the string is; at the finish, the rest
         goes."""
-        p = job.parser
+        p, pending = job.parser, job.pending_logprobs
         limit = p.stop_at if end == "stop" else (float("inf") if end == "finish" else p.consumed)
-        out = []
-        while job.pending_logprobs:
-            entry = job.pending_logprobs[0]
-            span = entry["text"] or (entry["start"], p.fed)  # at the finish: what came out
-            if not (end == "finish" or entry["text"] is not None and span[1] <= limit):
-                break
-            job.pending_logprobs.pop(0)
-            if not (entry["call"] or p.in_call(*span)):
-                out.append(self._named_logprobs(entry))
-        if end:
-            job.pending_logprobs = []
+        n = 0  # how many, from the first, go now
+        while n < len(pending) and (end == "finish" or pending[n]["text"] is not None
+                                    and pending[n]["text"][1] <= limit):
+            n += 1
+        # At the finish an entry still held by the detokenizer spans what came out after it.
+        spans = [e["text"] or (e["start"], p.fed) for e in pending[:n]]
+        out = [self._named_logprobs(e) for e, span in zip(pending[:n], spans)
+               if not (e["call"] or p.in_call(*span))]
+        job.pending_logprobs = [] if end else pending[n:]
         return out
 
     def _named_logprobs(self, entry: dict) -> dict:

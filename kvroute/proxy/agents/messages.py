@@ -278,11 +278,11 @@ def _usage(u: Usage, prefill_only: bool = False) -> dict:
             "output_tokens": 0 if prefill_only else u.completion_tokens}
 
 
-def _stop_reason(reply: ChatReply, max_tokens: int) -> str:
+def _stop_reason(reply: ChatReply, prefill_only: bool) -> str:
     # A reply cut by max_tokens says so even when it holds tool calls (the backend
     # reports "length" then): the last one may be cut short, and a client (Claude
     # Code) must know its answer is incomplete. max_tokens 0 answers nothing, as cut.
-    if max_tokens == 0 or reply.finish_reason == "length":
+    if prefill_only or reply.finish_reason == "length":
         return "max_tokens"
     if reply.finish_reason == "tool_calls" or reply.tool_calls:
         return "tool_use"
@@ -330,7 +330,7 @@ class _MessagesRelay(Relay):
     def message(self, content: list[dict], reply: ChatReply | None, usage: Usage) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.req.model,
                 "content": [] if self.prefill_only else content,
-                "stop_reason": _stop_reason(reply, self.req.max_tokens or 0) if reply else None,
+                "stop_reason": _stop_reason(reply, self.prefill_only) if reply else None,
                 "stop_sequence": reply.stop if reply and not self.prefill_only else None,
                 "usage": _usage(usage, self.prefill_only)}
 
@@ -411,7 +411,7 @@ class _MessagesEvents:
         reply = self.reply
         prefill_only = self.relay.prefill_only
         await self.send("message_delta", delta={
-            "stop_reason": _stop_reason(reply, self.relay.req.max_tokens or 0),
+            "stop_reason": _stop_reason(reply, prefill_only),
             "stop_sequence": None if prefill_only else reply.stop},
             usage=_usage(reply.usage, prefill_only))
         await self.send("message_stop")
