@@ -328,3 +328,20 @@ def test_a_refusal_belongs_to_the_assistant_alone(fleet, role):
     body["input"][0]["role"] = "assistant"
     assert jsonschema_rs.validator_for(ResponsesBody.model_json_schema()).is_valid(body)
     responses_api.parse(body)  # and validation accepts it
+
+
+@pytest.mark.parametrize("tools,param", [
+    ([{"type": "function", "name": "get weather"}], "tools[0].name"),
+    ([WEATHER[0], {"type": "custom", "name": "x" * 129}], "tools[1].name"),
+    ([{"type": "namespace", "name": "mcp__files", "description": "files",
+       "tools": [{"type": "function", "name": "read"}, {"type": "function", "name": "lis.t"}]}],
+     "tools[0].tools[1].name"),
+    # Each part fits; namespace and name together are past the 128 characters.
+    ([{"type": "namespace", "name": "n" * 100, "description": "long",
+       "tools": [{"type": "function", "name": "m" * 40}]}], "tools[0].tools[0].name"),
+])
+def test_a_bad_tool_name_names_the_responses_field(fleet, tools, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai(fleet).responses.create(model=TEXT, input="hi", tools=tools)
+    assert e.value.body["param"] == param and e.value.body["code"] == "invalid_value"
+    assert "1-128 letters" in e.value.body["message"]

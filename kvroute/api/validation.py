@@ -39,7 +39,8 @@ Stop = Union[str, Annotated[list[str], Field(max_length=MAX_STOP)]]
 # A tool's name, as Anthropic takes it: OpenAI's characters, up to 128 of them rather
 # than OpenAI's 64, since Messages requests (Claude Code's MCP tools, mcp__server__tool)
 # and Codex's namespaced tools arrive as chat requests.
-ToolName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
+TOOL_NAME = r"[a-zA-Z0-9_-]{1,128}"
+ToolName = Annotated[str, StringConstraints(pattern=f"^{TOOL_NAME}$")]
 
 
 def repeated(names: Any) -> tuple[int, int] | None:

@@ -35,6 +35,7 @@ Redis for the proxy's `--response-ttl` (see store.py), scoped by the API key.
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +46,7 @@ from aiohttp import web
 from kvroute.api import responses as rw
 from kvroute.api.errors import APIError, bad_request, not_found
 from kvroute.api.http import json_response, read_json
-from kvroute.api.validation import validate
+from kvroute.api.validation import TOOL_NAME, validate
 from kvroute.api.routes import RESPONSES_PATH
 
 from .gateway import GATEWAY, Relay, SSEWriter, carry_fault, off_loop_if_large, sse_event
@@ -118,6 +119,10 @@ def flat_name(namespace: str | None, name: str) -> str:
     return f"{namespace.rstrip('_')}__{name.lstrip('_')}"
 
 
+# Every name the model sees, namespace and all, meets the chat API's rule.
+_TOOL_NAME = re.compile(TOOL_NAME)
+
+
 def _function(name: str, description: str | None, parameters: dict | None) -> dict:
     fn: dict = {"name": name}
     if description is not None:
@@ -148,8 +153,15 @@ def _chat_tools(tools: list) -> tuple[list[dict], dict[str, ToolRoute], list[str
     plain: set[str] = set()
     ignored: list[str] = []
 
-    def add(tool: rw.FunctionTool | rw.CustomTool, namespace: str | None) -> None:
+    def add(tool: rw.FunctionTool | rw.CustomTool, namespace: str | None, param: str) -> None:
         name = flat_name(namespace, tool.name)
+        if not _TOOL_NAME.fullmatch(name):
+            # Refused here, naming this body's field: the chat body would name its own.
+            raise bad_request(
+                f"Invalid tool name {name[:140]!r}"
+                + (f" (namespace {namespace[:60]!r} and name {tool.name[:60]!r})" if namespace else "")
+                + ": a tool's name, namespace and all, is 1-128 letters, digits, '_' or '-'.",
+                param=param, code="invalid_value")
         if isinstance(tool, rw.CustomTool):
             chat.append(_custom_function(name, tool))
             routes.setdefault(name, ToolRoute("custom", tool.name, namespace))
@@ -160,10 +172,10 @@ def _chat_tools(tools: list) -> tuple[list[dict], dict[str, ToolRoute], list[str
             else:
                 routes.setdefault(name, ToolRoute("function", tool.name, namespace))
 
-    for tool in tools:
+    for i, tool in enumerate(tools):
         if isinstance(tool, rw.NamespaceTool):
-            for member in tool.tools:
-                add(member, tool.name)
+            for j, member in enumerate(tool.tools):
+                add(member, tool.name, f"tools[{i}].tools[{j}].name")
         elif isinstance(tool, rw.LocalShellTool):
             if LOCAL_SHELL in routes:
                 continue
@@ -174,7 +186,7 @@ def _chat_tools(tools: list) -> tuple[list[dict], dict[str, ToolRoute], list[str
             if tool.type not in ignored:
                 ignored.append(tool.type)
         else:
-            add(tool, None)
+            add(tool, None, f"tools[{i}].name")
     # A plain function answers to its own name, whatever else flattens to the same.
     return chat, {n: r for n, r in routes.items() if n not in plain}, ignored
 
