@@ -3,7 +3,8 @@ answer JSON, and stream server-sent events."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, Callable
 
 import orjson
 from aiohttp import web
@@ -23,6 +24,9 @@ SSE_DONE = b"data: [DONE]\n\n"  # the last event of a chat or completion stream
 MAX_DEPTH = 200
 _WRITE_DEPTH = 254  # orjson's limit (tests/test_messages_edges.py pins it)
 _NAMED_STEPS = 5  # how much of a too-deep value's path a refusal names
+# Bodies larger than this are parsed, translated and hashed into prefix chains off the
+# event loop: a big agent history is megabytes of JSON and thousands of items.
+INLINE_BYTES = 256 << 10
 
 
 def parse_json(raw: bytes) -> dict:
@@ -86,7 +90,14 @@ async def read_json(request: web.Request) -> tuple[bytes, dict]:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise APIError(413, f"Request body too large: {exc.reason}.", code="request_too_large")
-    return raw, parse_json(raw)
+    return raw, await off_loop_if_large(len(raw), parse_json, raw)
+
+
+async def off_loop_if_large(size: int, fn: Callable, *args) -> Any:
+    """`fn(*args)`, in a thread when it works on a body of more than INLINE_BYTES."""
+    if size > INLINE_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def json_response(obj: Any, headers: dict | None = None, status: int = 200) -> web.Response:

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from kvroute.api.chat import ChatCompletionBody, CompletionBody
 from kvroute.api.errors import APIError, bad_request, not_found
-from kvroute.api.http import read_json
+from kvroute.api.http import off_loop_if_large, read_json
 from kvroute.api.routes import CHAT_PATH
 from kvroute.api.validation import validate
 from kvroute.core import prefix
@@ -32,7 +32,7 @@ from kvroute.core.model_loads import LOADED
 from kvroute.core.registry import RegistryUnavailable
 
 from . import loading
-from .agents.gateway import Relay, off_loop_if_large
+from .agents.gateway import Relay
 from .fleet import Backend, check_fingerprint
 from .forward import Retry, RoutedRequest, forward, record_usage, upstream_headers
 from .policy.cost import fleet_median

@@ -16,7 +16,6 @@ in the app, so the translations depend on the routing only through that object.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
@@ -31,11 +30,6 @@ from .. import loading
 from .reply import ChatReply, UpstreamFailed, Usage, chat_chunks, upstream_error
 
 log = logging.getLogger("kvroute.proxy.agents")
-
-# Bodies larger than this are translated, and their prefix chains computed, off the
-# event loop: a big agent history is thousands of items walked in Python.
-INLINE_BYTES = 256 << 10
-
 
 @dataclass
 class Gateway:
@@ -52,13 +46,6 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 
 # -- the way in ------------------------------------------------------------------------
-
-
-async def off_loop_if_large(size: int, fn: Callable, *args) -> Any:
-    """`fn(*args)`, in a thread when it works on a body of more than INLINE_BYTES."""
-    if size > INLINE_BYTES:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
 
 
 def carry_fault(body: dict, chat: dict) -> dict:

@@ -40,11 +40,11 @@ from aiohttp import web
 
 from kvroute.api import messages as mw
 from kvroute.api.errors import APIError
-from kvroute.api.http import json_response, read_json
+from kvroute.api.http import json_response, off_loop_if_large, read_json
 from kvroute.api.validation import validate
 from kvroute.api.routes import COUNT_TOKENS_PATH, MESSAGES_COUNT_PATH, MESSAGES_PATH
 
-from .gateway import GATEWAY, Relay, SSEWriter, carry_fault, off_loop_if_large, sse_event
+from .gateway import GATEWAY, Relay, SSEWriter, carry_fault, sse_event
 from .reply import ChatReply, Usage, chat_chunks, new_id, tool_call_parts, upstream_error
 
 PATH, COUNT_PATH = MESSAGES_PATH, MESSAGES_COUNT_PATH

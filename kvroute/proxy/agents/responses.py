@@ -45,11 +45,11 @@ from aiohttp import web
 
 from kvroute.api import responses as rw
 from kvroute.api.errors import APIError, bad_request, not_found
-from kvroute.api.http import json_response, read_json
+from kvroute.api.http import json_response, off_loop_if_large, read_json
 from kvroute.api.validation import TOOL_NAME, validate
 from kvroute.api.routes import RESPONSES_PATH
 
-from .gateway import GATEWAY, Relay, SSEWriter, carry_fault, off_loop_if_large, sse_event
+from .gateway import GATEWAY, Relay, SSEWriter, carry_fault, sse_event
 from .reply import ChatReply, Usage, new_id, tool_call_parts
 
 PATH = RESPONSES_PATH
