@@ -148,7 +148,9 @@ class Setting:
     many: bool = False  # repeatable flag, comma list in the variable, array in the file
     switch: bool = False  # a flag without a value; the variable is 1/0
 
-    def convert(self, value: Any, where: str) -> Any:
+    def convert(self, value: Any, where: str, from_file: bool = False) -> Any:
+        if from_file:
+            self._check_file_type(value, where)
         try:
             if self.switch:
                 return _switch(value)
@@ -164,6 +166,26 @@ class Setting:
         if self.choices and out not in self.choices:
             raise ConfigError(f"{where}: {out!r} is not one of {', '.join(self.choices)}")
         return out
+
+
+    def _check_file_type(self, value: Any, where: str) -> None:
+        """TOML has types, and a file's value is taken as written: `replicas = "2"` or
+        `pin = "yes"` is a mistake to point out, not a string to convert (the
+        environment's values are all strings, and those are converted)."""
+        items = [value]
+        if self.switch or self.type in (bool, _switch):
+            want = None if isinstance(value, bool) else "true or false, without quotes"
+        elif self.many:
+            want = None if isinstance(value, list) else "an array, [...]"
+            items = value if isinstance(value, list) else []
+        else:
+            want = None
+        kinds = _FILE_KINDS.get(self.type)
+        if want is None and kinds and any(isinstance(v, bool) or not isinstance(v, kinds[0])
+                                         for v in items):
+            want = kinds[1]
+        if want:
+            raise ConfigError(f"{where}: invalid value {value!r} (expected {want})")
 
 
 def _opt(name: str, type_: Callable, default: Any, help_: str, *, env: bool | str = True,
@@ -200,6 +222,12 @@ def positive_seconds(value: Any) -> float:
     if not seconds > 0:  # also NaN
         raise ValueError("seconds, more than 0")
     return seconds
+
+
+# What a file's value must be for a setting of each type: (TOML's types, as said).
+_FILE_KINDS: dict[Callable, tuple[tuple[type, ...], str]] = {
+    int: ((int,), "a whole number, without quotes"), float: ((int, float), "a number, without quotes"),
+    positive_seconds: ((int, float), "a number of seconds, without quotes"), str: ((str,), "a string")}
 
 
 _LOAD_TIMEOUT = _opt("load_timeout", positive_seconds, 300.0, "seconds a request waits while its model "
@@ -463,7 +491,7 @@ def resolve(table: list[Setting], flags: argparse.Namespace | Mapping[str, Any],
             section, _, key = s.toml.rpartition(".")
             table_ = file.get(section, {}) if section else file
             if key in table_:
-                value = s.convert(table_[key], f"{s.toml} in the config file")
+                value = s.convert(table_[key], f"{s.toml} in the config file", from_file=True)
         out[s.name] = s.default if value is None else value
     return out
 
@@ -567,7 +595,7 @@ class ModelSpec:
             hints = [_unknown("key", k, set(by_key)).args[0].removeprefix("unknown key ")
                      for k in sorted(unknown)]
             raise ConfigError(f"{where}: unknown keys {', '.join(hints)}")
-        values = {by_key[k].name: by_key[k].convert(v, f"{where} {k}") for k, v in raw.items()}
+        values = {by_key[k].name: by_key[k].convert(v, f"{where} {k}", from_file=True) for k, v in raw.items()}
         spec = cls(**{**values, **(env or {})})
         spec.disk_budget_set = "disk_cache_bytes" in raw or "disk_cache_bytes" in (env or {})
         return spec

@@ -118,7 +118,16 @@ def test_unknown_file_keys_are_named(tmp_path):
                         ("[proxy]\nport = 80.5\n", "proxy.port in the config file: invalid value 80.5"),
                         ("[[models]]\nmax_batch = true\n", "max_batch: invalid value True"),
                         ("[proxy]\nload_timeout = 0\n", "proxy.load_timeout in the config file: "
-                                                       "invalid value 0 (seconds, more than 0)")]:
+                                                       "invalid value 0 (seconds, more than 0)"),
+                        # TOML values are typed: a quoted number or a word for a switch is a
+                        # mistake (the environment's strings are converted, not the file's).
+                        ("[[models]]\nreplicas = \"2\"\n",
+                         "replicas: invalid value '2' (expected a whole number"),
+                        ("[[models]]\npin = \"yes\"\n", "pin: invalid value 'yes' (expected true or false"),
+                        ("[proxy]\nload_timeout = \"30\"\n", "invalid value '30' (expected a number of seconds"),
+                        ("[proxy]\napi_keys = \"k\"\n", "invalid value 'k' (expected an array"),
+                        ("[proxy]\nhost = 1\n", "proxy.host in the config file: invalid value 1 "
+                                                 "(expected a string")]:
         path.write_text(text)
         with pytest.raises(ConfigError, match=re.escape(named)):
             config.build(parse(config.SERVE, ["--config", str(path)]), {})
