@@ -130,8 +130,16 @@ def parse_fetch_allow(value: Any) -> str:
     return text.rstrip(".")
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def _switch(value: Any) -> bool:
-    return value if isinstance(value, bool) else str(value).strip().lower() not in ("", "0", "false", "no")
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word not in _ON + _OFF:  # KVROUTE_PIN=of must not mean "on"
+        raise ValueError("a switch: 1/0, true/false, yes/no or on/off")
+    return word in _ON
 
 
 @dataclass(frozen=True)

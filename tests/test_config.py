@@ -101,6 +101,11 @@ def test_environment_values_are_typed_and_switches_read_zero_as_off():
                        {"KVROUTE_CACHE_BYTES": "512MiB", "KVROUTE_PORT": "9", "KVROUTE_JSON_LOGS": "0",
                         "KVROUTE_ENABLE_FAULTS": "1"})
     assert (s["cache_bytes"], s["port"], s["json_logs"], s["enable_faults"]) == (512 << 20, 9, False, True)
+    for word, on in [("off", False), ("No", False), ("on", True), ("true", True)]:
+        assert config.resolve(config.BACKEND, parse(config.BACKEND, []),
+                              {"KVROUTE_JSON_LOGS": word})["json_logs"] is on
+    with pytest.raises(ConfigError, match="KVROUTE_JSON_LOGS: invalid value 'of' \\(a switch"):
+        config.resolve(config.BACKEND, parse(config.BACKEND, []), {"KVROUTE_JSON_LOGS": "of"})
     with pytest.raises(ConfigError, match="KVROUTE_PORT: invalid value 'x'"):
         config.resolve(config.BACKEND, parse(config.BACKEND, []), {"KVROUTE_PORT": "x"})
     with pytest.raises(ConfigError, match="KVROUTE_POLICY: 'fastest' is not one of"):
