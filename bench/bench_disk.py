@@ -350,7 +350,24 @@ def paths_bench(args) -> None:
         with ThreadPoolExecutor(threads) as pool:
             timed("arrays from the bytes + concatenate", threads,
                   lambda: concat(list(pool.map(from_bytes, files))))
-    timed("MLX's reader (mx.load) + concatenate", 1, lambda: concat([mx.load(str(p)) for p in files]))
+    def mlx_read(path: Path) -> dict:
+        x = mx.load(str(path))
+        mx.eval(list(x.values()))  # on the reading thread, as the backend's readers do
+        return x
+
+    for threads in (1, 4, 8, 16):
+        with ThreadPoolExecutor(threads) as pool:
+            timed("MLX's reader (mx.load) + concatenate", threads,
+                  lambda: concat(list(pool.map(mlx_read, files))))
+    # The tier's own layout: a block file holds one K and one V array per layer.
+    per_layer = [folder / f"{i}.layers.safetensors" for i in range(n)]
+    for path in per_layer:
+        k = mx.random.normal((heads, b, dim)).astype(mx.bfloat16)
+        mx.save_safetensors(str(path), {f"{kv}{i}": k for i in range(layers) for kv in "kv"})
+    for threads in (1, 8, 16):
+        with ThreadPoolExecutor(threads) as pool:
+            timed(f"MLX's reader, {2 * layers} arrays a block (the tier's files)", threads,
+                  lambda: list(pool.map(mlx_read, per_layer)))
     for threads in (4, 8):
         with ThreadPoolExecutor(threads) as pool:
             timed("host assembly, one array + device read", threads, lambda: host_assembly(pool))
