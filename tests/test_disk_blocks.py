@@ -7,6 +7,8 @@ its own is never used."""
 
 from pathlib import Path
 
+import pytest
+
 import orjson
 from tests.harness import wait_until
 from tests.test_disk import make_tier, read_path, restore  # noqa: F401 (read_path: a fixture)
@@ -174,3 +176,41 @@ def test_after_a_restart_the_next_turn_replaces_its_record_and_evicts_no_more_th
     assert newest.chain == [2, 22]  # the replaced record's keys are its own
     assert again.stats()["bytes"] <= again.budget_bytes
     again.close()
+
+
+def test_a_write_gives_way_between_block_files_while_the_engine_has_work(tmp_path):
+    """A long conversation is many block files (a 32k one ~1,000): a request arriving
+    mid-write gets the engine alone; the write goes on once it has been idle again."""
+    tier, _ = make_tier(tmp_path)
+    started = [False]  # the engine turns busy once the write has begun
+
+    def busy() -> bool:
+        started[0] = started[0] or any((tmp_path / diskblocks.FOLDER).iterdir())
+        return started[0] and hold[0]
+    hold = [True]
+    tier.busy = busy
+    store = Store(budget_bytes=1 << 30)
+    store.listeners.append(tier.on_store_event)
+    store.insert("m", conversation(0), kv_of(conversation(0)), "finish", chain=[0])
+    folder = tmp_path / diskblocks.FOLDER
+    wait_until(lambda: any(folder.iterdir()), 30, what="the write to begin")
+    with pytest.raises(TimeoutError):  # one file begun, no more while busy
+        wait_until(lambda: len(list(folder.iterdir())) > 1 or tier.index, 1.0,
+                   what="a second block file while the engine is busy")
+    hold[0] = False
+    wait_until(lambda: tier.index, 30, what="the write once idle again")
+    assert len(block_files(tmp_path)) == 10
+    assert restore(tier, conversation(0) + [1]).tokens == len(conversation(0))
+    tier.close()
+
+
+def test_a_write_gives_way_no_longer_than_max_delay(tmp_path):
+    tier, _ = make_tier(tmp_path)
+    tier.max_delay = 1.0
+    tier.busy = lambda: any((tmp_path / diskblocks.FOLDER).iterdir())  # busy from the first file on
+    store = Store(budget_bytes=1 << 30)
+    store.listeners.append(tier.on_store_event)
+    store.insert("m", conversation(0), kv_of(conversation(0)), "finish", chain=[0])
+    wait_until(lambda: tier.index, 30, what="the write, max_delay after its commit")
+    assert len(block_files(tmp_path)) == 10
+    tier.close()

@@ -4,7 +4,8 @@
   thread, so the engine thread never waits on a disk; the writer starts a write
   once the engine has been idle a moment (`idle_wait`) or the entry has waited
   `max_delay`, because a write (copying gigabytes off the device, checksumming)
-  slows the batch it runs beside. An entry superseded before its turn is not
+  slows the batch it runs beside; a write gives way between its block files when
+  the engine gets work, the same way. An entry superseded before its turn is not
   written (the entry that superseded it is): a conversation's turns during busy
   periods end as one file, not one per turn. A superseded entry's file is removed
   after its successor's file is in place. A RAM eviction keeps the file. Closing
@@ -461,7 +462,7 @@ class DiskTier:
         try:
             if shutil.disk_usage(self.directory).free < entry.nbytes:
                 raise OSError(errno.ENOSPC, "no space left on the device")
-            held = self._write_blocks(entry.shared)
+            held = self._write_blocks(entry.shared, entry.created + self.max_delay)
             name, size = diskfile.write(self.directory, stem, entry.cache, meta, self.fsync)
         except (OSError, RuntimeError) as exc:  # MLX reports a failed write as RuntimeError
             if held:
@@ -497,13 +498,32 @@ class DiskTier:
         self._update_gauges()
         return True
 
-    def _write_blocks(self, blocks: list[Block]) -> bool:
+    def _give_way(self, deadline: float) -> None:
+        """Between two files of a write: while the engine has work, wait until it has
+        been idle `idle_wait` again (or the entry's `max_delay` is over, or the tier
+        closes). A 32k-token conversation is ~1,000 block files, seconds of writing:
+        a request arriving meanwhile would share the device, the memory bus and the
+        GIL with all of it (measured on an H200: the next cold prompt 1.23x slower,
+        8-stream decode 0.77x)."""
+        idle_from: float | None = None
+        while self.busy() or idle_from is not None:
+            if self._closing or time.time() >= deadline:
+                return
+            if self.busy():
+                idle_from = None
+            elif idle_from is None:
+                idle_from = time.monotonic()
+            elif time.monotonic() - idle_from >= self.idle_wait:
+                return
+            time.sleep(POLL)
+
+    def _write_blocks(self, blocks: list[Block], deadline: float) -> bool:
         """Write the blocks not on disk yet (a block already there is not written again)
         and count the record's use of all of them before its file exists, so no
         eviction meanwhile removes one it lists. True when counted."""
         new = list({b.key: b for b in blocks if b.key not in self.blocks.files}.values())
         if new:
-            self.blocks.write(new)
+            self.blocks.write(new, lambda: self._give_way(deadline))
         with self.lock:
             if not self.blocks.hold([b.key for b in blocks]):
                 raise OSError(errno.ENOENT, "a block went missing while its record was written")

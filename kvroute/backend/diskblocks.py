@@ -107,15 +107,18 @@ class Blocks:
     def missing(self, keys: list[int]) -> list[int]:
         return [k for k in keys if k not in self.files]
 
-    def write(self, blocks: list[Any]) -> int:
+    def write(self, blocks: list[Any], between: Any = None) -> int:
         """Write blocks (writer thread; their arrays are evaluated): each to a temporary
         name, all fsynced at once (one drive flush's wait, not one each), then renamed
-        into place and the folder fsynced. Returns the bytes written."""
+        into place and the folder fsynced. `between()` runs before each file (the tier
+        waits there while the engine has work). Returns the bytes written."""
         import mlx.core as mx
 
         tmps = []
         try:
             for block in blocks:
+                if between is not None:
+                    between()
                 stem = f"{block.key:016x}"
                 tmp = self.directory / (stem + diskfile.TMP_SUFFIX)
                 tmps.append(tmp)
