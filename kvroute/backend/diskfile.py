@@ -214,11 +214,13 @@ def read_header(path: Path, expect_fingerprint: str) -> Record:
         raise BadRecord("corrupt", "metadata incomplete")
 
 
-def read_bytes(path: Path, size: int, parallel: int = 4) -> bytearray:
+def read_bytes(path: Path, size: int, parallel: int = 4) -> memoryview:
     """The whole file, read in `parallel` slices at once (one large sequential
-    read leaves an NVMe drive's queue mostly empty)."""
-    buf = bytearray(size)
-    view = memoryview(buf)
+    read leaves an NVMe drive's queue mostly empty). Into memory nothing fills first:
+    a `bytearray` is zeroed while the reader holds the GIL, which serialised a restore's
+    block readers (on the 2-core VM, 16 threads read 250 blocks at 2.1 GB/s this way,
+    3.4 into unfilled memory, where the kernel's copy touches the pages instead)."""
+    view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
     fd = os.open(path, os.O_RDONLY)
     try:
         if parallel <= 1 or size < (8 << 20):
@@ -231,7 +233,7 @@ def read_bytes(path: Path, size: int, parallel: int = 4) -> bytearray:
                 list(pool.map(lambda a: _pread_into(fd, view[a:a + step], a), range(0, size, step)))
     finally:
         os.close(fd)
-    return buf
+    return view
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:
@@ -345,7 +347,7 @@ def load_copy(path: Path, record: Record, parallel: int = 4) -> list[Any]:
     return from_bytes(_checked_bytes(path, record, parallel), record.data_offset)
 
 
-def _checked_bytes(path: Path, record: Record, parallel: int) -> bytearray:
+def _checked_bytes(path: Path, record: Record, parallel: int) -> memoryview:
     """The whole file, read `parallel` slices at once, matching its checksum."""
     try:
         blob = read_bytes(path, record.size, parallel)
@@ -356,7 +358,7 @@ def _checked_bytes(path: Path, record: Record, parallel: int) -> bytearray:
     return blob
 
 
-def from_bytes(blob: bytearray, data_offset: int) -> list[Any]:
+def from_bytes(blob: memoryview, data_offset: int) -> list[Any]:
     """Arrays straight from the file's bytes: one copy into MLX's memory (through a
     BytesIO, MLX's reader would copy the whole file once more and slowly)."""
     import mlx.core as mx
@@ -367,7 +369,7 @@ def from_bytes(blob: bytearray, data_offset: int) -> list[Any]:
     return _rebuild(cache_mod, arrays_from_bytes(blob, header, data_offset), metadata, mx)
 
 
-def arrays_from_bytes(blob: bytearray, header: dict, data_offset: int) -> dict[str, Any]:
+def arrays_from_bytes(blob: memoryview, header: dict, data_offset: int) -> dict[str, Any]:
     """The tensors of a safetensors file's bytes (its header without `__metadata__`)."""
     import mlx.core as mx
 
