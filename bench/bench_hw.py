@@ -261,8 +261,9 @@ def turn2_ttft(url: str, model: str, tok, size: int, repeat: int, part: int,
                probe: Callable[[], dict[str, float]] | None = None) -> dict:
     """Turn 2 of a conversation whose turn 1 (~size tokens) was just answered: its median
     TTFT and the last one's prompt and cached tokens; with `probe` (sums of metrics), also
-    where turn 2's time went: the engine's own TTFT (from the job's submission) and the
-    proxy's work before forwarding, each the mean over the turn-2 requests."""
+    where turn 2's time went: the backend's TTFT (from the request's arrival there), of it
+    the part before the engine, and the proxy's work before forwarding, each the mean
+    over the turn-2 requests."""
     times, usage, split = [], {}, {}
     for r in range(repeat):
         messages, follow = conversation(tok, fresh(size, r, part), 70 + r + 10 * part)
@@ -275,7 +276,7 @@ def turn2_ttft(url: str, model: str, tok, size: int, repeat: int, part: int,
         times.append(t)
     out = {"ttft": statistics.median(times), "prompt_tokens": usage.get("prompt_tokens"),
            "cached_tokens": cached_tokens(usage)}
-    for name in ("engine_ttft", "proxy_overhead"):
+    for name in ("engine_ttft", "backend_prepare", "proxy_overhead"):
         if split.get(name + "_n"):
             out[name] = split[name] / split[name + "_n"]
     return out
@@ -422,6 +423,10 @@ class Stack:
                                    for t in backends),
                 "engine_ttft_n": sum(metric_sum(t, "kvroute_backend_ttft_seconds_count", **hit)
                                      for t in backends),
+                "backend_prepare": sum(metric_sum(t, "kvroute_backend_prepare_seconds_sum")
+                                       for t in backends),
+                "backend_prepare_n": sum(metric_sum(t, "kvroute_backend_prepare_seconds_count")
+                                         for t in backends),
                 "proxy_overhead": metric_sum(proxy, "kvroute_proxy_overhead_seconds_sum"),
                 "proxy_overhead_n": metric_sum(proxy, "kvroute_proxy_overhead_seconds_count")}
 
@@ -584,7 +589,8 @@ def report(args, got: dict) -> str:
         t2 = kv["turn2"]
         if "engine_ttft" in t2:
             rows.append((f"turn 2 on ~{args.turn2} cached: where it went",
-                         f"engine {secs(t2['engine_ttft'])}, proxy before forwarding "
+                         f"backend {secs(t2['engine_ttft'])} (before its engine "
+                         f"{secs(t2.get('backend_prepare', 0.0))}), proxy before forwarding "
                          f"{secs(t2.get('proxy_overhead', 0.0))}, the rest "
                          f"{secs(t2['ttft'] - t2['engine_ttft'] - t2.get('proxy_overhead', 0.0))}",
                          "", "", ""))

@@ -104,6 +104,7 @@ async def _generate(
     parse: Callable[[dict], ChatRequest | CompletionRequest],
     builder_type: type[ChatBuilder] | type[CompletionBuilder],
 ) -> web.StreamResponse:
+    arrived = time.perf_counter()
     state = _state(request)
     _, body = await read_json(request)
     req = parse(body)
@@ -139,6 +140,7 @@ async def _generate(
             fault=req.fault if state.config.enable_faults else None,
             grammar=grammar,
             after=after,
+            submitted=arrived,  # its TTFT counts from the request's arrival
         )
 
     job = choice(0, None)
@@ -159,6 +161,7 @@ async def _generate(
     try:
         for j in jobs:
             state.engine.submit(j)
+        state.metrics.l(state.metrics.prepare).observe(time.perf_counter() - arrived)
         if req.stream:
             return await _stream(request, choices, builders, req.include_usage)
         return await _whole(choices, builders)

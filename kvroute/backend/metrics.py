@@ -98,10 +98,16 @@ class BackendMetrics:
             "Prefill seconds spent on tokens the store held or had held (evicted, refused, "
             "uncuttable, another scope's), by reason", ("reason",))
         self.ttft = self._family(Histogram, "kvroute_backend_ttft_seconds",
-                                 "Time to first token", ("cached",), buckets=_LATENCY_BUCKETS)
+                                 "Time to first token, from the request's arrival", ("cached",),
+                                 buckets=_LATENCY_BUCKETS)
         self.latency = self._family(Histogram, "kvroute_backend_request_seconds",
                                     "Total generation latency", ("cached",),
                                     buckets=_LATENCY_BUCKETS)
+        self.prepare = self._family(
+            Histogram, "kvroute_backend_prepare_seconds",
+            "From a generation request's arrival to its submission to the engine: reading "
+            "and checking the body, the chat template, tokenizing, the disk tier's lookup "
+            "and read (part of the TTFT)", buckets=_LATENCY_BUCKETS)
         self._disk_metrics()
         for path in EXIT_PATHS:
             self.finished.labels(**self._labels, exit=path)
