@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -67,21 +68,33 @@ def main() -> None:
     for col in ("arch", "prompt tokens", "cached tokens", "cold TTFT (ms)", "cached TTFT (ms)",
                 "cold / cached", "checkpoint bytes/token"):
         table.add_column(col, justify="right")
+    # Progress goes out as it happens (a 7B model's build or a slow kernel path can take
+    # minutes): a run stopped early still says where its time went.
+    say = lambda *a: print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.arches.split(","):
+            t0 = time.perf_counter()
             model = arch_models.ensure(arch, cache_dir=Path(args.models_dir or Path(tmp) / "models"),
                                        size=args.model_size)
+            say(f"{arch}: model ready in {time.perf_counter() - t0:.1f} s")
             backend = BackendProcess(model, model_id=arch, log_dir=Path(tmp),
                                      extra=["--cache-bytes", "16GiB", "--max-prompt-tokens",
                                             str(2 * longest), *args.backend_args.split()])
-            backend.start(timeout=600)
+            t0 = time.perf_counter()
             try:
+                backend.start(timeout=600)
+                say(f"{arch}: backend ready in {time.perf_counter() - t0:.1f} s")
                 ttft(backend, prompt_of(backend, 64))  # warm-up
                 for size in (int(s) for s in args.sizes.split(",")):
                     r = measure(backend, size, args.repeat)
-                    table.add_row(arch, str(r["prompt"]), str(r["cached"]), f"{r['cold'] * 1000:.1f}",
-                                  f"{r['hot'] * 1000:.1f}", f"{r['cold'] / r['hot']:.1f}x",
-                                  f"{r['bytes_per_token']:.0f}")
+                    row = (arch, str(r["prompt"]), str(r["cached"]), f"{r['cold'] * 1000:.1f}",
+                           f"{r['hot'] * 1000:.1f}", f"{r['cold'] / r['hot']:.1f}x",
+                           f"{r['bytes_per_token']:.0f}")
+                    table.add_row(*row)
+                    say(" | ".join(row))
+            except BaseException:
+                say(f"{arch}: stopped; the backend's log ends:\n{backend.log()[-3000:]}")
+                raise
             finally:
                 backend.stop()
     console = Console(width=160)
