@@ -30,7 +30,7 @@ def spm_tokenizer(folder: Path):
     return load_tokenizer(folder)
 
 
-def test_spm_byte_pieces_are_their_byte_and_word_pieces_their_text(tmp_path):
+def test_spm_byte_pieces_are_their_byte_and_word_pieces_their_text_and_space(tmp_path):
     tok = spm_tokenizer(tmp_path)
     assert isinstance(tok.detokenizer, SPMStreamingDetokenizer)  # the path under test
     ids = tok.encode("hello 🙂 world", add_special_tokens=False)
@@ -45,3 +45,7 @@ def test_spm_byte_pieces_are_their_byte_and_word_pieces_their_text(tmp_path):
     # Joined, they are the text (with the space SentencePiece puts before the first word).
     assert b"".join(bytes(b) for b in got) == " hello 🙂 world".encode()
     assert token_bytes(tok.eos_token_id) == list(b"</s>")  # a special token: its text
+    # The entries' `token` strings keep the word pieces' spaces (decoded alone, `▁world`
+    # is "world"), a lone byte of a character is U+FFFD, as OpenAI's read.
+    assert tok.decode(ids[-1:]) == "world"
+    assert [token_bytes.text(i) for i in ids] == [" hello", " ", *["\ufffd"] * 4, " world"]

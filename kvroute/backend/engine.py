@@ -769,9 +769,7 @@ class Engine:
         return out
 
     def _named_logprobs(self, entry: dict) -> dict:
-        tok = self.tokenizer
-        def name(i: int) -> str:
-            return tok.decode([i])
+        name = self.token_bytes.text
         return {
             "token": name(entry["id"]),
             "bytes": self.token_bytes(entry["id"]),

@@ -44,3 +44,12 @@ class TokenBytes:
                 return [int(m.group(1), 16)]
             return list(piece.replace("\u2581", " ").encode())
         return list(self.tokenizer.decode([token_id]).encode())
+
+    @functools.lru_cache(maxsize=65536)
+    def text(self, token_id: int) -> str:
+        """The `token` of a logprob entry. A SentencePiece word piece decoded alone loses
+        its leading space (`▁world` -> "world"), so its text is its bytes' (" world"), as
+        OpenAI's tokens read; a byte-level BPE token decodes to its text alone."""
+        if self.kind == "spm":
+            return bytes(self(token_id)).decode("utf-8", errors="replace")
+        return self.tokenizer.decode([token_id])
