@@ -137,7 +137,7 @@ def _switch(value: Any) -> bool:
     if isinstance(value, bool):
         return value
     word = str(value).strip().lower()
-    if word not in _ON + _OFF:  # KVROUTE_PIN=of must not mean "on"
+    if word not in _ON + _OFF:  # KVROUTE_JSON_LOGS=of must not mean "on"
         raise ValueError("a switch: 1/0, true/false, yes/no or on/off")
     return word in _ON
 
@@ -154,7 +154,7 @@ class Setting:
     choices: tuple | None = None
     metavar: str | None = None
     many: bool = False  # repeatable flag, comma list in the variable, array in the file
-    switch: bool = False  # a flag without a value; the variable is 1/0
+    switch: bool = False  # a flag without a value; the variable is 1/0, true/false, ...
 
     def convert(self, value: Any, where: str, from_file: bool = False) -> Any:
         if from_file:
@@ -174,7 +174,6 @@ class Setting:
         if self.choices and out not in self.choices:
             raise ConfigError(f"{where}: {out!r} is not one of {', '.join(self.choices)}")
         return out
-
 
     def _check_file_type(self, value: Any, where: str) -> None:
         """TOML has types, and a file's value is taken as written: `replicas = "2"` or
@@ -234,8 +233,10 @@ def positive_seconds(value: Any) -> float:
 
 # What a file's value must be for a setting of each type: (TOML's types, as said).
 _FILE_KINDS: dict[Callable, tuple[tuple[type, ...], str]] = {
-    int: ((int,), "a whole number, without quotes"), float: ((int, float), "a number, without quotes"),
-    positive_seconds: ((int, float), "a number of seconds, without quotes"), str: ((str,), "a string")}
+    int: ((int,), "a whole number, without quotes"),
+    float: ((int, float), "a number, without quotes"),
+    positive_seconds: ((int, float), "a number of seconds, without quotes"),
+    str: ((str,), "a string")}
 
 
 _LOAD_TIMEOUT = _opt("load_timeout", positive_seconds, 300.0, "seconds a request waits while its model "
@@ -603,7 +604,8 @@ class ModelSpec:
             hints = [_unknown("key", k, set(by_key)).args[0].removeprefix("unknown key ")
                      for k in sorted(unknown)]
             raise ConfigError(f"{where}: unknown keys {', '.join(hints)}")
-        values = {by_key[k].name: by_key[k].convert(v, f"{where} {k}", from_file=True) for k, v in raw.items()}
+        values = {by_key[k].name: by_key[k].convert(v, f"{where} {k}", from_file=True)
+                  for k, v in raw.items()}
         spec = cls(**{**values, **(env or {})})
         spec.disk_budget_set = "disk_cache_bytes" in raw or "disk_cache_bytes" in (env or {})
         return spec

@@ -23,7 +23,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 import xxhash
@@ -107,7 +107,7 @@ class Blocks:
     def missing(self, keys: list[int]) -> list[int]:
         return [k for k in keys if k not in self.files]
 
-    def write(self, blocks: list[Any], between: Any = None) -> int:
+    def write(self, blocks: list[Any], between: Callable[[], None] | None = None) -> int:
         """Write blocks (writer thread; their arrays are evaluated): each to a temporary
         name, all fsynced at once (one drive flush's wait, not one each), then renamed
         into place and the folder fsynced. `between()` runs before each file (the tier

@@ -31,6 +31,7 @@ from .reply import ChatReply, UpstreamFailed, Usage, chat_chunks, upstream_error
 
 log = logging.getLogger("kvroute.proxy.agents")
 
+
 @dataclass
 class Gateway:
     """What the proxy offers the translating APIs (built by `proxy.app.create_app`)."""
