@@ -276,7 +276,7 @@ def turn2_ttft(url: str, model: str, tok, size: int, repeat: int, part: int,
         times.append(t)
     out = {"ttft": statistics.median(times), "prompt_tokens": usage.get("prompt_tokens"),
            "cached_tokens": cached_tokens(usage)}
-    for name in ("engine_ttft", "backend_prepare", "proxy_overhead"):
+    for name in ("engine_ttft", "backend_prepare", "backend_queue", "proxy_overhead"):
         if split.get(name + "_n"):
             out[name] = split[name] / split[name + "_n"]
     return out
@@ -427,6 +427,10 @@ class Stack:
                                        for t in backends),
                 "backend_prepare_n": sum(metric_sum(t, "kvroute_backend_prepare_seconds_count")
                                          for t in backends),
+                "backend_queue": sum(metric_sum(t, "kvroute_backend_queue_seconds_sum")
+                                     for t in backends),
+                "backend_queue_n": sum(metric_sum(t, "kvroute_backend_queue_seconds_count")
+                                       for t in backends),
                 "proxy_overhead": metric_sum(proxy, "kvroute_proxy_overhead_seconds_sum"),
                 "proxy_overhead_n": metric_sum(proxy, "kvroute_proxy_overhead_seconds_count")}
 
@@ -590,7 +594,8 @@ def report(args, got: dict) -> str:
         if "engine_ttft" in t2:
             rows.append((f"turn 2 on ~{args.turn2} cached: where it went",
                          f"backend {secs(t2['engine_ttft'])} (before its engine "
-                         f"{secs(t2.get('backend_prepare', 0.0))}), proxy before forwarding "
+                         f"{secs(t2.get('backend_prepare', 0.0))}, in its queue "
+                         f"{secs(t2.get('backend_queue', 0.0))}), proxy before forwarding "
                          f"{secs(t2.get('proxy_overhead', 0.0))}, the rest "
                          f"{secs(t2['ttft'] - t2['engine_ttft'] - t2.get('proxy_overhead', 0.0))}",
                          "", "", ""))

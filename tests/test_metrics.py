@@ -111,9 +111,12 @@ def test_token_counters_equal_the_usage_sums(system, workload):
         assert value(b, "kvroute_backend_finished_total", exit="eos", **labels) == sums["requests"]
         assert value(b, "kvroute_backend_requests_total", status="200", **labels) == sums["requests"]
         assert value(b, "kvroute_backend_ttft_seconds_count", **labels) == sums["requests"]
-        # The part of each TTFT before the engine: one per request, within the TTFTs.
+        # The parts of each TTFT before the engine and in its queue: one each per
+        # request, together within the TTFTs.
         assert value(b, "kvroute_backend_prepare_seconds_count", **labels) == sums["requests"]
-        assert 0 < value(b, "kvroute_backend_prepare_seconds_sum", **labels) < value(
+        assert value(b, "kvroute_backend_queue_seconds_count", **labels) == sums["requests"]
+        assert 0 < value(b, "kvroute_backend_prepare_seconds_sum", **labels) + value(
+            b, "kvroute_backend_queue_seconds_sum", **labels) < value(
             b, "kvroute_backend_ttft_seconds_sum", **labels)
         assert value(proxy, "kvroute_proxy_prompt_tokens_total", **labels) == sums["prompt"]
         assert value(proxy, "kvroute_proxy_cached_tokens_total", **labels) == sums["cached"]

@@ -162,6 +162,7 @@ class Engine:
         if self.queue_depth >= self.max_queue:
             raise overloaded(f"The backend queue is full ({self.max_queue} requests).")
         self._submitted += 1
+        job.queued_at = time.perf_counter()
         self._inbox.put(("job", job))
 
     async def call(self, fn: Callable[[], Any]) -> Any:
@@ -427,6 +428,8 @@ class Engine:
             job.phase = "done"  # never prefilled: what it holds (images) may go
             job.emit(APIError(499, "Client closed the request.", "server_error"))
             return
+        if not job.readmitted and job.queued_at:
+            self.metrics.l(self.metrics.queue).observe(time.perf_counter() - job.queued_at)
         hit = self.store.lookup(self.model_id, job.prompt, job.scope)
         hit, tier = self._disk_hit(job, hit)
         job.start = job.processed = hit.tokens

@@ -68,6 +68,7 @@ class Job:
     processed: int = 0
     generated: int = 0
     submitted: float = field(default_factory=time.perf_counter)
+    queued_at: float = 0.0  # when it was handed to the engine
     first_token_at: float | None = None
     parser: OutputParser | None = None
     detokenizer: Any = None

@@ -108,6 +108,11 @@ class BackendMetrics:
             "From a generation request's arrival to its submission to the engine: reading "
             "and checking the body, the chat template, tokenizing, the disk tier's lookup "
             "and read (part of the TTFT)", buckets=_LATENCY_BUCKETS)
+        self.queue = self._family(
+            Histogram, "kvroute_backend_queue_seconds",
+            "From a generation request's submission to the engine until the engine takes "
+            "it up (waiting behind a step, a long prefill or the running-token budget; "
+            "part of the TTFT)", buckets=_LATENCY_BUCKETS)
         self._disk_metrics()
         for path in EXIT_PATHS:
             self.finished.labels(**self._labels, exit=path)

@@ -11,8 +11,16 @@ keeps the last prompts it tokenized with where each special token starts, and
 tokenizes only what follows the latest such start a new prompt shares.
 
 A tokenizer for which that does not hold (a normaliser or pre-tokeniser that looks
-across special tokens) is found by checking the first reuses against a whole
-tokenization; one mismatch turns reuse off for the process, with a warning.
+across special tokens) is found before the first prompt: a conversation rendered by
+the model's own chat template is tokenized whole and cut at each special token, and
+one mismatch turns reuse off. The first real reuses are checked again against a
+whole tokenization, in a thread of their own once the request has gone on (the check
+costs what reuse saves: ~20 ms of a 31k-token turn); a mismatch there also turns it
+off, with a warning.
+
+Tokenizing runs in the Rust tokenizer's batch call, which lets go of the GIL: its
+single-text `encode` holds it throughout (~20 ms for 31k tokens), which stalls the
+engine thread's decoding and the event loop for as long.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import bisect
 import logging
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +40,14 @@ log = logging.getLogger("kvroute.backend")
 MIN_CHARS = 8192  # shorter texts are tokenized whole: reuse saves nothing there
 KEEP = 32  # prompts remembered (a few hundred KB each for a 30k-token prompt)
 VERIFY = 8  # reuses checked against a whole tokenization before trusting it
+# The self-check's conversation: texts that begin and end with spaces, newlines and
+# non-ASCII characters next to the template's special tokens.
+_PROBE = [
+    {"role": "system", "content": " You are\n a helper. "},
+    {"role": "user", "content": "\n\nHello  there\t"},
+    {"role": "assistant", "content": "  Hi! ¿Qué tal? 你好 "},
+    {"role": "user", "content": "x\n"},
+]
 
 
 @dataclass
@@ -71,9 +88,15 @@ class PrefixTokenizer:
         self.enabled = self._backend is not None and bool(self._special)
         self._recent: OrderedDict[int, _Tokenized] = OrderedDict()
         self._serial = 0
-        self._verified = 0
+        self._verified = 0  # reuses whose check has started
         self._lock = threading.Lock()
+        self._checker: ThreadPoolExecutor | None = None
+        self.checks: list[Future] = []  # the checks of the first reuses (tests wait on them)
         self.reused_tokens = 0  # tokens taken from an earlier prompt, since start
+        if self.enabled and not self._self_check():
+            self.enabled = False
+            log.warning("this tokenizer does not tokenize a prompt's pieces between special "
+                        "tokens apart: prompts are tokenized whole")
 
     def encode(self, text: str) -> list[int]:
         """The tokens of `text` as `tokenizer.encode(text, add_special_tokens=False)`
@@ -89,11 +112,10 @@ class PrefixTokenizer:
             found = _Tokenized(text, np.concatenate([base.ids[:k], tail.ids]),
                                [*base.starts[:j], *tail.starts],
                                [*base.index[:j], *(k + i for i in tail.index)])
-        if not self._trusted(text, found.ids):
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
         self._remember(found)
         if base is not None:
             self.reused_tokens += base.index[j]
+            self._check_later(text, found.ids)
         return found.ids.tolist()
 
     def _best(self, text: str) -> tuple[_Tokenized | None, int]:
@@ -111,7 +133,7 @@ class PrefixTokenizer:
         return best, best_j
 
     def _encode(self, text: str, offset: int) -> _Tokenized:
-        enc = self._backend.encode(text, add_special_tokens=False)
+        (enc,) = self._backend.encode_batch([text], add_special_tokens=False)  # frees the GIL
         ids = np.asarray(enc.ids, dtype=np.int32)
         at = np.flatnonzero(np.isin(ids, self._special_array)).tolist()
         return _Tokenized(text, ids, [offset + enc.token_to_chars(i)[0] for i in at], at)
@@ -123,14 +145,37 @@ class PrefixTokenizer:
             while len(self._recent) > self.keep:
                 self._recent.popitem(last=False)
 
-    def _trusted(self, text: str, ids: np.ndarray) -> bool:
-        if self._verified >= VERIFY:
+    def _self_check(self) -> bool:
+        """Whether a conversation rendered by the chat template tokenizes, cut at the
+        start of each of its special tokens, as it does whole (True where there is
+        no template to render one: the first reuses are still checked)."""
+        try:
+            text = self.tokenizer.apply_chat_template(_PROBE, add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception:
             return True
+        whole = self._encode(text, 0)
+        return all(
+            np.array_equal(np.concatenate([whole.ids[:k], self._encode(text[cut:], cut).ids]),
+                           whole.ids)
+            for cut, k in zip(whole.starts, whole.index))
+
+    def _check_later(self, text: str, ids: np.ndarray) -> None:
+        with self._lock:
+            if self._verified >= VERIFY:
+                return
+            self._verified += 1
+            if self._checker is None:
+                self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvroute-tokcheck")
+        self.checks.append(self._checker.submit(self._check, text, ids))
+
+    def _check(self, text: str, ids: np.ndarray) -> bool:
         whole = list(self.tokenizer.encode(text, add_special_tokens=False))
         if whole == ids.tolist():
-            self._verified += 1
             return True
         self.enabled = False
+        with self._lock:
+            self._recent.clear()
         log.warning("this tokenizer does not tokenize a prompt's pieces between special "
                     "tokens apart: prompts are tokenized whole from now on")
         return False
