@@ -4,6 +4,7 @@ import asyncio
 import logging
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import mlx.core as mx
@@ -291,3 +292,33 @@ def test_a_failing_mlx_reader_costs_no_file(tmp_path, monkeypatch, caplog):
     assert found is not None and same_state(found.cache, cache)
     assert len(list(tmp_path.glob("*" + diskfile.SUFFIX))) == 1 and len(again.index) == 1
     assert any("MLX's reader failed" in r.getMessage() for r in caplog.records)
+
+
+def test_writes_wait_while_a_sibling_backend_works(tmp_path):
+    """Replicas that share a machine share its GPU and disk: a write also waits while
+    a sibling's engine works (its tier lies beside this one's), and goes once none
+    does. A sibling whose process is gone counts for nothing."""
+    from kvroute.backend.busy import BusyBoard
+
+    assert BusyBoard.beside(tmp_path / "m-1").folder == BusyBoard.beside(tmp_path / "m-2").folder
+    assert BusyBoard.beside(tmp_path / "m-1").folder != BusyBoard.beside(tmp_path / "x" / "m-1").folder
+    tier, metrics = make_tier(tmp_path / "m-1")
+    tier.board = BusyBoard(tmp_path / "board")
+    sibling_proc = subprocess.Popen(["sleep", "120"])
+    try:
+        sibling = BusyBoard(tmp_path / "board", pid=sibling_proc.pid)
+        sibling.set(True)
+        store = attach(tier)
+        store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])
+        with pytest.raises(TimeoutError):
+            wait_until(lambda: tier.index, 1.0, what="a write while a sibling works")
+        sibling.set(False)
+        wait_until(lambda: tier.index, 30, what="the write once the sibling is idle")
+        assert metric(metrics, metrics.disk_writes, result="ok") == 1
+        sibling.set(True)
+    finally:
+        sibling_proc.kill()
+        sibling_proc.wait()
+    assert tier.board.others_busy() is False  # its process is gone: its file too
+    assert not (tmp_path / "board" / str(sibling_proc.pid)).exists()
+    tier.close()

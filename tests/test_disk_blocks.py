@@ -11,7 +11,7 @@ import pytest
 
 import orjson
 from tests.harness import wait_until
-from tests.test_disk import make_tier, read_path, restore  # noqa: F401 (read_path: a fixture)
+from tests.test_disk import make_tier, metric, read_path, restore  # noqa: F401 (read_path: a fixture)
 from tests.test_paged import SYSTEM, kv_of, same_cache
 
 from kvroute.backend import diskblocks, diskfile
@@ -204,8 +204,11 @@ def test_a_write_gives_way_between_block_files_while_the_engine_has_work(tmp_pat
     tier.close()
 
 
-def test_a_write_gives_way_no_longer_than_max_delay(tmp_path):
-    tier, _ = make_tier(tmp_path)
+def test_a_write_gives_way_no_longer_than_max_delay_then_goes_at_a_pace(tmp_path):
+    """Under load that never pauses, an entry is written once its max_delay is over,
+    pausing between its block files (PACE times each file's time): the batch beside
+    it shares the device with a quarter of a writer, not a whole one."""
+    tier, metrics = make_tier(tmp_path)
     tier.max_delay = 1.0
     tier.busy = lambda: any((tmp_path / diskblocks.FOLDER).iterdir())  # busy from the first file on
     store = Store(budget_bytes=1 << 30)
@@ -213,4 +216,5 @@ def test_a_write_gives_way_no_longer_than_max_delay(tmp_path):
     store.insert("m", conversation(0), kv_of(conversation(0)), "finish", chain=[0])
     wait_until(lambda: tier.index, 30, what="the write, max_delay after its commit")
     assert len(block_files(tmp_path)) == 10
+    assert metric(metrics, metrics.disk_paced) > 0
     tier.close()

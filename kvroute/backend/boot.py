@@ -110,6 +110,9 @@ def load_state(config: BackendConfig) -> State:
                           config.cache_bytes, store, metrics_, fsync=config.disk_fsync == "always")
     if disk is not None:
         disk.busy = lambda: engine.queue_depth > 0
+        if disk.board is not None:
+            board = disk.board
+            engine.load_listeners.append(lambda: board.set(engine.queue_depth > 0))
     engine.misses = Misses(store, metrics_, disk, template_opening(tokenizer))
     template = Template(tokenizer, secret=config.secret, block_bytes=config.block_bytes,
                         checkpointing=engine.checkpointing,
@@ -159,7 +162,7 @@ def start_publisher(state: State) -> Publisher:
     publisher = Publisher(registry, lambda: _record(state), state.store.snapshot)
 
     state.store.listeners.append(publisher.on_store_event)
-    state.engine.on_load_change = publisher.beat_soon
+    state.engine.load_listeners.append(publisher.beat_soon)
     m = state.metrics
     m.l(m.registry_failures).set_function(lambda: publisher.failures)
     m.l(m.registry_connected).set_function(lambda: float(publisher.connected))

@@ -63,6 +63,7 @@ from kvroute.core import disk_space
 from kvroute.core.sizes import format_bytes
 
 from . import diskfile, paged
+from .busy import BusyBoard
 from .diskblocks import Blocks
 from .diskfile import BadRecord, Record
 from .paged import Block, Paged
@@ -72,6 +73,8 @@ log = logging.getLogger("kvroute.backend.disk")
 
 IDLE_WAIT = 0.25  # seconds the engine is idle before a write starts
 MAX_DELAY = 30.0  # seconds an entry waits for idleness at most
+PACE = 3.0  # past MAX_DELAY under load: wait this many times a block file's time after it
+MAX_PACE_WAIT = 0.5  # seconds, at most, of one such wait
 POLL = 0.02
 
 
@@ -110,11 +113,15 @@ class DiskTier:
         self.read_parallel = read_parallel
         self.fsync = fsync  # each write's file and folder (docs/SSD_TIER.md, Durability)
         self.busy: Callable[[], bool] = lambda: False  # the engine has work (set at boot)
+        # Sibling backends (their tiers share this one's parent folder): a write also
+        # gives way while one of their engines works (busy.py). Set by open_disk_tier.
+        self.board: BusyBoard | None = None
         self.idle_wait = IDLE_WAIT
         self.max_delay = MAX_DELAY
         self._closing = False
         self._deferred: deque = deque()  # "write" and "drop" items waiting for an idle engine
         self._idle_from: float | None = None  # when the engine was last seen going idle
+        self._file_from = 0.0  # when the block file being written began (its pace)
         self._writing = 0  # 1 while the writer handles an item (stats: nothing pending at 0)
         self.enabled = False
         self.listeners: list[Callable[[DiskEvent], None]] = []
@@ -228,6 +235,8 @@ class DiskTier:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        if self.board is not None:
+            self.board.close()
 
     def _index_directory(self) -> None:
         found = []
@@ -400,8 +409,12 @@ class DiskTier:
         finally:
             self._writing = 0
 
+    def _working(self) -> bool:
+        """This backend's engine or a sibling's has work."""
+        return self.busy() or (self.board is not None and self.board.others_busy())
+
     def _note_idle(self) -> None:
-        if self.busy():
+        if self._working():
             self._idle_from = None
         elif self._idle_from is None:
             self._idle_from = time.monotonic()
@@ -504,18 +517,29 @@ class DiskTier:
         closes). A 32k-token conversation is ~1,000 block files, seconds of writing:
         a request arriving meanwhile would share the device, the memory bus and the
         GIL with all of it (measured on an H200: the next cold prompt 1.23x slower,
-        8-stream decode 0.77x)."""
+        8-stream decode 0.77x). Past `max_delay` under load that never pauses, the
+        write goes on at a pace: after each file, a wait `PACE` times as long as the
+        file took, so the writer holds at most 1 / (1 + PACE) of the time."""
+        now = time.monotonic()
+        spent, self._file_from = now - self._file_from, now
         idle_from: float | None = None
-        while self.busy() or idle_from is not None:
-            if self._closing or time.time() >= deadline:
-                return
-            if self.busy():
+        while self._working() or idle_from is not None:
+            if self._closing:
+                break
+            if time.time() >= deadline:
+                if self._working():
+                    wait = min(PACE * spent, MAX_PACE_WAIT)
+                    time.sleep(wait)
+                    self.metrics.l(self.metrics.disk_paced).inc(wait)
+                break
+            if self._working():
                 idle_from = None
             elif idle_from is None:
                 idle_from = time.monotonic()
             elif time.monotonic() - idle_from >= self.idle_wait:
-                return
+                break
             time.sleep(POLL)
+        self._file_from = time.monotonic()
 
     def _write_blocks(self, blocks: list[Block], deadline: float) -> bool:
         """Write the blocks not on disk yet (a block already there is not written again)
@@ -523,6 +547,7 @@ class DiskTier:
         eviction meanwhile removes one it lists. True when counted."""
         new = list({b.key: b for b in blocks if b.key not in self.blocks.files}.values())
         if new:
+            self._file_from = time.monotonic()
             self.blocks.write(new, lambda: self._give_way(deadline))
         with self.lock:
             if not self.blocks.hold([b.key for b in blocks]):
@@ -766,6 +791,7 @@ def open_disk_tier(model: str, directory: str, budget_bytes: int, ram_budget: in
                     read_parallel=readers, fsync=fsync)
     if not tier.open():
         return None
+    tier.board = BusyBoard.beside(tier.directory)
     store.listeners.append(tier.on_store_event)
     store.overflow = tier.take
     tier.blocks.in_ram = store.pool.blocks.get

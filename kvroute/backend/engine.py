@@ -94,8 +94,9 @@ class Engine:
         self.peak_batch = 0
         self.misses: Any = None  # backend/misses.py Misses: each admitted request's cache reason
         # Called (engine thread) when waiting, running or decoding changed: the
-        # publisher then writes the record at once instead of at the next heartbeat.
-        self.on_load_change: Callable[[], None] | None = None
+        # publisher then writes the record at once instead of at the next heartbeat,
+        # and the busy board tells sibling backends (busy.py).
+        self.load_listeners: list[Callable[[], None]] = []
         self._load_seen = (0, 0, 0)
         # Whether entries need checkpoints: some layer cannot always be trimmed.
         self.checkpointing = not always_trimmable(make_prompt_cache(model))
@@ -848,8 +849,8 @@ class Engine:
         load = (self.waiting, len(self._jobs), self.decoding)
         if load != self._load_seen:
             self._load_seen = load
-            if self.on_load_change is not None:
-                self.on_load_change()
+            for listener in self.load_listeners:
+                listener()
         now = time.perf_counter()
         if not force and now - self._gauges_at < GAUGE_PERIOD:
             return

@@ -162,6 +162,10 @@ class BackendMetrics:
                                         ("result",))
         self.disk_write_failures = self._family(Counter, "kvroute_backend_disk_write_failures",
                                                 "Failed disk writes by errno name", ("reason",))
+        self.disk_paced = self._family(
+            Counter, "kvroute_backend_disk_write_paced_seconds",
+            "Seconds the disk writer paused between block files of writes that waited "
+            "their max_delay under load (then it writes at most a quarter of the time)")
         self.disk_dropped = self._family(
             Counter, "kvroute_backend_disk_dropped_files",
             "Files dropped unread (partial, truncated, corrupt, foreign, version)", ("reason",))
