@@ -83,6 +83,10 @@ class BusyBoard:
 
     def close(self) -> None:
         self.set(False)
+        try:
+            self.folder.rmdir()  # the last one out: no empty folder left behind
+        except OSError:
+            pass
 
 
 def _alive(pid: int) -> bool:
