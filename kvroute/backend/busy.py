@@ -31,15 +31,11 @@ class BusyBoard:
         self.pid = os.getpid() if pid is None else pid
         self._mine = folder / str(self.pid)
         self._busy = False
+        self._warned = False
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            self.enabled = True
-        except OSError as exc:
-            log.warning("no busy board at %s (%s): this backend's disk writes do not give "
-                        "way to its siblings'", folder, exc)
-            self.enabled = False
-        if self.enabled:  # a file left by an earlier process with this pid
-            self._mine.unlink(missing_ok=True)
+            self._mine.unlink(missing_ok=True)  # left by an earlier process with this pid
+        except OSError:
+            pass
 
     @classmethod
     def beside(cls, tier_dir: Path) -> "BusyBoard":
@@ -51,21 +47,23 @@ class BusyBoard:
     def set(self, busy: bool) -> None:
         """Say whether this backend's engine works (called on every load change: only
         a change touches the file system)."""
-        if not self.enabled or busy == self._busy:
+        if busy == self._busy:
             return
         self._busy = busy
         try:
             if busy:
+                self.folder.mkdir(parents=True, exist_ok=True)
                 self._mine.touch()
             else:
                 self._mine.unlink(missing_ok=True)
         except OSError as exc:
-            log.debug("busy board: %s", exc)
+            if not self._warned:
+                self._warned = True
+                log.warning("busy board %s: %s (sibling backends' disk writes may not give "
+                            "way to this one)", self.folder, exc)
 
     def others_busy(self) -> bool:
         """Whether a live sibling's engine works."""
-        if not self.enabled:
-            return False
         try:
             names = os.listdir(self.folder)
         except OSError:
