@@ -48,7 +48,7 @@ from .grammar import MaskBatch
 from .jobs import Delta, Finish, Job
 from .kv_budget import REFUSALS, Warnings, describe_budgets, kv_rate, probe_tokens
 from .metrics import BackendMetrics
-from .mlx_patches import fast_gated_delta, keep_buffer_cache
+from .mlx_patches import keep_buffer_cache
 from .output import Chunk, OutputParser
 from .sampling import make_processors, make_sampler
 from .store import Commit, Store, always_trimmable, common_prefix, held_tokens
@@ -101,8 +101,9 @@ class Engine:
         # Whether entries need checkpoints: some layer cannot always be trimmed.
         self.checkpointing = not always_trimmable(make_prompt_cache(model))
         self.on_cuda = avoid_cudnn_plans(prefill_step)
-        if self.on_cuda and fast_gated_delta():
-            log.info("CUDA: gated-delta layers run MLX's fused recurrence")
+        # Gated-delta layers (Qwen3-Next) keep mlx-lm's per-token loop on CUDA: MLX's
+        # fused `mx.fast.gated_delta_update` measured slower there (a 7B-class hybrid's
+        # 2,048-token prefill on an H200: 5.8-6.6 s against the loop's 4.0-4.9 s).
         if self.on_cuda:
             log.info("CUDA: attention calls of new shapes skip cuDNN's per-shape plans")
         # Keep MLX's buffer cache across prefill chunks (keep_buffer_cache): by default

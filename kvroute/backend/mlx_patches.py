@@ -42,32 +42,6 @@ def keep_buffer_cache() -> None:
         generate.mx = _KeepingBuffers(mx)
 
 
-def fast_gated_delta() -> bool:
-    """mlx-lm's gated-delta recurrence (Qwen3-Next, Qwen3.5's linear layers) has a fused
-    kernel on Metal only; elsewhere it runs `gated_delta_ops`, a Python loop of small
-    operations per token of the prompt. MLX's own `mx.fast.gated_delta_update` computes
-    the same recurrence in one call (outputs equal at every position the mask keeps,
-    states equal: tests/test_hardware.py). Scalar gating only, as that op takes; a
-    vectorized gate keeps mlx-lm's loop. Returns whether it applied."""
-    if not hasattr(mx.fast, "gated_delta_update"):
-        return False
-    from mlx_lm.models import gated_delta
-
-    if getattr(gated_delta.gated_delta_ops, "kvroute_fast", False):
-        return True
-    loop = gated_delta.gated_delta_ops
-
-    def ops(q, k, v, g, beta, state=None, mask=None):
-        if g.ndim != 3:
-            return loop(q, k, v, g, beta, state, mask)
-        y, state = mx.fast.gated_delta_update(q, k, v, g, beta, state, mask)
-        return y, state
-
-    ops.kvroute_fast = True  # type: ignore[attr-defined]
-    gated_delta.gated_delta_ops = ops
-    return True
-
-
 _prefill = threading.local()
 
 
