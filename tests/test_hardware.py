@@ -346,3 +346,30 @@ def test_kept_buffer_cache_generates_the_same_and_keeps_buffers(demo, monkeypatc
     held = mx.get_cache_memory()
     generate.mx.clear_cache()  # what the generator calls after each chunk
     assert held > 0 and mx.get_cache_memory() == held
+
+
+@pytest.mark.parametrize("budget", [0.0, 600.0])
+def test_the_cuda_warm_up_keeps_within_its_time(text_model, monkeypatch, caplog, budget):
+    """A model that prefills slowly on CUDA (a hybrid's per-token recurrence) must not
+    spend minutes warming up before it says healthy: the spread of prompt lengths and
+    the long prompt stop when WARM_CUDA_SECONDS is over. There is no CUDA here: the
+    in-process engine is told it is on CUDA (what warm-up runs is the same)."""
+    import logging
+
+    from kvroute.backend import engine as engine_mod
+    from kvroute.backend.metrics import BackendMetrics
+    from kvroute.backend.store import Store
+
+    model, tokenizer = load(str(text_model))
+    e = engine_mod.Engine(model, tokenizer, "demo", Store(64 << 20), BackendMetrics("demo", "t"),
+                          prefill_step=64, max_batch=4)
+    e.on_cuda = True
+    monkeypatch.setattr(engine_mod, "WARM_CUDA_SECONDS", budget)
+    caplog.set_level(logging.INFO, "kvroute.backend.engine")
+    e.warm_up(long_tokens=300)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    if budget:
+        assert "warmed up to 300 tokens" in said and "time is up" not in said
+    else:
+        assert "time is up" in said and "warmed up to" not in said
+    assert e.prefill_tps > 0  # the warm rate the proxies see is measured either way

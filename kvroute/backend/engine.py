@@ -57,6 +57,9 @@ from .token_bytes import TokenBytes
 log = logging.getLogger("kvroute.backend.engine")
 
 GAUGE_PERIOD = 0.05  # seconds between gauge updates while only decoding
+# The CUDA-only warm-up (spread prompt lengths, one long prompt) at most: a 7B dense
+# model needs ~5 s of it on an H200 (a 64k-token prompt).
+WARM_CUDA_SECONDS = 30.0
 
 
 class Engine:
@@ -231,16 +234,7 @@ class Engine:
             _drain(gen, gen.insert(short, max_tokens=[4, 6, 6, 8],
                                    caches=[new_cache(self.model) for _ in short]))
             if self.on_cuda:
-                # A matrix size cuBLAS has not run yet launches more slowly the first
-                # time (up to ~6 ms a call, ~1 ms once the process ran a spread of
-                # sizes), and a prompt touches several: its first request at a new
-                # length cost 20-30 ms more than the next (H200, 2k tokens). Prompts
-                # of lengths spread over a prefill chunk take most of that away.
-                spread = max(self.prefill_step // 21, 1)
-                for n in range(spread, self.prefill_step, spread):
-                    _drain(gen, gen.insert([probe_tokens(n, salt=n)], max_tokens=[1],
-                                           caches=[new_cache(self.model)]))
-                self._warm_long(gen, long_tokens)
+                self._warm_cuda(gen, long_tokens)
             # The first prefill rate the proxies see is a warm one: a backend whose
             # first request measured a cold rate looked slower than its peers, lost
             # every tie to them and, getting no traffic, never measured again.
@@ -253,6 +247,35 @@ class Engine:
             if not self.keep_buffers:  # on a GPU its buffers are the first request's
                 mx.clear_cache()
         return time.perf_counter() - t0
+
+    def _warm_cuda(self, gen: BatchGenerator, long_tokens: int) -> None:
+        """What only CUDA needs warmed, within WARM_CUDA_SECONDS: a model that
+        prefills slowly there (a hybrid's per-token recurrence: ~500 tokens/s for a 7B
+        Qwen3-Next on an H200) would otherwise spend minutes before it says healthy.
+
+        A matrix size cuBLAS has not run yet launches more slowly the first time (up to
+        ~6 ms a call, ~1 ms once the process ran a spread of sizes), and a prompt
+        touches several: its first request at a new length cost 20-30 ms more than the
+        next (H200, 2k tokens). Prompts of lengths spread over a prefill chunk take most
+        of that away; then one long prompt (`_warm_long`), as long as the time left
+        allows at the rate the spread measured."""
+        t0 = time.perf_counter()
+        deadline = t0 + WARM_CUDA_SECONDS
+        spread = max(self.prefill_step // 21, 1)
+        tokens = 0
+        for n in range(spread, self.prefill_step, spread):
+            if time.perf_counter() >= deadline:
+                log.info("warm-up: prompt lengths spread up to %d tokens (its time is up)", n)
+                return
+            _drain(gen, gen.insert([probe_tokens(n, salt=n)], max_tokens=[1],
+                                   caches=[new_cache(self.model)]))
+            tokens += n
+        rate = tokens / max(time.perf_counter() - t0, 1e-6)
+        affordable = int(rate * max(deadline - time.perf_counter(), 0.0))
+        if affordable < long_tokens:
+            log.info("warm-up: the long prompt cut to %d of %d tokens (this model prefills "
+                     "~%.0f tokens/s here)", affordable, long_tokens, rate)
+        self._warm_long(gen, min(long_tokens, affordable))
 
     def _warm_long(self, gen: BatchGenerator, tokens: int) -> None:
         """Prefill one prompt of `tokens` (CUDA). cuDNN builds an attention plan for
