@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import uuid
 
 import pytest
@@ -194,3 +195,31 @@ def test_proxy_routes_turn2_back_to_the_restarted_backend(text_model, tmp_path, 
             proxy.stop()
         for b in backends.values():
             b.stop()
+
+
+def test_a_backend_writes_only_while_its_siblings_rest(text_model, tmp_path):
+    """Two replicas of one machine, their tiers in one folder (as `kvroute serve` lays
+    them out): while one prefills, the other's conversation waits in RAM and is
+    written once both are idle, so the write never shares the device with a prompt."""
+    tiers = tmp_path / "tiers"
+    busy = start(text_model, "demo", tiers / "a", tmp_path, "--enable-faults", backend_id="a")
+    idle = start(text_model, "demo", tiers / "b", tmp_path, backend_id="b")
+    try:
+        # A long prefill on the first: ~16 chunks of 64 tokens, each 0.5 s longer.
+        slow = threading.Thread(target=chat, args=(busy, conversation("words " * 500)),
+                                kwargs={"kvroute_fault": "slow_prefill:0.5",
+                                        "timeout": 120, **GREEDY})
+        slow.start()
+        wait_until(lambda: metric(busy, "kvroute_backend_queue_depth") > 0, 30,
+                   what="the slow prefill running")
+        chat(idle, conversation(), **GREEDY)
+        with pytest.raises(TimeoutError):
+            wait_until(lambda: idle.health()["disk"]["entries"] > 0, 2.0,
+                       what="a write beside the sibling's prefill")
+        assert slow.is_alive()  # the window above lay within the sibling's prefill
+        assert idle.health()["disk"]["write_queue"] > 0
+        slow.join(120)
+        wait_until(lambda: written(idle), 30, what="the write once both rest")
+    finally:
+        busy.stop()
+        idle.stop()
