@@ -286,6 +286,7 @@ def test_a_failing_mlx_reader_costs_no_file(tmp_path, monkeypatch, caplog):
         raise RuntimeError("no reader here")
 
     monkeypatch.setattr(mx, "load", broken)
+    monkeypatch.setattr(diskfile, "_reader_failed", False)  # warned once per process
     caplog.set_level(logging.WARNING, "kvroute.backend.disk")
     again, _ = make_tier(tmp_path)
     found = restore(again, tokens(12))
