@@ -180,8 +180,10 @@ def test_after_a_restart_the_next_turn_replaces_its_record_and_evicts_no_more_th
 
 def test_a_write_gives_way_between_block_files_while_the_engine_has_work(tmp_path):
     """A long conversation is many block files (a 32k one ~1,000): a request arriving
-    mid-write gets the engine alone; the write goes on once it has been idle again."""
+    mid-write gets the engine alone; the write goes on once it has been idle
+    `idle_wait` again."""
     tier, _ = make_tier(tmp_path)
+    tier.idle_wait = 1.0
     started = [False]  # the engine turns busy once the write has begun
 
     def busy() -> bool:
@@ -198,6 +200,9 @@ def test_a_write_gives_way_between_block_files_while_the_engine_has_work(tmp_pat
         wait_until(lambda: len(list(folder.iterdir())) > 1 or tier.index, 1.0,
                    what="a second block file while the engine is busy")
     hold[0] = False
+    with pytest.raises(TimeoutError):  # idle, but not for idle_wait yet
+        wait_until(lambda: len(list(folder.iterdir())) > 1 or tier.index, 0.5,
+                   what="a second block file the moment the engine is idle")
     wait_until(lambda: tier.index, 30, what="the write once idle again")
     assert len(block_files(tmp_path)) == 10
     assert restore(tier, conversation(0) + [1]).tokens == len(conversation(0))

@@ -427,6 +427,10 @@ class DiskTier:
             return True
         if time.time() - item[1].created >= self.max_delay:
             return True
+        return self._rested()
+
+    def _rested(self) -> bool:
+        """The engines were idle `idle_wait` seconds when `_note_idle` last looked."""
         return self._idle_from is not None and time.monotonic() - self._idle_from >= self.idle_wait
 
     def _write_queued(self, item: list) -> None:
@@ -522,24 +526,23 @@ class DiskTier:
         file took, so the writer holds at most 1 / (1 + PACE) of the time."""
         now = time.monotonic()
         spent, self._file_from = now - self._file_from, now
-        idle_from: float | None = None
-        while self._working() or idle_from is not None:
-            if self._closing:
-                break
+        self._note_idle()
+        if self._idle_from is None:  # work arrived while the file was written
+            self._wait_rested(deadline, spent)
+        self._file_from = time.monotonic()
+
+    def _wait_rested(self, deadline: float, spent: float) -> None:
+        while not self._closing:
             if time.time() >= deadline:
-                if self._working():
+                if self._idle_from is None:  # still working: a paced write
                     wait = min(PACE * spent, MAX_PACE_WAIT)
                     time.sleep(wait)
                     self.metrics.l(self.metrics.disk_paced).inc(wait)
-                break
-            if self._working():
-                idle_from = None
-            elif idle_from is None:
-                idle_from = time.monotonic()
-            elif time.monotonic() - idle_from >= self.idle_wait:
-                break
+                return
             time.sleep(POLL)
-        self._file_from = time.monotonic()
+            self._note_idle()
+            if self._rested():
+                return
 
     def _write_blocks(self, blocks: list[Block], deadline: float) -> bool:
         """Write the blocks not on disk yet (a block already there is not written again)
