@@ -24,7 +24,9 @@ dropped; "files read" is the bare read of the same files at that parallelism.
 `paths` (in process): ways to bring a restore's 32-token block files (7B shape) from
 the page cache into arrays the device uses, and what assembling blocks costs there:
 bare reads at 1-16 threads; arrays made from the read bytes (MLX's managed memory on
-CUDA) then concatenated; MLX's own reader per file then concatenated; one host-side
+CUDA) then concatenated; MLX's own reader per file then concatenated, alone, after
+a host read and xxh3 (a CUDA restore of a file without a device checksum) and
+followed by the device checksum (one with: devsum.py); one host-side
 assembly then one array; the concatenation of blocks already on the device (250, and
 980: a 31k-token conversation), against one copy of the assembled state.
 
@@ -287,6 +289,9 @@ def paths_bench(args) -> None:
     import mlx.core as mx
     import numpy as np
     import orjson
+    import xxhash
+
+    from kvroute.backend import devsum
 
     layers, heads, dim, b = 28, 4, 128, 32  # Qwen2.5-7B's KV shape, one block
     n = args.blocks
@@ -359,6 +364,24 @@ def paths_bench(args) -> None:
         with ThreadPoolExecutor(threads) as pool:
             timed("MLX's reader (mx.load) + concatenate", threads,
                   lambda: concat(list(pool.map(mlx_read, files))))
+
+    def host_checked_read(path: Path) -> dict:  # a CUDA restore of a file without a dsum
+        xxhash.xxh3_64(path.read_bytes()).hexdigest()
+        return mlx_read(path)
+
+    def device_checked_read(path: Path) -> dict:  # a CUDA restore of a file with one
+        x = mlx_read(path)
+        devsum.checksum(x)
+        return x
+
+    for threads in (4, 16):
+        with ThreadPoolExecutor(threads) as pool:
+            timed("host read + xxh3, then MLX's reader + concatenate", threads,
+                  lambda: concat(list(pool.map(host_checked_read, files))))
+    for threads in (1, 4, 8, 16):
+        with ThreadPoolExecutor(threads) as pool:
+            timed("MLX's reader + device checksum + concatenate", threads,
+                  lambda: concat(list(pool.map(device_checked_read, files))))
     # A layout with one K and one V array per layer (the tier stacks a block's layers
     # into one of each, as above): what the count of arrays costs MLX's reader.
     per_layer = [folder / f"{i}.layers.safetensors" for i in range(n)]
@@ -374,6 +397,8 @@ def paths_bench(args) -> None:
             timed("host assembly, one array + device read", threads, lambda: host_assembly(pool))
     on_device = [from_bytes(p) for p in files]
     timed("concatenate blocks on the device", "-", lambda: concat(on_device))
+    timed("device checksum of blocks on the device", "-",
+          lambda: [devsum.checksum(x) for x in on_device])
     console.print(table)
     many = [{k: mx.random.normal((layers, heads, b, dim)).astype(mx.bfloat16) for k in ("k0", "v0")}
             for _ in range(980)]

@@ -323,3 +323,30 @@ def test_writes_wait_while_a_sibling_backend_works(tmp_path):
     assert tier.board.others_busy() is False  # its process is gone: its file too
     assert not (tmp_path / "board" / str(sibling_proc.pid)).exists()
     tier.close()
+
+
+def test_without_a_device_checksum_a_cuda_restore_checks_on_the_host(tmp_path, monkeypatch, caplog):
+    """Should MLX fail to compute the device checksum (an op a backend lacks), files are
+    written without one and restores check them on the host: warned once, nothing lost."""
+    from kvroute.backend import devsum
+
+    def broken(arrays):
+        raise RuntimeError("no uint32 sums here")
+
+    monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    monkeypatch.setattr(devsum, "checksum", broken)
+    monkeypatch.setattr(diskfile, "_sum_failed", False)  # warned once per process
+    caplog.set_level(logging.WARNING, "kvroute.backend.disk")
+    tier, _ = make_tier(tmp_path)
+    store = attach(tier)
+    cache = make_cache(10)
+    store.insert("m", tokens(10), cache, "finish", chain=[1])
+    wait_until(lambda: len(tier.index) == 1, 30, what="written")
+    tier.close()
+    again, _ = make_tier(tmp_path)
+    (record,) = again.index.values()
+    assert record.dsum == ""
+    found = restore(again, tokens(12))
+    assert found is not None and same_state(found.cache, cache)
+    warned = [r for r in caplog.records if "no device checksum" in r.getMessage()]
+    assert len(warned) == 1

@@ -7,6 +7,8 @@ its own is never used."""
 
 from pathlib import Path
 
+import numpy as np
+
 import pytest
 
 import orjson
@@ -84,7 +86,6 @@ def test_evicting_a_record_keeps_the_blocks_others_list(tmp_path):
 
 def test_a_missing_or_damaged_block_drops_the_records_that_list_it(tmp_path, read_path):
     write_three(tmp_path)[0].close()
-    import numpy as np
 
     first_key = block_keys(root_key("m", None), np.asarray(HEAD, dtype=np.int32), 1)[0]
     (head_block,) = [p for p in block_files(tmp_path) if p.name.startswith(f"{first_key:016x}.")]
@@ -223,3 +224,42 @@ def test_a_write_gives_way_no_longer_than_max_delay_then_goes_at_a_pace(tmp_path
     assert len(block_files(tmp_path)) == 10
     assert metric(metrics, metrics.disk_paced) > 0
     tier.close()
+
+
+def test_on_cuda_a_restore_reads_each_file_once(tmp_path, monkeypatch):
+    """Written on CUDA, a record and its blocks carry a device checksum: a restore
+    there loads each file once, through MLX's reader, and checks the arrays where they
+    landed; no file is read on the host, and a damaged tensor byte is still found.
+    (Run on this CPU with the CUDA path forced; which device MLX's reader fills is
+    MLX's business.)"""
+    import mlx.core as mx
+
+    monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    write_three(tmp_path)[0].close()
+    for path in block_files(tmp_path) + records(tmp_path):
+        header = orjson.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])
+        meta = header["__metadata__"]
+        assert orjson.loads(meta.get("kvroute_block") or meta["0.kvroute"])["dsum"]
+
+    def no_host_read(*args, **kwargs):
+        raise AssertionError("a file read on the host")
+
+    loads = []
+    real_load = mx.load
+    monkeypatch.setattr(diskfile, "read_bytes", no_host_read)
+    monkeypatch.setattr(mx, "load", lambda path, *a, **kw: loads.append(path) or real_load(path, *a, **kw))
+    again, metrics = make_tier(tmp_path)
+    found = restore(again, conversation(0) + [1])
+    assert same_cache(found.cache, kv_of(conversation(0)))
+    assert len(loads) == len(set(loads)) == 10 + 1  # its ten blocks and its record, once each
+    again.close()
+
+    first_key = block_keys(root_key("m", None), np.asarray(HEAD, dtype=np.int32), 1)[0]
+    (head_block,) = [p for p in block_files(tmp_path) if p.name.startswith(f"{first_key:016x}.")]
+    data = bytearray(head_block.read_bytes())
+    data[-3] ^= 0x10
+    head_block.write_bytes(bytes(data))
+    third, metrics = make_tier(tmp_path)
+    assert restore(third, conversation(1) + [1]) is None  # never served from damaged bytes
+    assert metrics.disk_dropped.labels(model="m", backend="b", reason="corrupt")._value.get() == 1
+    third.close()

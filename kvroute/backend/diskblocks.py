@@ -6,8 +6,9 @@ tokens; the key names the block's file, `<key>.<header xxh3>.<file xxh3>.kvb.saf
 so a block already on disk is never written again, and a restart that restores
 conversations sharing a prefix reads that prefix once (blocks being read or held by
 a restored state are shared, `loaded`). The header carries the format version, the
-model fingerprint and the key; the checksums in the name cover the header and the
-whole file, as a record's do. A block is written (to a temporary name, fsynced
+model fingerprint and the key (and, written on CUDA, the arrays' device checksum,
+which a restore there checks where MLX's reader put them: diskfile.py); the checksums
+in the name cover the header and the whole file, as a record's do. A block is written (to a temporary name, fsynced
 under the tier's policy, renamed) before the record that lists it, so a crash leaves
 at most blocks no record lists; a restart removes those. A block file that is
 missing or damaged fails the record that lists it, which is dropped.
@@ -123,9 +124,11 @@ class Blocks:
                 tmp = self.directory / (stem + diskfile.TMP_SUFFIX)
                 tmps.append(tmp)
                 arrays = {f"{kind}{i}": a for i, pair in enumerate(block.kv) for kind, a in zip("kv", pair)}
-                meta = {"kvroute_block": orjson.dumps({"version": VERSION, "fingerprint": self.fingerprint,
-                                                       "key": stem}).decode()}
-                mx.save_safetensors(str(tmp), arrays, meta)
+                meta = {"version": VERSION, "fingerprint": self.fingerprint, "key": stem}
+                dsum = diskfile.device_sum(arrays) if diskfile.on_cuda() else None
+                if dsum:  # a restore on CUDA checks the arrays where MLX loads them
+                    meta["dsum"] = dsum
+                mx.save_safetensors(str(tmp), arrays, {"kvroute_block": orjson.dumps(meta).decode()})
             if self.fsync:
                 with ThreadPoolExecutor(min(8, len(tmps))) as pool:
                     list(pool.map(_fsync_file, tmps))
@@ -176,6 +179,12 @@ class Blocks:
         return block
 
     def _read(self, key: int, path: Path, size: int) -> tuple[list[tuple[Any, Any]], int]:
+        if diskfile.on_cuda():
+            header, _ = diskfile.read_head(path, size, _digests(path.name)[0])
+            dsum = self._meta(key, header).get("dsum")
+            arrays = diskfile.load_on_device(path, header, dsum, f"block {key:016x}") if dsum else None
+            if arrays is not None:
+                return _pairs(arrays), size
         try:
             # Straight into the buffer the arrays are read from: `read_bytes()` then a
             # bytearray copy made a restore copy every block twice before MLX's own. The
@@ -191,21 +200,31 @@ class Blocks:
         if offset > len(blob) or _digest(view[:offset]) != header_sum or _digest(view) != file_sum:
             raise BadRecord("corrupt", f"block {key:016x} does not match its checksums")
         header = orjson.loads(view[8:offset])
+        self._meta(key, header)
+        # On CUDA without a device checksum (an older file): checked here, then into
+        # device memory through MLX's reader (diskfile.load_checked).
+        arrays = diskfile.load_arrays(path, header) if diskfile.on_cuda() else None
+        if arrays is None:
+            arrays = diskfile.arrays_from_bytes(blob, header, offset)
+        return _pairs(arrays), len(blob)
+
+    def _meta(self, key: int, header: dict) -> dict:
+        """A block header's kvroute metadata, popped from `header`; it must be ours."""
         try:
             meta = orjson.loads(header.pop("__metadata__")["kvroute_block"])
         except (KeyError, TypeError, ValueError):
             raise BadRecord("foreign", "not a kvroute block")
-        if meta.get("fingerprint") != self.fingerprint or meta.get("key") != f"{key:016x}":
+        if not isinstance(meta, dict) or meta.get("fingerprint") != self.fingerprint \
+                or meta.get("key") != f"{key:016x}":
             raise BadRecord("foreign", f"block {key:016x} written for other weights or key")
-        # On CUDA into device memory through MLX's reader (diskfile.load_checked).
-        arrays = diskfile.load_arrays(path, header) if diskfile.on_cuda() else None
-        if arrays is None:
-            arrays = diskfile.arrays_from_bytes(blob, header, offset)
-        pairs = len(arrays) // 2
-        return [(arrays[f"k{i}"], arrays[f"v{i}"]) for i in range(pairs)], len(blob)
+        return meta
 
     def stats(self) -> dict:
         return {"blocks": len(self.files), "block_bytes": self.nbytes, "block_reads": self.reads}
+
+
+def _pairs(arrays: dict[str, Any]) -> list[tuple[Any, Any]]:
+    return [(arrays[f"k{i}"], arrays[f"v{i}"]) for i in range(len(arrays) // 2)]
 
 
 def _fsync_file(path: Path) -> None:

@@ -1,8 +1,8 @@
 """One prompt-cache entry as a file of the disk tier.
 
-A record is a safetensors file written by mlx-lm's `save_prompt_cache` (MLX's own
-format, so any layer cache mlx-lm can save round-trips, windows and recurrent
-states included). Its string metadata carries one more key, `kvroute`: a JSON
+A record is a safetensors file laid out as mlx-lm's `save_prompt_cache` lays it out
+(MLX's own format, so any layer cache mlx-lm can save round-trips, windows and
+recurrent states included). Its string metadata carries one more key, `kvroute`: a JSON
 object with the exact token ids the state holds, the model fingerprint, the
 format version, the cache scope, the advertised prefix chain, whether the entry
 can be trimmed, and the chain keys of the shared blocks (diskblocks.py) that hold
@@ -19,6 +19,12 @@ file's exact length, which finds a truncated file without reading it; the header
 checksum finds a damaged header at the same time, the whole file's checksum finds
 corrupted tensor bytes when a record is loaded. Anything that does not check out
 raises `BadRecord` and is never handed to the model.
+
+On CUDA the writer also puts a device checksum of the tensors (devsum.py) in the
+metadata, `dsum`: a restore there loads the file once, through MLX's reader into
+device memory, and checks the arrays where they landed (the header is checked on
+the host, by its own checksum). A file without one (written on another platform,
+or by an older version) is read and checked on the host first, then loaded.
 
 Durability: `write` fsyncs the temporary file before renaming it into place and
 the directory after, so after a power loss a record is whole or absent (and a
@@ -74,6 +80,7 @@ class Record:
     # Chain keys of the shared blocks (diskblocks.py) holding its first tokens' full-
     # attention KV, in order; its own file holds the rest. Empty: the file holds all.
     blocks: list[int] = field(default_factory=list)
+    dsum: str = ""  # the tensors' device checksum (devsum.py); empty where none was made
 
 
 def fingerprint(model_path: str | Path) -> str:
@@ -114,11 +121,12 @@ def write(directory: Path, stem: str, cache: list[Any], meta: dict,
     of the process loses nothing, a power loss may). The final name carries the
     checksums (a header cannot hold the checksum of a file it starts). Returns the
     file's name and size."""
-    from mlx_lm.models.cache import save_prompt_cache
+    import mlx.core as mx
 
     tmp = directory / (stem + TMP_SUFFIX)
     try:
-        save_prompt_cache(str(tmp), cache, {"kvroute": orjson.dumps(meta).decode()})
+        arrays, metadata = _flatten(cache, meta)
+        mx.save_safetensors(str(tmp), arrays, metadata)
         _step("tmp_written")
         os.chmod(tmp, 0o600)
         with open(tmp, "rb") as f:  # just written: read back from the page cache
@@ -140,6 +148,71 @@ def write(directory: Path, stem: str, cache: list[Any], meta: dict,
         except OSError:  # a read-only folder: a restart drops it as partial
             pass
         raise
+
+
+def _flatten(cache: list[Any], meta: dict) -> tuple[dict[str, Any], dict[str, str]]:
+    """The tensors and string metadata of a record, as mlx-lm's `save_prompt_cache`
+    makes them (`_rebuild` reads them back): the layers' states flattened, scalars
+    stored as arrays and listed, and our `kvroute` JSON first, with the tensors'
+    device checksum where a restore will want it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    scalars: list[Any] = [""]  # never empty: tree_flatten would drop it
+
+    def as_array(item: tuple[str, Any]) -> tuple[str, Any]:
+        key, data = item
+        if isinstance(data, mx.array):
+            return item
+        if isinstance(data, (int, float, bool)):
+            scalars.append((key, "scalar"))
+            return key, mx.array(data)
+        if isinstance(data, str):
+            scalars.append((key, "string"))
+            return key, mx.array([ord(c) for c in data])
+        if data is None:
+            scalars.append((key, "none"))
+            return key, mx.array([])
+        raise ValueError(f"Model state is not serializable: {data}")
+
+    arrays = dict(map(as_array, tree_flatten([c.state for c in cache])))
+    dsum = device_sum(arrays) if on_cuda() else None
+    if dsum:
+        meta = {**meta, "dsum": dsum}
+    classes = [type(c).__name__ for c in cache]
+    metadata = dict(tree_flatten([{"kvroute": orjson.dumps(meta).decode()}, classes, scalars]))
+    return arrays, metadata
+
+
+_sum_failed = False
+
+
+def device_sum(arrays: dict[str, Any]) -> str | None:
+    """devsum's checksum of `arrays`; None where MLX cannot compute it here (warned
+    once): files then go without one, and restores check them on the host."""
+    global _sum_failed
+    from . import devsum
+
+    try:
+        return devsum.checksum(arrays)
+    except Exception as exc:  # an integer op this MLX backend lacks, say
+        if not _sum_failed:
+            _sum_failed = True
+            log.warning("disk cache: no device checksum here (%r); restores read each "
+                        "file on the host to check it, then load it", exc)
+        return None
+
+
+def check_device_sum(arrays: dict[str, Any], expect: str, what: str) -> bool:
+    """Whether loaded `arrays` match the device checksum written with them; raises
+    BadRecord when they do not. False when it cannot be computed here (the caller
+    checks the file on the host instead)."""
+    got = device_sum(arrays)
+    if got is None:
+        return False
+    if got != expect:
+        raise BadRecord("corrupt", f"{what} does not match its device checksum")
+    return True
 
 
 def _digest(data: bytes | memoryview) -> str:
@@ -209,6 +282,7 @@ def read_header(path: Path, expect_fingerprint: str) -> Record:
             created=float(meta["created"]),
             model=str(meta["model"]),
             blocks=[int(k, 16) for k in meta.get("blocks", [])],
+            dsum=str(meta.get("dsum", "")),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise BadRecord("corrupt", "metadata incomplete")
@@ -297,15 +371,23 @@ def on_cuda() -> bool:
 
 
 def load_checked(path: Path, record: Record, parallel: int = 4) -> list[Any]:
-    """`load` on CUDA: the file is read and checked against its checksum, then MLX's
-    own reader loads it (a second read, from the page cache). An array made from host
-    bytes lands in managed memory, which the GPU then pulls over page by page (measured
-    ~1.3 GB/s on an H200 host); MLX's reader copies the file into device memory in
-    one transfer (3.5 GB/s on one thread). The files are never rewritten in place (a
-    new state is a new name), so the bytes checked are the bytes loaded."""
+    """`load` on CUDA. A record with a device checksum is loaded once, by MLX's reader
+    (into device memory), and checked there. One without is read and checked on the
+    host first, then loaded by MLX's reader (a second read, from the page cache): an
+    array made from host bytes lands in managed memory, which the GPU then pulls over
+    page by page (measured ~1.3 GB/s on an H200 host), where MLX's reader copies the
+    file into device memory in one transfer (3.5 GB/s on one thread). The files are
+    never rewritten in place (a new state is a new name), so the bytes checked are
+    the bytes loaded."""
     import mlx.core as mx
     from mlx_lm.models import cache as cache_mod
 
+    if record.dsum:
+        header, _ = read_head(path, record.size, _name_digests(path.name)[0])
+        metadata = header.pop("__metadata__", {})
+        arrays = load_on_device(path, header, record.dsum, "the file")
+        if arrays is not None:
+            return _rebuild(cache_mod, arrays, metadata, mx)
     blob = _checked_bytes(path, record, parallel)
     header = orjson.loads(memoryview(blob)[8:record.data_offset])
     metadata = header.pop("__metadata__", {})
@@ -315,15 +397,54 @@ def load_checked(path: Path, record: Record, parallel: int = 4) -> list[Any]:
     return _rebuild(cache_mod, arrays, metadata, mx)
 
 
+def read_head(path: Path, size: int, header_sum: str) -> tuple[dict, int]:
+    """A safetensors file's JSON header (its metadata included) and where its tensors
+    start, from the header's bytes alone: checked against `header_sum`, and the file
+    against the `size` its header and the index give."""
+    try:
+        with open(path, "rb") as f:
+            on_disk = os.fstat(f.fileno()).st_size
+            first = f.read(8)
+            if len(first) < 8 or on_disk < size:
+                raise BadRecord("truncated", f"{on_disk} bytes on disk, expected {size}")
+            n = struct.unpack("<Q", first)[0]
+            if n > min(_MAX_HEADER, size - 8):
+                raise BadRecord("corrupt", "header length out of range")
+            raw = f.read(n)
+    except OSError as exc:
+        raise BadRecord("unreadable", str(exc))
+    if on_disk != size or _digest(first + raw) != header_sum:
+        raise BadRecord("corrupt", "header or size does not match its checksum")
+    try:
+        header = orjson.loads(raw)
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                  default=0)
+    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, IndexError):
+        raise BadRecord("corrupt", "tensor table")
+    if 8 + n + end != size:
+        raise BadRecord("truncated", f"{size} bytes, the header describes {8 + n + end}")
+    return header, 8 + n
+
+
+def load_on_device(path: Path, header: dict, dsum: str, what: str) -> dict[str, Any] | None:
+    """The tensors `header` lists (no `__metadata__`), loaded once by MLX's reader and
+    checked against their device checksum where they landed. None when MLX cannot
+    read them or compute the sum here: the caller reads and checks on the host."""
+    arrays = load_arrays(path, header)
+    if arrays is None or not check_device_sum(arrays, dsum, what):
+        return None
+    return arrays
+
+
 _reader_failed = False
 
 
 def load_arrays(path: Path, header: dict) -> dict[str, Any] | None:
-    """The tensors of a safetensors file whose bytes were checked, through MLX's
-    reader (into device memory on CUDA), evaluated on this thread; they must be the
-    tensors `header` lists. None when MLX's reader fails (warned once): the caller
-    makes them from the bytes it checked instead, so a reader problem never costs
-    the file."""
+    """The tensors of a safetensors file through MLX's reader (into device memory on
+    CUDA), evaluated on this thread; they must be the tensors `header` lists. The
+    caller checks their bytes: on the host before, or by device checksum after. None
+    when MLX's reader fails (warned once): the caller makes them from the bytes it
+    checked instead, so a reader problem never costs the file."""
     import mlx.core as mx
 
     global _reader_failed

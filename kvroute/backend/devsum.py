@@ -1,0 +1,107 @@
+"""A checksum of arrays that MLX computes where the arrays are.
+
+On CUDA, MLX's reader copies a disk-tier file straight into device memory. Checking
+those bytes against the file's xxh3 meant reading every file twice (once on the host
+to checksum it, once by MLX), which made a restore about twice as slow as MLX's read
+alone. This sum is computed by MLX on the loaded arrays, on the GPU: plain integer
+arithmetic (uint32 products that wrap, summed), so the writer and the reader get the
+same value on any device and in any reduction order.
+
+It finds damage (a flipped bit, a zeroed page, words out of place), as the xxh3 sums
+beside it do; it is not meant to stop a forger. A file's arrays, in name order, are
+taken as one run of 32-bit words, which gives two lanes: the words times an odd
+multiple of their position, summed mod 2**32 (any one changed word changes it, as
+does a swap of two), and the words times a pseudo-random odd 64-bit weight each,
+summed mod 2**64, so that errors which cancel in the first lane (two flips of a
+word's top bit, say: 2**31 times any odd number is 2**31) almost never cancel in the
+second. The file's sum is the xxh3 of every array's name, dtype and shape and the
+two lanes.
+
+Not `mx.compile`d, though that would make fewer kernels: a function MLX first
+compiles on a thread other than the main one aborts the process at exit (MLX 0.32),
+and restores run on reader threads. Concatenating a file's words first keeps the
+count at about eight kernels a file rather than eight an array.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import orjson
+import xxhash
+
+_K1 = 0x9E3779B1  # odd: (2i + 1) * _K1 differs for every position i < 2**31
+
+
+def _splitmix64(x: Any) -> Any:
+    """SplitMix64's output function (uint64): consecutive inputs, unrelated outputs."""
+    import mlx.core as mx
+
+    def c(v: int) -> Any:  # MLX takes uint64 constants above 2**63 only as arrays
+        return mx.array(np.uint64(v))
+
+    x = x * c(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> 30)) * c(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> 27)) * c(0x94D049BB133111EB)
+    return x ^ (x >> 31)
+
+
+_weights_lock = threading.Lock()
+_weights: OrderedDict[int, tuple[Any, Any]] = OrderedDict()  # by word count, newest last
+
+
+def _weights_for(n: int) -> tuple[Any, Any]:
+    """The two lanes' position weights for `n` words, kept for the last few lengths
+    (a model's blocks all have one)."""
+    import mlx.core as mx
+
+    with _weights_lock:
+        if n in _weights:
+            _weights.move_to_end(n)
+            return _weights[n]
+    pos = mx.arange(n, dtype=mx.uint32)
+    pair = ((pos * 2 + 1) * _K1, _splitmix64(pos.astype(mx.uint64)) | mx.array(np.uint64(1)))
+    mx.eval(pair)  # evaluated here: another reader thread may use them
+    with _weights_lock:
+        _weights[n] = pair
+        while len(_weights) > 4:
+            _weights.popitem(last=False)
+    return pair
+
+
+def _words(a: Any) -> Any:
+    """`a`'s bytes, as saved, in uint32 words: whole 4-byte words where its size allows,
+    else each 2-byte or 1-byte element widened."""
+    import mlx.core as mx
+
+    flat = a.reshape(-1)  # a copy in row order when `a` is a strided view
+    if a.nbytes % 4 == 0:
+        return flat.view(mx.uint32)
+    if a.nbytes % 2 == 0:
+        return flat.view(mx.uint16).astype(mx.uint32)
+    return flat.view(mx.uint8).astype(mx.uint32)
+
+
+def lanes(words: Any) -> Any:
+    """The two lanes of a run of uint32 words, as a uint64 2-array (unevaluated)."""
+    import mlx.core as mx
+
+    w1, w2 = _weights_for(words.size)
+    first = mx.sum(words * w1).astype(mx.uint64)
+    return mx.stack([first, mx.sum(words.astype(mx.uint64) * w2)])
+
+
+def checksum(arrays: dict[str, Any]) -> str:
+    """The sum of `arrays` (name to MLX array), computed where they are, as hex."""
+    import mlx.core as mx
+
+    names = sorted(arrays)
+    parts = [_words(arrays[n]) for n in names if arrays[n].size]
+    pair = np.array(lanes(mx.concatenate(parts))).tolist() if parts else [0, 0]
+    h = xxhash.xxh3_64()
+    h.update(orjson.dumps([[n, str(arrays[n].dtype), list(arrays[n].shape)] for n in names]))
+    h.update(orjson.dumps(pair))
+    return h.hexdigest()

@@ -1,0 +1,108 @@
+"""The device checksum a CUDA restore checks disk-tier files with (devsum.py).
+
+Its value must be the same wherever MLX computes it (the writer and the reader may
+run on different devices and reduce in different orders), so it is held here to a
+reference written separately in numpy; and it must change for the damage a disk
+does. The GPU itself cannot run here: MLX's CPU backend computes it."""
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvroute.backend import devsum
+
+
+def np_splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x * np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def np_lanes(words: np.ndarray) -> list[int]:
+    pos = np.arange(words.size, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        first = (words * ((pos * np.uint32(2) + np.uint32(1)) * np.uint32(0x9E3779B1))).sum(dtype=np.uint32)
+        weights = np_splitmix64(pos.astype(np.uint64)) | np.uint64(1)
+        second = (words.astype(np.uint64) * weights).sum(dtype=np.uint64)
+    return [int(first), int(second)]
+
+
+@pytest.mark.parametrize("n", [1, 7, 4096, 1 << 20])
+def test_lanes_are_the_reference_integer_sums(n):
+    words = np.random.default_rng(n).integers(0, 1 << 32, n, dtype=np.uint32)
+    assert np.array(devsum.lanes(mx.array(words))).tolist() == np_lanes(words)
+
+
+def bf16(shape, seed=0):
+    return mx.random.normal(shape, key=mx.random.key(seed)).astype(mx.bfloat16)
+
+
+def test_the_words_are_the_bytes_as_saved(tmp_path):
+    """Every dtype a cache saves, odd sizes and strided views included: the words are
+    the file's bytes (read back here with numpy), widened where a size is not whole
+    words."""
+    arrays = {"a": bf16((2, 3, 5, 8)), "b": mx.arange(7, dtype=mx.uint8), "c": mx.array(3),
+              "d": bf16((3, 5)), "e": mx.arange(24, dtype=mx.float32).reshape(4, 6)[:, ::2],
+              "f": mx.array([True, False, True])}
+    mx.save_safetensors(str(tmp_path / "x.safetensors"), arrays)
+    for name, a in arrays.items():
+        raw = np.array(a.reshape(-1).view(mx.uint8) if a.dtype != mx.bool_ else a.astype(mx.uint8)).tobytes()
+        width = np.uint32 if len(raw) % 4 == 0 else np.uint16 if len(raw) % 2 == 0 else np.uint8
+        assert np.array(devsum._words(a)).tolist() == np.frombuffer(raw, width).astype(np.uint32).tolist(), name
+    loaded = mx.load(str(tmp_path / "x.safetensors"))
+    assert devsum.checksum(loaded) == devsum.checksum(arrays)
+
+
+def damaged(arrays: dict, name: str, change) -> dict:
+    a = arrays[name]
+    words = np.array(a.reshape(-1).view(mx.uint16)).copy()
+    change(words)
+    return {**arrays, name: mx.array(words).view(a.dtype).reshape(a.shape)}
+
+
+def test_damage_changes_the_sum():
+    arrays = {"k0": bf16((4, 2, 32, 16), 1), "v0": bf16((4, 2, 32, 16), 2)}
+    base = devsum.checksum(arrays)
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # any one bit, anywhere
+        i, bit = int(rng.integers(4096)), int(rng.integers(16))
+        assert devsum.checksum(damaged(arrays, "v0", lambda w: w.__setitem__(i, w[i] ^ (1 << bit)))) != base
+
+    def two_top_bits(w):  # the top bit of two 32-bit words: cancels in the first lane
+        w[1] ^= 0x8000
+        w[9] ^= 0x8000
+
+    def swap(w):
+        w[[10, 11]] = w[[11, 10]]
+
+    def zero_page(w):
+        w[2048:4096] = 0
+
+    for change in (two_top_bits, swap, zero_page):
+        assert devsum.checksum(damaged(arrays, "k0", change)) != base, change.__name__
+    # The pair of top-bit flips is the second lane's to find: the first cannot.
+    words = devsum._words(arrays["k0"])
+    first, second = np.array(devsum.lanes(words)).tolist()
+    flipped = devsum._words(damaged(arrays, "k0", two_top_bits)["k0"])
+    again = np.array(devsum.lanes(flipped)).tolist()
+    assert again[0] == first and again[1] != second
+    assert devsum.checksum({"k0": arrays["v0"], "v0": arrays["k0"]}) != base  # files swapped
+    assert devsum.checksum({"k1": arrays["k0"], "v0": arrays["v0"]}) != base  # renamed
+    reshaped = {"k0": arrays["k0"].reshape(2, 4, 32, 16), "v0": arrays["v0"]}
+    assert devsum.checksum(reshaped) != base  # same bytes, another shape
+
+
+def test_the_same_on_a_reader_thread():
+    arrays = {"k0": bf16((4, 2, 32, 16), 3), "v0": bf16((4, 2, 32, 16), 4)}
+    here = devsum.checksum(arrays)
+    devsum._weights.clear()  # made by the threads themselves
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(devsum.checksum(arrays))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [here] * 4
