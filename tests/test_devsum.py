@@ -21,16 +21,20 @@ def np_splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def np_lanes(words: np.ndarray) -> list[int]:
-    pos = np.arange(words.size, dtype=np.uint32)
-    with np.errstate(over="ignore"):
-        first = (words * ((pos * np.uint32(2) + np.uint32(1)) * np.uint32(0x9E3779B1))).sum(dtype=np.uint32)
-        weights = np_splitmix64(pos.astype(np.uint64)) | np.uint64(1)
-        second = (words.astype(np.uint64) * weights).sum(dtype=np.uint64)
-    return [int(first), int(second)]
+def np_lanes(words: np.ndarray) -> list[list[int]]:
+    rows = []
+    for start in range(0, words.size, devsum.CHUNK):
+        chunk = words[start:start + devsum.CHUNK]
+        pos = np.arange(chunk.size, dtype=np.uint32)
+        with np.errstate(over="ignore"):
+            first = (chunk * ((pos * np.uint32(2) + np.uint32(1)) * np.uint32(0x9E3779B1))).sum(dtype=np.uint32)
+            weights = np_splitmix64(pos.astype(np.uint64)) | np.uint64(1)
+            second = (chunk.astype(np.uint64) * weights).sum(dtype=np.uint64)
+        rows.append([int(first), int(second)])
+    return rows
 
 
-@pytest.mark.parametrize("n", [1, 7, 4096, 1 << 20])
+@pytest.mark.parametrize("n", [1, 7, 4096, devsum.CHUNK, 3 * devsum.CHUNK + 5])
 def test_lanes_are_the_reference_integer_sums(n):
     words = np.random.default_rng(n).integers(0, 1 << 32, n, dtype=np.uint32)
     assert np.array(devsum.lanes(mx.array(words))).tolist() == np_lanes(words)
@@ -85,9 +89,9 @@ def test_damage_changes_the_sum():
         assert devsum.checksum(damaged(arrays, "k0", change)) != base, change.__name__
     # The pair of top-bit flips is the second lane's to find: the first cannot.
     words = devsum._words(arrays["k0"])
-    first, second = np.array(devsum.lanes(words)).tolist()
+    [(first, second)] = np.array(devsum.lanes(words)).tolist()
     flipped = devsum._words(damaged(arrays, "k0", two_top_bits)["k0"])
-    again = np.array(devsum.lanes(flipped)).tolist()
+    [again] = np.array(devsum.lanes(flipped)).tolist()
     assert again[0] == first and again[1] != second
     assert devsum.checksum({"k0": arrays["v0"], "v0": arrays["k0"]}) != base  # files swapped
     assert devsum.checksum({"k1": arrays["k0"], "v0": arrays["v0"]}) != base  # renamed

@@ -9,18 +9,19 @@ same value on any device and in any reduction order.
 
 It finds damage (a flipped bit, a zeroed page, words out of place), as the xxh3 sums
 beside it do; it is not meant to stop a forger. A file's arrays, in name order, are
-taken as one run of 32-bit words, which gives two lanes: the words times an odd
-multiple of their position, summed mod 2**32 (any one changed word changes it, as
-does a swap of two), and the words times a pseudo-random odd 64-bit weight each,
-summed mod 2**64, so that errors which cancel in the first lane (two flips of a
-word's top bit, say: 2**31 times any odd number is 2**31) almost never cancel in the
-second. The file's sum is the xxh3 of every array's name, dtype and shape and the
-two lanes.
+taken as one run of 32-bit words, cut into chunks of 65,536 words (the last may be
+shorter). Each chunk gives two lanes: its words times an odd multiple of their
+position, summed mod 2**32 (any one changed word changes it, as does a swap of two),
+and its words times a pseudo-random odd 64-bit weight each, summed mod 2**64, so that
+errors which cancel in the first lane (two flips of a word's top bit, say: 2**31
+times any odd number is 2**31) almost never cancel in the second. The file's sum is
+the xxh3 of every array's name, dtype and shape and every chunk's lanes, in order.
+Chunks keep the position weights small (one chunk's worth, made once per process).
 
 Not `mx.compile`d, though that would make fewer kernels: a function MLX first
 compiles on a thread other than the main one aborts the process at exit (MLX 0.32),
 and restores run on reader threads. Concatenating a file's words first keeps the
-count at about eight kernels a file rather than eight an array.
+count at about ten kernels a file rather than ten an array.
 """
 
 from __future__ import annotations
@@ -49,13 +50,15 @@ def _splitmix64(x: Any) -> Any:
     return x ^ (x >> 31)
 
 
+CHUNK = 1 << 16  # words
+
 _weights_lock = threading.Lock()
-_weights: OrderedDict[int, tuple[Any, Any]] = OrderedDict()  # by word count, newest last
+_weights: OrderedDict[int, tuple[Any, Any]] = OrderedDict()  # by chunk length, newest last
 
 
 def _weights_for(n: int) -> tuple[Any, Any]:
-    """The two lanes' position weights for `n` words, kept for the last few lengths
-    (a model's blocks all have one)."""
+    """The two lanes' position weights for a chunk of `n` words, kept for the last few
+    lengths (a whole chunk's, and the odd ends of a model's block files)."""
     import mlx.core as mx
 
     with _weights_lock:
@@ -67,7 +70,7 @@ def _weights_for(n: int) -> tuple[Any, Any]:
     mx.eval(pair)  # evaluated here: another reader thread may use them
     with _weights_lock:
         _weights[n] = pair
-        while len(_weights) > 4:
+        while len(_weights) > 8:
             _weights.popitem(last=False)
     return pair
 
@@ -86,12 +89,25 @@ def _words(a: Any) -> Any:
 
 
 def lanes(words: Any) -> Any:
-    """The two lanes of a run of uint32 words, as a uint64 2-array (unevaluated)."""
+    """The lanes of a run of uint32 words, chunk by chunk: a uint64 array of shape
+    (chunks, 2), unevaluated."""
     import mlx.core as mx
 
-    w1, w2 = _weights_for(words.size)
-    first = mx.sum(words * w1).astype(mx.uint64)
-    return mx.stack([first, mx.sum(words.astype(mx.uint64) * w2)])
+    whole = words.size // CHUNK * CHUNK
+    rows = []
+    if whole:
+        rows.append(_rows(words[:whole].reshape(-1, CHUNK)))
+    if whole < words.size:
+        rows.append(_rows(words[whole:].reshape(1, -1)))
+    return mx.concatenate(rows) if len(rows) > 1 else rows[0]
+
+
+def _rows(chunks: Any) -> Any:
+    import mlx.core as mx
+
+    w1, w2 = _weights_for(chunks.shape[1])
+    first = mx.sum(chunks * w1, axis=1).astype(mx.uint64)
+    return mx.stack([first, mx.sum(chunks.astype(mx.uint64) * w2, axis=1)], axis=1)
 
 
 def checksum(arrays: dict[str, Any]) -> str:
@@ -100,8 +116,8 @@ def checksum(arrays: dict[str, Any]) -> str:
 
     names = sorted(arrays)
     parts = [_words(arrays[n]) for n in names if arrays[n].size]
-    pair = np.array(lanes(mx.concatenate(parts))).tolist() if parts else [0, 0]
     h = xxhash.xxh3_64()
     h.update(orjson.dumps([[n, str(arrays[n].dtype), list(arrays[n].shape)] for n in names]))
-    h.update(orjson.dumps(pair))
+    if parts:  # one copy back of the lanes
+        h.update(np.ascontiguousarray(np.array(lanes(mx.concatenate(parts)))).tobytes())
     return h.hexdigest()
