@@ -48,7 +48,7 @@ from .grammar import MaskBatch
 from .jobs import Delta, Finish, Job
 from .kv_budget import REFUSALS, Warnings, describe_budgets, kv_rate, probe_tokens
 from .metrics import BackendMetrics
-from .mlx_patches import keep_buffer_cache
+from .mlx_patches import chunked_gated_delta, keep_buffer_cache, uses_gated_delta
 from .output import Chunk, OutputParser
 from .sampling import make_processors, make_sampler
 from .store import Commit, Store, always_trimmable, common_prefix, held_tokens
@@ -104,11 +104,14 @@ class Engine:
         # Whether entries need checkpoints: some layer cannot always be trimmed.
         self.checkpointing = not always_trimmable(make_prompt_cache(model))
         self.on_cuda = avoid_cudnn_plans(prefill_step)
-        # Gated-delta layers (Qwen3-Next) keep mlx-lm's per-token loop on CUDA: MLX's
-        # fused `mx.fast.gated_delta_update` measured slower there (a 7B-class hybrid's
-        # 2,048-token prefill on an H200: 5.8-6.6 s against the loop's 4.0-4.9 s).
         if self.on_cuda:
             log.info("CUDA: attention calls of new shapes skip cuDNN's per-shape plans")
+            # Gated-delta layers (Qwen3-Next, Qwen3.5) prefill by chunks there, not by
+            # mlx-lm's per-token loop (MLX's fused `mx.fast.gated_delta_update` measured
+            # slower than the loop on an H200). Not on a CPU or a Mac: a hit there
+            # answers bit for bit as a cold prefill, which chunks would not keep.
+            if uses_gated_delta(model):
+                chunked_gated_delta()
         # Keep MLX's buffer cache across prefill chunks (keep_buffer_cache): by default
         # on a GPU; the server asks for it only where a cache limit bounds it.
         self.keep_buffers = (mx.default_device().type == mx.gpu if keep_buffers is None

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import threading
 import types
 from typing import Any, Iterator
 
 import mlx.core as mx
+
+log = logging.getLogger("kvroute.backend")
 
 
 class _KeepingBuffers(types.ModuleType):
@@ -78,3 +81,66 @@ def mark_prefill() -> None:
 
     prompt.kvroute_prefill = True
     cls.prompt = prompt
+
+
+def chunked_gated_delta() -> float | None:
+    """mlx-lm's gated-delta recurrence (Qwen3-Next's and Qwen3.5's linear layers) has a
+    fused kernel on Metal only; elsewhere it runs a Python loop of small operations per
+    prompt token (on an H200 a 7B-class hybrid prefilled ~500 tokens/s that way, and
+    MLX's own `mx.fast.gated_delta_update` was slower still). This runs prompts by
+    chunks instead (chunked_delta.py), after checking on this device that the chunked
+    form agrees with the loop on a small random input (float32 rounding apart; a
+    matrix unit that rounds coarser would show here). Returns the relative error
+    measured, None where the check failed and the loop stays."""
+    from mlx_lm.models import gated_delta
+
+    from .chunked_delta import gated_delta_chunked, ops_with_chunks
+
+    loop = gated_delta.gated_delta_ops
+    if getattr(loop, "kvroute_chunked", False):
+        return 0.0
+    error = _chunked_error(loop, gated_delta_chunked)
+    if error is None or error > 2e-2:
+        log.warning("the chunked gated-delta recurrence disagreed with mlx-lm's loop on "
+                    "this device (relative error %s); linear layers keep the loop", error)
+        return None
+    gated_delta.gated_delta_ops = ops_with_chunks(loop)
+    log.info("gated-delta layers prefill by chunks (relative error against mlx-lm's "
+             "loop %.1e)", error)
+    return error
+
+
+def uses_gated_delta(model: Any) -> bool:
+    """Whether `model`'s mlx-lm module runs the gated-delta recurrence."""
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    return getattr(module, "gated_delta_update", None) is not None
+
+
+def _chunked_error(loop: Any, chunked: Any) -> float | None:
+    """The largest difference between the loop's and the chunked outputs and states on
+    a small random prompt, over the largest magnitude; None if the chunked form fails."""
+    from mlx_lm.models.gated_delta import normalize_qk
+
+    keys = mx.random.split(mx.random.key(7), 6)
+    b, t, hk, hv, d = 2, 150, 2, 4, 32  # three chunks, the last one padded
+    q = mx.random.normal((b, t, hk, d), key=keys[0])
+    k = mx.random.normal((b, t, hk, d), key=keys[1])
+    q, k = normalize_qk(q, k, inv_scale=d ** -0.5, eps=1e-6)
+    v = mx.random.normal((b, t, hv, d), key=keys[2])
+    g = mx.exp(-0.3 * mx.exp(0.5 * mx.random.normal((b, t, hv), key=keys[3])))
+    beta = mx.sigmoid(mx.random.normal((b, t, hv), key=keys[4]))
+    state = 0.1 * mx.random.normal((b, hv, d, d), key=keys[5])
+    mask = mx.arange(t)[None, :] >= mx.array([[0], [9]])  # the second row left-padded
+    y0, s0 = loop(q, k, v, g, beta, state, mask)
+    try:
+        y1, s1 = chunked(q, k, v, g, beta, state, mask)
+        mx.eval(y1, s1)
+    except Exception:
+        return None
+    kept = mask[..., None, None]
+    errors = [mx.max(mx.where(kept, mx.abs(y0 - y1), 0.0)) / mx.max(mx.abs(y0)),
+              mx.max(mx.abs(s0 - s1)) / mx.max(mx.abs(s0))]
+    error = max(e.item() for e in errors)
+    return None if error != error else error  # NaN: failed
