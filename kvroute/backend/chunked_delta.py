@@ -22,7 +22,10 @@ differenced before `exp`, so no ratio overflows.
 It is the same recurrence, not the same rounding: outputs agree with the loop to
 float32 precision (tests/test_chunked_delta.py), not bit for bit, which is why it
 runs only where the engine turns it on (CUDA), never on a machine whose cache hits
-are held to equal a cold prefill bit for bit.
+are held to equal a cold prefill bit for bit. MLX multiplies float32 matrices on
+CUDA in TF32 unless MLX_ENABLE_TF32=0 (a 10-bit mantissa, ~1e-3, still finer than
+the bfloat16 the model runs in); the check at start (mlx_patches.chunked_gated_delta)
+measures the agreement on the device and keeps the loop past 2e-2.
 """
 
 from __future__ import annotations
