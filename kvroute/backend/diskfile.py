@@ -459,7 +459,7 @@ def load_arrays(path: Path, header: dict) -> dict[str, Any] | None:
         return None
     if set(arrays) != set(header) or any(
             list(arrays[n].shape) != list(t["shape"]) for n, t in header.items()):
-        raise BadRecord("corrupt", "the file's tensors changed between two reads")
+        raise BadRecord("corrupt", "the file's tensors are not those its header lists")
     return arrays
 
 

@@ -123,15 +123,21 @@ def _chunked_error(loop: Any, chunked: Any) -> float | None:
     a small random prompt, over the largest magnitude; None if the chunked form fails."""
     from mlx_lm.models.gated_delta import normalize_qk
 
-    keys = mx.random.split(mx.random.key(7), 6)
+    import numpy as np
+
+    # numpy's generator, not MLX's: the engine may be built off the main thread, and
+    # MLX's random ops first run on another thread abort the process at exit (0.32).
+    rng = np.random.default_rng(7)
     b, t, hk, hv, d = 2, 150, 2, 4, 32  # three chunks, the last one padded
-    q = mx.random.normal((b, t, hk, d), key=keys[0])
-    k = mx.random.normal((b, t, hk, d), key=keys[1])
-    q, k = normalize_qk(q, k, inv_scale=d ** -0.5, eps=1e-6)
-    v = mx.random.normal((b, t, hv, d), key=keys[2])
-    g = mx.exp(-0.3 * mx.exp(0.5 * mx.random.normal((b, t, hv), key=keys[3])))
-    beta = mx.sigmoid(mx.random.normal((b, t, hv), key=keys[4]))
-    state = 0.1 * mx.random.normal((b, hv, d, d), key=keys[5])
+
+    def normal(*shape: int) -> mx.array:
+        return mx.array(rng.standard_normal(shape, dtype=np.float32))
+
+    q, k = normalize_qk(normal(b, t, hk, d), normal(b, t, hk, d), inv_scale=d ** -0.5, eps=1e-6)
+    v = normal(b, t, hv, d)
+    g = mx.exp(-0.3 * mx.exp(0.5 * normal(b, t, hv)))
+    beta = mx.sigmoid(normal(b, t, hv))
+    state = 0.1 * normal(b, hv, d, d)
     mask = mx.arange(t)[None, :] >= mx.array([[0], [9]])  # the second row left-padded
     y0, s0 = loop(q, k, v, g, beta, state, mask)
     try:
