@@ -271,16 +271,30 @@ def test_concurrent_hits_on_one_file_share_one_read(tmp_path):
     assert views[0][0].keys is not views[1][0].keys
 
 
-def test_a_failing_mlx_reader_costs_no_file(tmp_path, monkeypatch, caplog):
-    """On CUDA a checked file is loaded again by MLX's reader; should that reader fail
-    (not the file), the restore is made from the checked bytes and the file stays."""
-    tier, _ = make_tier(tmp_path)
+def write_one(folder: Path) -> list:
+    """A ten-token entry written to a tier in `folder`, which is then closed."""
+    tier, _ = make_tier(folder)
     store = attach(tier)
     cache = make_cache(10)
     store.insert("m", tokens(10), cache, "finish", chain=[1])
     wait_until(lambda: len(tier.index) == 1, 30, what="written")
     tier.close()
+    return cache
+
+
+@pytest.mark.parametrize("written_on", ["cpu", "cuda"])
+def test_a_failing_mlx_reader_costs_no_file(tmp_path, monkeypatch, caplog, written_on):
+    """On CUDA a file is loaded by MLX's reader (after a host check, or checked by its
+    device checksum after); should that reader fail (not the file), the restore is
+    made from bytes read and checked on the host, and the file stays."""
+    if written_on == "cuda":
+        monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    cache = write_one(tmp_path)
     monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    look, _ = make_tier(tmp_path)
+    (record,) = look.index.values()
+    assert bool(record.dsum) == (written_on == "cuda")
+    look.close()
 
     def broken(*args, **kwargs):
         raise RuntimeError("no reader here")
@@ -337,12 +351,7 @@ def test_without_a_device_checksum_a_cuda_restore_checks_on_the_host(tmp_path, m
     monkeypatch.setattr(devsum, "checksum", broken)
     monkeypatch.setattr(diskfile, "_sum_failed", False)  # warned once per process
     caplog.set_level(logging.WARNING, "kvroute.backend.disk")
-    tier, _ = make_tier(tmp_path)
-    store = attach(tier)
-    cache = make_cache(10)
-    store.insert("m", tokens(10), cache, "finish", chain=[1])
-    wait_until(lambda: len(tier.index) == 1, 30, what="written")
-    tier.close()
+    cache = write_one(tmp_path)
     again, _ = make_tier(tmp_path)
     (record,) = again.index.values()
     assert record.dsum == ""

@@ -46,6 +46,15 @@ def write_three(folder: Path):
     return tier, store
 
 
+def damage_first_block(folder: Path, bits: int) -> None:
+    """Flip `bits` in a tensor byte of the shared head's first block file."""
+    first_key = block_keys(root_key("m", None), np.asarray(HEAD, dtype=np.int32), 1)[0]
+    (head_block,) = [p for p in block_files(folder) if p.name.startswith(f"{first_key:016x}.")]
+    data = bytearray(head_block.read_bytes())
+    data[-3] ^= bits
+    head_block.write_bytes(bytes(data))
+
+
 def test_a_block_already_on_disk_is_not_written_again(tmp_path):
     tier, _ = write_three(tmp_path)
     # The head's 8 blocks once, each conversation's 2 own (its last 5 tokens stay in
@@ -87,11 +96,7 @@ def test_evicting_a_record_keeps_the_blocks_others_list(tmp_path):
 def test_a_missing_or_damaged_block_drops_the_records_that_list_it(tmp_path, read_path):
     write_three(tmp_path)[0].close()
 
-    first_key = block_keys(root_key("m", None), np.asarray(HEAD, dtype=np.int32), 1)[0]
-    (head_block,) = [p for p in block_files(tmp_path) if p.name.startswith(f"{first_key:016x}.")]
-    data = bytearray(head_block.read_bytes())
-    data[-3] ^= 0xFF
-    head_block.write_bytes(bytes(data))
+    damage_first_block(tmp_path, 0xFF)
     again, metrics = make_tier(tmp_path)
     assert restore(again, conversation(0) + [1]) is None  # never served from damaged bytes
     assert len(again.index) == 2  # that record is dropped; the others fail when read
@@ -254,11 +259,7 @@ def test_on_cuda_a_restore_reads_each_file_once(tmp_path, monkeypatch):
     assert len(loads) == len(set(loads)) == 10 + 1  # its ten blocks and its record, once each
     again.close()
 
-    first_key = block_keys(root_key("m", None), np.asarray(HEAD, dtype=np.int32), 1)[0]
-    (head_block,) = [p for p in block_files(tmp_path) if p.name.startswith(f"{first_key:016x}.")]
-    data = bytearray(head_block.read_bytes())
-    data[-3] ^= 0x10
-    head_block.write_bytes(bytes(data))
+    damage_first_block(tmp_path, 0x10)
     third, metrics = make_tier(tmp_path)
     assert restore(third, conversation(1) + [1]) is None  # never served from damaged bytes
     assert metrics.disk_dropped.labels(model="m", backend="b", reason="corrupt")._value.get() == 1
