@@ -50,7 +50,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from rich.console import Console
 from rich.table import Table
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers import models as token_models
 
 from bench import models
 from bench.command import command_line, machine
@@ -119,7 +120,7 @@ def big_tokenizer(vocab: int, out: Path) -> Path:
             except OSError:
                 continue
 
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(token_models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])

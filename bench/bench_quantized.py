@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load

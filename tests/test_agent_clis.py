@@ -24,7 +24,6 @@ import collections
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time

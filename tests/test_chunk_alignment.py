@@ -15,7 +15,6 @@ import asyncio
 
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import BatchGenerator
 
 from kvroute.backend.engine import Engine
 from kvroute.backend.jobs import Delta, Finish, Job

@@ -8,7 +8,6 @@ import subprocess
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from tests.harness import small_tmpfs, wait_until
 from mlx_lm.models.cache import RotatingKVCache
