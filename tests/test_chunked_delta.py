@@ -61,6 +61,22 @@ def test_float32_outputs_agree_closely_and_no_state_is_zeros():
     assert gap(y0, y1) < 1e-5 and gap(s0, s1) < 1e-5
 
 
+def test_a_chunk_of_near_identical_keys():
+    """A run of one token (spaces, a repeated line) gives a chunk of near-identical
+    keys with steps near 1 and little decay: where the chunk's triangular inverse was
+    a product of powers, those powers grew to ~1e17 and the state came out as noise."""
+    keys = mx.random.split(mx.random.key(5), 4)
+    one = mx.random.normal((1, 1, 2, 32), key=keys[0])
+    k = mx.broadcast_to(one, (1, 128, 2, 32)) + 0.01 * mx.random.normal((1, 128, 2, 32), key=keys[1])
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    q = mx.random.normal((1, 128, 2, 32), key=keys[2]) * 32 ** -0.5
+    v = mx.random.normal((1, 128, 2, 32), key=keys[3])
+    g, beta = mx.full((1, 128, 2), 0.999), mx.full((1, 128, 2), 0.95)
+    y0, s0 = LOOP(q, k, v, g, beta, None)
+    y1, s1 = gated_delta_chunked(q, k, v, g, beta, None)
+    assert gap(y0, y1) < 1e-4 and gap(s0, s1) < 1e-4
+
+
 def test_a_masked_step_leaves_the_state_as_it_was():
     """A left-padded batch row (mlx-lm's batched prefill): the padding's steps change
     nothing, and the kept positions' outputs agree."""

@@ -15,8 +15,8 @@ Within a chunk, with gamma_t the product of g up to t and S0 the state before it
         A[t, s] = beta_t (gamma_t / gamma_s) k_t . k_s   for s < t
     Y = diag(gamma) Q S0^T + (M * Q K^T) U,   M[t, s] = gamma_t / gamma_s for s <= t
     S_C = gamma_C S0 + U^T diag(gamma_C / gamma) K
-(I + A) is unit lower triangular, so its inverse is the product of (I + N^(2^j)) for
-N = -A, a few batched matrix products, no solve. Decays are taken as logs and
+(I + A) is unit lower triangular: its inverse is built by doubling inverted diagonal
+blocks, a few batched matrix products a level, no solve. Decays are taken as logs and
 differenced before `exp`, so no ratio overflows.
 
 It is the same recurrence, not the same rounding: outputs agree with the loop to
@@ -39,15 +39,28 @@ MIN_TOKENS = 32  # shorter runs (decode steps) keep mlx-lm's loop: fewer operati
 
 
 def _unit_lower_inverse(a: mx.array) -> mx.array:
-    """(I + a)^-1 for strictly lower triangular `a` ([..., C, C], C a power of two)."""
+    """(I + a)^-1 for strictly lower triangular `a` ([..., C, C], C a power of two), by
+    doubling the diagonal blocks already inverted: the inverse of [[L1, 0], [A, L2]] is
+    [[L1^-1, 0], [-L2^-1 A L1^-1, L2^-1]]. Every product is of true inverse blocks, so
+    it is as stable as forward substitution; the shorter way, the product of
+    (I + N^(2^j)) for N = -a, is not: with a chunk of near-identical keys N's powers
+    grow to binomial sizes and cancel (tests/test_chunked_delta.py has that prompt)."""
     c = a.shape[-1]
-    eye = mx.eye(c, dtype=a.dtype)
-    power = -a
-    inverse = eye + power
-    for _ in range(c.bit_length() - 2):  # N^2, N^4, ... N^(C/2)
-        power = power @ power
-        inverse = inverse + inverse @ power
-    return inverse
+    lead = a.shape[:-2]
+    inv = mx.ones((*lead, c, 1, 1), dtype=a.dtype)  # C blocks of 1 x 1: the unit diagonal
+    b = 1
+    while b < c:
+        pairs = c // (2 * b)
+        blocks = a.reshape(*lead, pairs, 2, b, pairs, 2, b)
+        # The lower-left b x b block of each 2b x 2b diagonal block: [..., pairs, b, b].
+        diag = mx.diagonal(blocks, axis1=-6, axis2=-3)  # [..., 2, b, 2, b, pairs]
+        lower = mx.moveaxis(diag[..., 1, :, 0, :, :], -1, -3)
+        first, second = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        corner = -(second @ lower @ first)
+        top = mx.concatenate([first, mx.zeros_like(first)], axis=-1)
+        inv = mx.concatenate([top, mx.concatenate([corner, second], axis=-1)], axis=-2)
+        b *= 2
+    return inv[..., 0, :, :]
 
 
 def gated_delta_chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,

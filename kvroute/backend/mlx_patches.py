@@ -133,10 +133,13 @@ def _chunked_error(loop: Any, chunked: Any) -> float | None:
     def normal(*shape: int) -> mx.array:
         return mx.array(rng.standard_normal(shape, dtype=np.float32))
 
-    q, k = normalize_qk(normal(b, t, hk, d), normal(b, t, hk, d), inv_scale=d ** -0.5, eps=1e-6)
+    # The second row's keys are near-identical with steps near 1 and slow decay (a run
+    # of one token): the chunk's triangular inverse is at its worst conditioned there.
+    k = mx.concatenate([normal(1, t, hk, d), normal(1, 1, hk, d) + 0.01 * normal(1, t, hk, d)])
+    q, k = normalize_qk(normal(b, t, hk, d), k, inv_scale=d ** -0.5, eps=1e-6)
     v = normal(b, t, hv, d)
-    g = mx.exp(-0.3 * mx.exp(0.5 * normal(b, t, hv)))
-    beta = mx.sigmoid(normal(b, t, hv))
+    g = mx.concatenate([mx.exp(-0.3 * mx.exp(0.5 * normal(1, t, hv))), mx.full((1, t, hv), 0.999)])
+    beta = mx.concatenate([mx.sigmoid(normal(1, t, hv)), mx.full((1, t, hv), 0.95)])
     state = 0.1 * normal(b, hv, d, d)
     mask = mx.arange(t)[None, :] >= mx.array([[0], [9]])  # the second row left-padded
     y0, s0 = loop(q, k, v, g, beta, state, mask)
