@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import sys
 import threading
 import types
 from typing import Any, Iterator
 
 import mlx.core as mx
+import numpy as np
 
 log = logging.getLogger("kvroute.backend")
 
@@ -112,8 +114,6 @@ def chunked_gated_delta() -> float | None:
 
 def uses_gated_delta(model: Any) -> bool:
     """Whether `model`'s mlx-lm module runs the gated-delta recurrence."""
-    import sys
-
     module = sys.modules.get(type(model).__module__)
     return getattr(module, "gated_delta_update", None) is not None
 
@@ -122,8 +122,6 @@ def _chunked_error(loop: Any, chunked: Any) -> float | None:
     """The largest difference between the loop's and the chunked outputs and states on
     a small random prompt, over the largest magnitude; None if the chunked form fails."""
     from mlx_lm.models.gated_delta import normalize_qk
-
-    import numpy as np
 
     # numpy's generator, not MLX's: the engine may be built off the main thread, and
     # MLX's random ops first run on another thread abort the process at exit (0.32).
