@@ -296,7 +296,8 @@ class DiskTier:
                 self.metrics.l(self.metrics.disk_writes, result="dropped").inc()
                 return
             # Its blocks and the rest of its state as they are now (eviction may cut the
-            # entry before the writer's turn); the writer thread runs no MLX graph.
+            # entry before the writer's turn), evaluated: the writer thread evaluates
+            # no graph of the engine's (on CUDA it records its own, the device checksum).
             item = ["write", entry.for_disk()]
             with self.lock:
                 self._pending_bytes += entry.nbytes

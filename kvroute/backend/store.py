@@ -97,9 +97,10 @@ class Entry:
         return self.raw if self.raw is not None else self.state.assemble()
 
     def for_disk(self) -> "Entry":
-        """A copy for the disk writer (another thread: it runs no MLX graph): its shared
-        blocks in `shared`, the rest of its state in `raw` (paged.for_disk); where blocks
-        are stored quantized, its whole state assembled and evaluated here."""
+        """A copy for the disk writer (another thread: it must find every array
+        evaluated, as a graph recorded here cannot run there): its shared blocks in
+        `shared`, the rest of its state in `raw` (paged.for_disk); where blocks are
+        stored quantized, its whole state assembled and evaluated here."""
         shared: list[Any] = []
         if self.raw is not None:
             cache = self.raw
