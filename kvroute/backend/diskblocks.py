@@ -125,7 +125,7 @@ class Blocks:
                 tmps.append(tmp)
                 arrays = {f"{kind}{i}": a for i, pair in enumerate(block.kv) for kind, a in zip("kv", pair)}
                 meta = {"version": VERSION, "fingerprint": self.fingerprint, "key": stem}
-                dsum = diskfile.device_sum(arrays) if diskfile.on_cuda() else None
+                dsum = diskfile.sum_to_write(arrays)
                 if dsum:  # a restore on CUDA checks the arrays where MLX loads them
                     meta["dsum"] = dsum
                 mx.save_safetensors(str(tmp), arrays, {"kvroute_block": orjson.dumps(meta).decode()})

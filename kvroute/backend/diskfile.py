@@ -176,12 +176,18 @@ def _flatten(cache: list[Any], meta: dict) -> tuple[dict[str, Any], dict[str, st
         raise ValueError(f"Model state is not serializable: {data}")
 
     arrays = dict(map(as_array, tree_flatten([c.state for c in cache])))
-    dsum = device_sum(arrays) if on_cuda() else None
+    dsum = sum_to_write(arrays)
     if dsum:
         meta = {**meta, "dsum": dsum}
     classes = [type(c).__name__ for c in cache]
     metadata = dict(tree_flatten([{"kvroute": orjson.dumps(meta).decode()}, classes, scalars]))
     return arrays, metadata
+
+
+def sum_to_write(arrays: dict[str, Any]) -> str | None:
+    """The device checksum a file of `arrays` carries: on CUDA, where a restore
+    checks a file on the device (elsewhere none: restores there check the xxh3)."""
+    return device_sum(arrays) if on_cuda() else None
 
 
 _sum_failed = False
@@ -203,18 +209,6 @@ def device_sum(arrays: dict[str, Any]) -> str | None:
         return None
 
 
-def check_device_sum(arrays: dict[str, Any], expect: str, what: str) -> bool:
-    """Whether loaded `arrays` match the device checksum written with them; raises
-    BadRecord when they do not. False when it cannot be computed here (the caller
-    checks the file on the host instead)."""
-    got = device_sum(arrays)
-    if got is None:
-        return False
-    if got != expect:
-        raise BadRecord("corrupt", f"{what} does not match its device checksum")
-    return True
-
-
 def _digest(data: bytes | memoryview) -> str:
     return xxhash.xxh3_64(data).hexdigest()
 
@@ -233,21 +227,38 @@ def _name_digests(name: str) -> tuple[str, str]:
     return (parts[1], parts[2]) if len(parts) == 3 else ("", "")
 
 
+def _head_bytes(f: Any, size: int) -> tuple[bytes, bytes]:
+    """A safetensors file's 8-byte header length and its JSON header, from an open
+    file of `size` bytes."""
+    first = f.read(8)
+    if len(first) < 8:
+        raise BadRecord("truncated", "shorter than a header")
+    n = struct.unpack("<Q", first)[0]
+    if n > min(_MAX_HEADER, size - 8):
+        raise BadRecord("corrupt", "header length out of range")
+    raw = f.read(n)
+    if len(raw) < n:  # shortened since its size was taken
+        raise BadRecord("truncated", "shorter than its header length")
+    return first, raw
+
+
+def _data_end(header: dict) -> int:
+    """Where a safetensors header says its tensor bytes end (after the header)."""
+    return max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+               default=0)
+
+
 def read_header(path: Path, expect_fingerprint: str) -> Record:
     """The record a file describes, from its header alone."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise BadRecord("truncated", "shorter than a header")
-            n = struct.unpack("<Q", head)[0]
-            if n > min(_MAX_HEADER, size - 8):
-                raise BadRecord("corrupt", "header length out of range")
-            raw = f.read(n)
-            header = orjson.loads(raw)
+            head, raw = _head_bytes(f, size)
     except OSError as exc:
         raise BadRecord("unreadable", str(exc))
+    n = len(raw)
+    try:
+        header = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise BadRecord("corrupt", "header is not JSON")
     if not isinstance(header, dict):
@@ -255,8 +266,7 @@ def read_header(path: Path, expect_fingerprint: str) -> Record:
     try:
         # save_prompt_cache flattens [metadata, classes, scalars]: ours is item 0.
         meta = orjson.loads(header["__metadata__"]["0.kvroute"])
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
-                  default=0)
+        end = _data_end(header)
     except (KeyError, TypeError, ValueError, orjson.JSONDecodeError):
         raise BadRecord("foreign", "not a kvroute record")
     if 8 + n + end != size:
@@ -404,21 +414,17 @@ def read_head(path: Path, size: int, header_sum: str) -> tuple[dict, int]:
     try:
         with open(path, "rb") as f:
             on_disk = os.fstat(f.fileno()).st_size
-            first = f.read(8)
-            if len(first) < 8 or on_disk < size:
+            if on_disk < size:
                 raise BadRecord("truncated", f"{on_disk} bytes on disk, expected {size}")
-            n = struct.unpack("<Q", first)[0]
-            if n > min(_MAX_HEADER, size - 8):
-                raise BadRecord("corrupt", "header length out of range")
-            raw = f.read(n)
+            first, raw = _head_bytes(f, size)
     except OSError as exc:
         raise BadRecord("unreadable", str(exc))
     if on_disk != size or _digest(first + raw) != header_sum:
         raise BadRecord("corrupt", "header or size does not match its checksum")
+    n = len(raw)
     try:
         header = orjson.loads(raw)
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
-                  default=0)
+        end = _data_end(header)
     except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, IndexError):
         raise BadRecord("corrupt", "tensor table")
     if 8 + n + end != size:
@@ -431,8 +437,11 @@ def load_on_device(path: Path, header: dict, dsum: str, what: str) -> dict[str, 
     checked against their device checksum where they landed. None when MLX cannot
     read them or compute the sum here: the caller reads and checks on the host."""
     arrays = load_arrays(path, header)
-    if arrays is None or not check_device_sum(arrays, dsum, what):
+    got = None if arrays is None else device_sum(arrays)
+    if got is None:
         return None
+    if got != dsum:
+        raise BadRecord("corrupt", f"{what} does not match its device checksum")
     return arrays
 
 
