@@ -109,10 +109,13 @@ def load_state(config: BackendConfig) -> State:
     disk = open_disk_tier(config.model, config.disk_cache_dir, config.disk_cache_bytes,
                           config.cache_bytes, store, metrics_, fsync=config.disk_fsync == "always")
     if disk is not None:
-        disk.busy = lambda: engine.queue_depth > 0
+        def working() -> bool:
+            return engine.queue_depth > 0
+
+        disk.busy = working
         if disk.board is not None:
             board = disk.board
-            engine.load_listeners.append(lambda: board.set(engine.queue_depth > 0))
+            engine.load_listeners.append(lambda: board.set(working()))
     engine.misses = Misses(store, metrics_, disk, template_opening(tokenizer))
     template = Template(tokenizer, secret=config.secret, block_bytes=config.block_bytes,
                         checkpointing=engine.checkpointing,

@@ -40,6 +40,8 @@ log = logging.getLogger("kvroute.backend")
 MIN_CHARS = 8192  # shorter texts are tokenized whole: reuse saves nothing there
 KEEP = 32  # prompts remembered (a few hundred KB each for a 30k-token prompt)
 VERIFY = 8  # reuses checked against a whole tokenization before trusting it
+_UNFIT = ("this tokenizer does not tokenize a prompt's pieces between special tokens "
+          "apart: prompts are tokenized whole%s")
 # The self-check's conversation: texts that begin and end with spaces, newlines and
 # non-ASCII characters next to the template's special tokens.
 _PROBE = [
@@ -95,8 +97,7 @@ class PrefixTokenizer:
         self.reused_tokens = 0  # tokens taken from an earlier prompt, since start
         if self.enabled and not self._self_check():
             self.enabled = False
-            log.warning("this tokenizer does not tokenize a prompt's pieces between special "
-                        "tokens apart: prompts are tokenized whole")
+            log.warning(_UNFIT, "")
 
     def encode(self, text: str) -> list[int]:
         """The tokens of `text` as `tokenizer.encode(text, add_special_tokens=False)`
@@ -176,8 +177,7 @@ class PrefixTokenizer:
         self.enabled = False
         with self._lock:
             self._recent.clear()
-        log.warning("this tokenizer does not tokenize a prompt's pieces between special "
-                    "tokens apart: prompts are tokenized whole from now on")
+        log.warning(_UNFIT, " from now on")
         return False
 
 
