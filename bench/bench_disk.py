@@ -32,6 +32,17 @@ assembly then one array; the concatenation of blocks already on the device (250,
 
     python -m bench.bench_disk paths --blocks 250
 
+`written` (in process): what a write leaves for the GPU's next read of the arrays it
+wrote (a hit on a conversation just written): 32-token blocks made on the device,
+then written as the tier wrote them before (MLX's writer reading the store's own
+arrays: on CUDA the host's read moves each buffer into managed memory for good) or
+as it writes them now (from device copies), or not written; then the first and the
+second concatenation of those blocks (what a hit assembles), and new arrays of a
+block's size made on the device afterwards (whether freed copies, now managed
+memory in MLX's buffer cache, slow the allocations that reuse them).
+
+    python -m bench.bench_disk written --blocks 250
+
 `capacity` (real processes): Redis, 3 backends with small RAM budgets, a proxy;
 12 agent conversations of 4 turns (a long shared system prompt each, new user
 text every turn), turns interleaved across conversations. Hit ratio = cached
@@ -418,6 +429,58 @@ def paths_bench(args) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def written_bench(args) -> None:
+    import mlx.core as mx
+
+    from kvroute.backend import diskfile
+
+    layers, heads, dim, b = 28, 4, 128, 32  # Qwen2.5-7B's KV shape, one block
+    n = args.blocks
+    folder = Path(tempfile.mkdtemp(prefix="kvr-written-"))
+    console = Console(width=200)
+    console.print(f"{n} blocks; {platform.platform()}; {os.cpu_count()} cores; mlx {mx.__version__}, "
+                  f"device {mx.default_device()}, CUDA path {diskfile.on_cuda()}")
+
+    def make() -> list[dict]:
+        parts = [{k: mx.random.normal((layers, heads, b, dim)).astype(mx.bfloat16) for k in ("k0", "v0")}
+                 for _ in range(n)]
+        mx.eval(parts)
+        return parts
+
+    def timed(fn) -> float:
+        mx.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        mx.synchronize()
+        return time.perf_counter() - t0
+
+    def concat(parts: list) -> None:
+        mx.eval(mx.concatenate([x["k0"] for x in parts], axis=2),
+                mx.concatenate([x["v0"] for x in parts], axis=2))
+
+    def write(parts: list, stage: bool) -> None:
+        for i, x in enumerate(parts):
+            mx.save_safetensors(str(folder / f"{i}.safetensors"), diskfile.for_the_host(x) if stage else x)
+
+    concat(make())  # the kernels' first run, apart
+    table = Table(title="a write, then the GPU's next reads of what it wrote")
+    for col in ("written", "write ms", "1st concat ms", "2nd concat ms", "new blocks ms"):
+        table.add_column(col, justify="right")
+    for label, mode in (("not written", None), ("as they are (the tier before)", False),
+                        ("from device copies (the tier now)", True), ("not written, again", None)):
+        parts = make()
+        wrote = timed(lambda: write(parts, mode)) if mode is not None else 0.0
+        first, second = timed(lambda: concat(parts)), timed(lambda: concat(parts))
+        del parts
+        fresh = timed(lambda: mx.eval([mx.zeros((layers, heads, b, dim), mx.bfloat16) + i
+                                       for i in range(2 * n)]))
+        table.add_row(label, f"{wrote * 1e3:.1f}", f"{first * 1e3:.1f}", f"{second * 1e3:.1f}",
+                      f"{fresh * 1e3:.1f}")
+    console.print(table)
+    import shutil
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 # -- capacity --------------------------------------------------------------------
 
 
@@ -527,6 +590,8 @@ def main() -> None:
     t.add_argument("--memory-limit", type=int, default=0, help="GiB MLX may use (0: its default)")
     ps = sub.add_parser("paths")
     ps.add_argument("--blocks", type=int, default=250, help="32-token block files (250: 8k tokens)")
+    w = sub.add_parser("written")
+    w.add_argument("--blocks", type=int, default=250, help="32-token blocks (250: 8k tokens)")
     c = sub.add_parser("capacity")
     c.add_argument("--model", help="default: the demo model")
     c.add_argument("--cache-bytes", default="1MiB", help="RAM budget of each backend")
@@ -534,7 +599,7 @@ def main() -> None:
     c.add_argument("--turns", type=int, default=4)
     args = ap.parse_args()
     {"restore": restore_bench, "tier": tier_bench, "paths": paths_bench,
-     "capacity": capacity_bench}[args.cmd](args)
+     "written": written_bench, "capacity": capacity_bench}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -231,6 +231,53 @@ def test_a_write_gives_way_no_longer_than_max_delay_then_goes_at_a_pace(tmp_path
     tier.close()
 
 
+def _address(a) -> int:
+    """Where an MLX array's bytes start (this CPU: NumPy views MLX's buffer)."""
+    import mlx.core as mx
+
+    flat = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+    return np.asarray(flat).__array_interface__["data"][0]
+
+
+def test_on_cuda_the_writer_never_reads_the_stores_arrays_on_the_host(tmp_path, monkeypatch):
+    """On CUDA a host read moves an array's buffer into managed memory for good, and a
+    hit on it then waits for the GPU to pull it back page by page: the writer hands
+    MLX's writer copies, never a buffer the store keeps (blocks, tails), and the files
+    hold the same bytes. (This CPU cannot show the move itself; it shows which
+    buffers the host read, by address.)"""
+    import mlx.core as mx
+
+    monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    store = Store(budget_bytes=1 << 30)
+    shared = []  # buffers the host read while the store kept them
+    real_save = mx.save_safetensors
+
+    def kept() -> set[int]:
+        held = {_address(x) for b in store.pool.blocks.values() for pair in b.kv for x in pair}
+        return held | {_address(x) for e in store.entries.values() for pair in e.state.tail for x in pair}
+
+    def save(path, arrays, metadata=None):
+        shared.extend({_address(a) for a in arrays.values() if a.size} & kept())
+        return real_save(path, arrays, metadata)
+
+    monkeypatch.setattr(mx, "save_safetensors", save)
+    tier, _ = make_tier(tmp_path)
+    store.listeners.append(tier.on_store_event)
+    for i in range(3):
+        store.insert("m", conversation(i), kv_of(conversation(i)), "finish", chain=[i])
+        wait_until(lambda: len(tier.index) == i + 1 and tier.stats()["write_queue"] == 0, 30,
+                   what=f"conversation {i} on disk")
+    layers = len(kv_of(conversation(0)))
+    assert len(block_files(tmp_path)) == 14 and len(kept()) == 14 * 2 + 3 * layers * 2
+    assert shared == []
+    tier.close()
+
+    again, _ = make_tier(tmp_path)
+    for i in range(3):
+        assert same_cache(restore(again, conversation(i) + [1]).cache, kv_of(conversation(i)))
+    again.close()
+
+
 def test_on_cuda_a_restore_reads_each_file_once(tmp_path, monkeypatch):
     """Written on CUDA, a record and its blocks carry a device checksum: a restore
     there loads each file once, through MLX's reader, and checks the arrays where they

@@ -128,7 +128,8 @@ class Blocks:
                 dsum = diskfile.sum_to_write(arrays)
                 if dsum:  # a restore on CUDA checks the arrays where MLX loads them
                     meta["dsum"] = dsum
-                mx.save_safetensors(str(tmp), arrays, {"kvroute_block": orjson.dumps(meta).decode()})
+                mx.save_safetensors(str(tmp), diskfile.for_the_host(arrays),
+                                    {"kvroute_block": orjson.dumps(meta).decode()})
             if self.fsync:
                 with ThreadPoolExecutor(min(8, len(tmps))) as pool:
                     list(pool.map(_fsync_file, tmps))

@@ -126,7 +126,7 @@ def write(directory: Path, stem: str, cache: list[Any], meta: dict,
     tmp = directory / (stem + TMP_SUFFIX)
     try:
         arrays, metadata = _flatten(cache, meta)
-        mx.save_safetensors(str(tmp), arrays, metadata)
+        mx.save_safetensors(str(tmp), for_the_host(arrays), metadata)
         _step("tmp_written")
         os.chmod(tmp, 0o600)
         with open(tmp, "rb") as f:  # just written: read back from the page cache
@@ -188,6 +188,23 @@ def sum_to_write(arrays: dict[str, Any]) -> str | None:
     """The device checksum a file of `arrays` carries: on CUDA, where a restore
     checks a file on the device (elsewhere none: restores there check the xxh3)."""
     return device_sum(arrays) if on_cuda() else None
+
+
+def for_the_host(arrays: dict[str, Any]) -> dict[str, Any]:
+    """The arrays MLX's writer reads on the host: on CUDA, copies made on the device.
+    There the first host read of an array moves its buffer for good from device
+    memory into managed memory (MLX's CUDA allocator), and the GPU's next read pulls
+    it back page by page (~1.3 GB/s on an H200 host): the next turn of a conversation
+    just written would wait longer for its cached blocks than their prefill took. A
+    copy takes the move instead; the store's arrays stay in device memory. Elsewhere
+    memory is one (a Mac) or the CPU's: the arrays as they are."""
+    import mlx.core as mx
+
+    if not on_cuda():
+        return arrays
+    copies = {name: mx.array(a) for name, a in arrays.items()}  # a copy, bit for bit
+    mx.eval(list(copies.values()))
+    return copies
 
 
 _sum_failed = False
