@@ -762,7 +762,10 @@ class Engine:
 
     def _logprob_entry(self, r: Any, top: int) -> dict:
         logprobs = r.logprobs
-        entry = {"id": r.token, "logprob": logprobs[r.token].item(), "top": []}
+        # Read from a copy: on CUDA a host read of the element (a view) would move the
+        # batch's whole logprobs buffer into managed memory, which MLX's buffer cache
+        # then hands back to the next step's GPU writes, page faults and all.
+        entry = {"id": r.token, "logprob": mx.array(logprobs[r.token]).item(), "top": []}
         if top:
             ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
             vals = logprobs[ids]
