@@ -26,7 +26,8 @@ the page cache into arrays the device uses, and what assembling blocks costs the
 bare reads at 1-16 threads; arrays made from the read bytes (MLX's managed memory on
 CUDA) then concatenated; MLX's own reader per file then concatenated, alone, after
 a host read and xxh3 (a CUDA restore of a file without a device checksum) and
-followed by the device checksum (one with: devsum.py); one host-side
+followed by the device checksum (one with: devsum.py), file by file or all the
+files together (what the backend does); one host-side
 assembly then one array; the concatenation of blocks already on the device (250, and
 980: a 31k-token conversation), against one copy of the assembled state.
 
@@ -393,6 +394,16 @@ def paths_bench(args) -> None:
         with ThreadPoolExecutor(threads) as pool:
             timed("MLX's reader + device checksum + concatenate", threads,
                   lambda: concat(list(pool.map(device_checked_read, files))))
+
+    def checked_together(pool: ThreadPoolExecutor) -> None:  # the backend's CUDA restore now
+        parts = list(pool.map(mlx_read, files))
+        devsum.checksums(parts)
+        concat(parts)
+
+    for threads in (4, 8, 16):
+        with ThreadPoolExecutor(threads) as pool:
+            timed("MLX's reader, then device checksums together + concatenate", threads,
+                  lambda: checked_together(pool))
     # A layout with one K and one V array per layer (the tier stacks a block's layers
     # into one of each, as above): what the count of arrays costs MLX's reader.
     per_layer = [folder / f"{i}.layers.safetensors" for i in range(n)]
@@ -408,8 +419,9 @@ def paths_bench(args) -> None:
             timed("host assembly, one array + device read", threads, lambda: host_assembly(pool))
     on_device = [from_bytes(p) for p in files]
     timed("concatenate blocks on the device", "-", lambda: concat(on_device))
-    timed("device checksum of blocks on the device", "-",
+    timed("device checksum of blocks on the device, one by one", "-",
           lambda: [devsum.checksum(x) for x in on_device])
+    timed("device checksum of blocks on the device, together", "-", lambda: devsum.checksums(on_device))
     console.print(table)
     many = [{k: mx.random.normal((layers, heads, b, dim)).astype(mx.bfloat16) for k in ("k0", "v0")}
             for _ in range(980)]

@@ -9,7 +9,9 @@ import threading
 
 import mlx.core as mx
 import numpy as np
+import orjson
 import pytest
+import xxhash
 
 from kvroute.backend import devsum
 
@@ -34,10 +36,44 @@ def np_lanes(words: np.ndarray) -> list[list[int]]:
     return rows
 
 
+def lanes(words) -> list[list[int]]:
+    """devsum's lanes of one run of uint32 words."""
+    return devsum._file_lanes([{"w": mx.array(np.asarray(words, dtype=np.uint32))}], ["w"])[0].tolist()
+
+
 @pytest.mark.parametrize("n", [1, 7, 4096, devsum.CHUNK, 3 * devsum.CHUNK + 5])
 def test_lanes_are_the_reference_integer_sums(n):
     words = np.random.default_rng(n).integers(0, 1 << 32, n, dtype=np.uint32)
-    assert np.array(devsum.lanes(mx.array(words))).tolist() == np_lanes(words)
+    assert lanes(words) == np_lanes(words)
+
+
+def test_the_sum_is_the_reference_digest():
+    """The value a file written by any kvroute carries: xxh3 of the arrays' names,
+    dtypes and shapes, then of every chunk's lanes over their words in name order."""
+    arrays = {"v0": bf16((3, 2, 32, 16), 5), "k0": bf16((2, 5, 7), 6), "n": mx.array([])}
+    words = np.concatenate([np.array(arrays[n].reshape(-1).view(mx.uint32)) for n in ("k0", "v0")])
+    h = xxhash.xxh3_64(orjson.dumps([[n, str(arrays[n].dtype), list(arrays[n].shape)]
+                                     for n in sorted(arrays)]))
+    h.update(np.array(np_lanes(words), dtype=np.uint64).tobytes())
+    assert devsum.checksum(arrays) == h.hexdigest()
+
+
+def test_files_summed_together_sum_as_each_alone(monkeypatch):
+    """A restore sums its block files together: each file's sum is the one it has
+    alone, whatever files share its pass (alike or not, a whole number of chunks or
+    not, empty arrays, a pass cut by the group size), and damage to one changes its
+    sum only."""
+    blocks = [{"k0": bf16((2, 4, 32, 64), i), "v0": bf16((2, 4, 32, 64), 50 + i)} for i in range(5)]
+    odd = [{"k0": bf16((3, 5, 7), 9), "v0": bf16((3, 5, 7), 10)} for _ in range(2)]
+    files = blocks[:2] + odd[:1] + blocks[2:] + [{"e": mx.array([])}, {"k0": bf16((2, 3)), "e": mx.array([])}] + odd[1:]
+    alone = [devsum.checksum(f) for f in files]
+    assert len(set(alone)) == len(files) - 1  # the two `odd` files hold the same words
+    monkeypatch.setattr(devsum, "GROUP_BYTES", 2 * sum(a.nbytes for a in blocks[0].values()))
+    assert devsum.checksums(files) == alone
+    assert devsum.checksums(files[::-1]) == alone[::-1]
+    hurt = damaged(blocks[3], "v0", lambda w: w.__setitem__(100, w[100] ^ 1))
+    again = devsum.checksums(files[:4] + [hurt] + files[5:])
+    assert [a != b for a, b in zip(again, alone)] == [i == 4 for i in range(len(files))]
 
 
 def bf16(shape, seed=0):
@@ -55,7 +91,7 @@ def test_the_words_are_the_bytes_as_saved(tmp_path):
     for name, a in arrays.items():
         raw = np.array(a.reshape(-1).view(mx.uint8) if a.dtype != mx.bool_ else a.astype(mx.uint8)).tobytes()
         width = np.uint32 if len(raw) % 4 == 0 else np.uint16 if len(raw) % 2 == 0 else np.uint8
-        assert np.array(devsum._words(a)).tolist() == np.frombuffer(raw, width).astype(np.uint32).tolist(), name
+        assert np.array(devsum._words(a[None])[0]).tolist() == np.frombuffer(raw, width).astype(np.uint32).tolist(), name
     loaded = mx.load(str(tmp_path / "x.safetensors"))
     assert devsum.checksum(loaded) == devsum.checksum(arrays)
 
@@ -88,10 +124,10 @@ def test_damage_changes_the_sum():
     for change in (two_top_bits, swap, zero_page):
         assert devsum.checksum(damaged(arrays, "k0", change)) != base, change.__name__
     # The pair of top-bit flips is the second lane's to find: the first cannot.
-    words = devsum._words(arrays["k0"])
-    [(first, second)] = np.array(devsum.lanes(words)).tolist()
-    flipped = devsum._words(damaged(arrays, "k0", two_top_bits)["k0"])
-    [again] = np.array(devsum.lanes(flipped)).tolist()
+    words = devsum._words(arrays["k0"][None])[0]
+    [(first, second)] = lanes(np.array(words))
+    flipped = devsum._words(damaged(arrays, "k0", two_top_bits)["k0"][None])[0]
+    [again] = lanes(np.array(flipped))
     assert again[0] == first and again[1] != second
     assert devsum.checksum({"k0": arrays["v0"], "v0": arrays["k0"]}) != base  # files swapped
     assert devsum.checksum({"k1": arrays["k0"], "v0": arrays["v0"]}) != base  # renamed

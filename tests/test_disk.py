@@ -343,11 +343,11 @@ def test_without_a_device_checksum_a_cuda_restore_checks_on_the_host(tmp_path, m
     written without one and restores check them on the host: warned once, nothing lost."""
     from kvroute.backend import devsum
 
-    def broken(arrays):
+    def broken(files):
         raise RuntimeError("no uint32 sums here")
 
     monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
-    monkeypatch.setattr(devsum, "checksum", broken)
+    monkeypatch.setattr(devsum, "checksums", broken)
     monkeypatch.setattr(diskfile, "_sum_failed", False)  # warned once per process
     caplog.set_level(logging.WARNING, "kvroute.backend.disk")
     cache = write_one(tmp_path)

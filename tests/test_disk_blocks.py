@@ -311,3 +311,35 @@ def test_on_cuda_a_restore_reads_each_file_once(tmp_path, monkeypatch):
     assert restore(third, conversation(1) + [1]) is None  # never served from damaged bytes
     assert metrics.disk_dropped.labels(model="m", backend="b", reason="corrupt")._value.get() == 1
     third.close()
+
+
+def test_on_cuda_a_restores_blocks_are_checked_together(tmp_path, monkeypatch):
+    """A CUDA restore checks its block files' device checksums in one call (a pass per
+    ~32 MB, not a dozen MLX operations per file); should that call fail (an op this
+    MLX lacks), the blocks are checked on the host instead and the restore still
+    serves them."""
+    from kvroute.backend import devsum
+
+    monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    write_three(tmp_path)[0].close()
+    calls = []
+    real = devsum.checksums
+    monkeypatch.setattr(devsum, "checksums", lambda files: calls.append(len(files)) or real(files))
+    again, _ = make_tier(tmp_path)
+    assert same_cache(restore(again, conversation(0) + [1]).cache, kv_of(conversation(0)))
+    assert sorted(calls) == [1, 10]  # its record, then its ten blocks together
+    again.close()
+
+    def broken(files):
+        raise RuntimeError("no uint64 sums here")
+
+    monkeypatch.setattr(devsum, "checksums", broken)
+    monkeypatch.setattr(diskfile, "_sum_failed", False)
+    host_reads = []
+    real_read = diskfile.read_bytes
+    monkeypatch.setattr(diskfile, "read_bytes",
+                        lambda path, *a, **kw: host_reads.append(path) or real_read(path, *a, **kw))
+    third, _ = make_tier(tmp_path)
+    assert same_cache(restore(third, conversation(1) + [1]).cache, kv_of(conversation(1)))
+    assert len(host_reads) == 10 + 1 and len(third.index) == 3  # nothing dropped
+    third.close()

@@ -692,8 +692,8 @@ class DiskTier:
         root = paged.root_key(record.model, record.scope)
         if record.blocks != paged.block_keys(root, record.tokens, len(record.blocks)):
             raise BadRecord("corrupt", "its blocks are not the chain of its tokens")
-        blocks = list(self._block_readers.map(
-            lambda k: self.blocks.load(k, lambda key, kv, size: Block(key, kv, size)), record.blocks))
+        blocks = self.blocks.load_all(record.blocks, lambda key, kv, size: Block(key, kv, size),
+                                      self._block_readers)
         try:
             state = paged.from_disk(cache, blocks, len(record.tokens))
         except ValueError as exc:

@@ -21,6 +21,7 @@ import os
 import struct
 import threading
 import weakref
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,16 @@ log = logging.getLogger("kvroute.backend.disk")
 FOLDER = "blocks"
 SUFFIX = ".kvb.safetensors"
 VERSION = 1
+
+
+@dataclass
+class _Unchecked:
+    """A block file loaded by MLX's reader, its device checksum not yet compared."""
+
+    key: int
+    file: "BlockFile"
+    arrays: dict[str, Any]
+    dsum: str
 
 
 @dataclass
@@ -154,22 +165,78 @@ class Blocks:
     def load(self, key: int, make: Any) -> Any:
         """A block's arrays as `make(key, kv, nbytes)` builds them, shared with any state
         still holding them (reader threads)."""
-        with self._load_lock:
-            block = self.loaded.get(key)
-        if block is None:
-            block = self.in_ram(key)
+        block = self._held(key)
         if block is not None:
             return block
+        f = self._file(key)
+        with self._forgetting(key, f):
+            kv, size = self._read(key, self.directory / f.name, f.size)
+        return self._register(key, kv, size, make)
+
+    def load_all(self, keys: list[int], make: Any, readers: ThreadPoolExecutor) -> list[Any]:
+        """The blocks of `keys`, in order, as `load` makes them, read on `readers`. On
+        CUDA the files carrying a device checksum are loaded by MLX's reader and then
+        checked all together (devsum.checksums: a pass per ~32 MB of blocks, where one
+        file at a time cost a dozen MLX operations and a wait for the device each)."""
+        if not diskfile.on_cuda():
+            return list(readers.map(lambda k: self.load(k, make), keys))
+        got = list(readers.map(lambda k: self._unchecked(k, make), keys))
+        waiting = [g for g in got if isinstance(g, _Unchecked)]
+        sums = diskfile.device_sums([w.arrays for w in waiting]) if waiting else []
+        for w, dsum in zip(waiting, sums or [None] * len(waiting)):
+            if dsum is not None and dsum != w.dsum:
+                with self._forgetting(w.key, w.file):
+                    raise BadRecord("corrupt", f"block {w.key:016x} does not match its device checksum")
+        done = {}
+        for w in waiting:
+            if sums is None:  # no device sum here after all: checked on the host
+                with self._forgetting(w.key, w.file):
+                    done[w.key] = self._register(w.key, *self._read_host(
+                        w.key, self.directory / w.file.name, w.file.size), make)
+            else:
+                done[w.key] = self._register(w.key, _pairs(w.arrays), w.file.size, make)
+        return [done[g.key] if isinstance(g, _Unchecked) else g for g in got]
+
+    def _unchecked(self, key: int, make: Any) -> Any:
+        """A block held already, or its file loaded by MLX's reader and not yet checked
+        (`_Unchecked`), or, for a file without a device checksum, read and checked on
+        the host (reader thread)."""
+        block = self._held(key)
+        if block is not None:
+            return block
+        f = self._file(key)
+        path = self.directory / f.name
+        with self._forgetting(key, f):
+            header, _ = diskfile.read_head(path, f.size, _digests(f.name)[0])
+            dsum = self._meta(key, header).get("dsum")
+            arrays = diskfile.load_arrays(path, header) if dsum else None
+            if arrays is None:
+                return self._register(key, *self._read_host(key, path, f.size), make)
+        return _Unchecked(key, f, arrays, dsum)
+
+    def _held(self, key: int) -> Any:
+        with self._load_lock:
+            block = self.loaded.get(key)
+        return block if block is not None else self.in_ram(key)
+
+    def _file(self, key: int) -> BlockFile:
         f = self.files.get(key)
         if f is None:
             raise BadRecord("corrupt", f"block {key:016x} is missing")
+        return f
+
+    @contextmanager
+    def _forgetting(self, key: int, f: BlockFile):
+        """A block file found bad is never read again: records listing it fail when read."""
         try:
-            kv, size = self._read(key, self.directory / f.name, f.size)
+            yield
         except BadRecord:
-            with self.lock:  # never read again; records listing it fail when read
+            with self.lock:
                 if self.files.get(key) is f:
                     self._delete(key)
             raise
+
+    def _register(self, key: int, kv: list, size: int, make: Any) -> Any:
         with self._load_lock:
             block = self.loaded.get(key)
             if block is None:
@@ -186,6 +253,9 @@ class Blocks:
             arrays = diskfile.load_on_device(path, header, dsum, f"block {key:016x}") if dsum else None
             if arrays is not None:
                 return _pairs(arrays), size
+        return self._read_host(key, path, size)
+
+    def _read_host(self, key: int, path: Path, size: int) -> tuple[list[tuple[Any, Any]], int]:
         try:
             # Straight into the buffer the arrays are read from: `read_bytes()` then a
             # bytearray copy made a restore copy every block twice before MLX's own. The

@@ -213,11 +213,17 @@ _sum_failed = False
 def device_sum(arrays: dict[str, Any]) -> str | None:
     """devsum's checksum of `arrays`; None where MLX cannot compute it here (warned
     once): files then go without one, and restores check them on the host."""
+    sums = device_sums([arrays])
+    return None if sums is None else sums[0]
+
+
+def device_sums(files: list[dict[str, Any]]) -> list[str] | None:
+    """`device_sum` of each of `files`, computed together (devsum.checksums)."""
     global _sum_failed
     from . import devsum
 
     try:
-        return devsum.checksum(arrays)
+        return devsum.checksums(files)
     except Exception as exc:  # an integer op this MLX backend lacks, say
         if not _sum_failed:
             _sum_failed = True
