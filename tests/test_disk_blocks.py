@@ -314,17 +314,20 @@ def test_on_cuda_a_restore_reads_each_file_once(tmp_path, monkeypatch):
 
 
 def test_on_cuda_a_restores_blocks_are_checked_together(tmp_path, monkeypatch):
-    """A CUDA restore checks its block files' device checksums in one call (a pass per
-    ~32 MB, not a dozen MLX operations per file); should that call fail (an op this
+    """On CUDA a write sums its new block files in one call, and a restore checks its
+    block files' device checksums in one call (a pass per ~32 MB, not a dozen MLX
+    operations per file); should that call fail (an op this
     MLX lacks), the blocks are checked on the host instead and the restore still
     serves them."""
     from kvroute.backend import devsum
 
     monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
-    write_three(tmp_path)[0].close()
     calls = []
     real = devsum.checksums
     monkeypatch.setattr(devsum, "checksums", lambda files: calls.append(len(files)) or real(files))
+    write_three(tmp_path)[0].close()
+    assert sorted(calls) == [1, 1, 1, 2, 2, 10]  # each record; each write's new blocks together
+    calls.clear()
     again, _ = make_tier(tmp_path)
     assert same_cache(restore(again, conversation(0) + [1]).cache, kv_of(conversation(0)))
     assert sorted(calls) == [1, 10]  # its record, then its ten blocks together

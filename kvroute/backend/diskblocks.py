@@ -127,16 +127,17 @@ class Blocks:
         import mlx.core as mx
 
         tmps = []
+        files = [{f"{kind}{i}": a for i, pair in enumerate(block.kv) for kind, a in zip("kv", pair)}
+                 for block in blocks]
+        sums = diskfile.sums_to_write(files)  # together: one pass per ~32 MB of blocks
         try:
-            for block in blocks:
+            for block, arrays, dsum in zip(blocks, files, sums):
                 if between is not None:
                     between()
                 stem = f"{block.key:016x}"
                 tmp = self.directory / (stem + diskfile.TMP_SUFFIX)
                 tmps.append(tmp)
-                arrays = {f"{kind}{i}": a for i, pair in enumerate(block.kv) for kind, a in zip("kv", pair)}
                 meta = {"version": VERSION, "fingerprint": self.fingerprint, "key": stem}
-                dsum = diskfile.sum_to_write(arrays)
                 if dsum:  # a restore on CUDA checks the arrays where MLX loads them
                     meta["dsum"] = dsum
                 mx.save_safetensors(str(tmp), diskfile.for_the_host(arrays),

@@ -176,7 +176,7 @@ def _flatten(cache: list[Any], meta: dict) -> tuple[dict[str, Any], dict[str, st
         raise ValueError(f"Model state is not serializable: {data}")
 
     arrays = dict(map(as_array, tree_flatten([c.state for c in cache])))
-    dsum = sum_to_write(arrays)
+    (dsum,) = sums_to_write([arrays])
     if dsum:
         meta = {**meta, "dsum": dsum}
     classes = [type(c).__name__ for c in cache]
@@ -184,10 +184,11 @@ def _flatten(cache: list[Any], meta: dict) -> tuple[dict[str, Any], dict[str, st
     return arrays, metadata
 
 
-def sum_to_write(arrays: dict[str, Any]) -> str | None:
-    """The device checksum a file of `arrays` carries: on CUDA, where a restore
+def sums_to_write(files: list[dict[str, Any]]) -> list[str | None]:
+    """The device checksum each file of arrays carries: on CUDA, where a restore
     checks a file on the device (elsewhere none: restores there check the xxh3)."""
-    return device_sum(arrays) if on_cuda() else None
+    sums = device_sums(files) if on_cuda() and files else None
+    return list(sums) if sums is not None else [None] * len(files)
 
 
 def for_the_host(arrays: dict[str, Any]) -> dict[str, Any]:
@@ -210,15 +211,10 @@ def for_the_host(arrays: dict[str, Any]) -> dict[str, Any]:
 _sum_failed = False
 
 
-def device_sum(arrays: dict[str, Any]) -> str | None:
-    """devsum's checksum of `arrays`; None where MLX cannot compute it here (warned
-    once): files then go without one, and restores check them on the host."""
-    sums = device_sums([arrays])
-    return None if sums is None else sums[0]
-
-
 def device_sums(files: list[dict[str, Any]]) -> list[str] | None:
-    """`device_sum` of each of `files`, computed together (devsum.checksums)."""
+    """devsum's checksum of each of `files`, computed together; None where MLX cannot
+    compute them here (warned once): files then go without one, and restores check
+    them on the host."""
     global _sum_failed
     from . import devsum
 
@@ -460,10 +456,10 @@ def load_on_device(path: Path, header: dict, dsum: str, what: str) -> dict[str, 
     checked against their device checksum where they landed. None when MLX cannot
     read them or compute the sum here: the caller reads and checks on the host."""
     arrays = load_arrays(path, header)
-    got = None if arrays is None else device_sum(arrays)
-    if got is None:
+    sums = None if arrays is None else device_sums([arrays])
+    if sums is None:
         return None
-    if got != dsum:
+    if sums[0] != dsum:
         raise BadRecord("corrupt", f"{what} does not match its device checksum")
     return arrays
 
