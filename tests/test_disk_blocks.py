@@ -278,6 +278,34 @@ def test_on_cuda_the_writer_never_reads_the_stores_arrays_on_the_host(tmp_path, 
     again.close()
 
 
+def test_on_cuda_a_write_saves_device_copies_and_hands_large_ones_back(tmp_path, monkeypatch):
+    """On CUDA MLX's writer reads copies (a host read would move the store's own
+    buffers into managed memory for good), bit for bit the arrays; copies of
+    `STAGED_CLEAR` bytes or more (a whole entry's record) leave MLX's buffer cache
+    emptied after the write, small ones (a block's) do not. (This CPU cannot show
+    managed memory; it shows what the writer reads and when the cache is emptied.)"""
+    import mlx.core as mx
+
+    monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    monkeypatch.setattr(diskfile, "STAGED_CLEAR", 4096)
+    cleared, seen = [], []
+    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(1))
+    real_save = mx.save_safetensors
+    monkeypatch.setattr(mx, "save_safetensors",
+                        lambda path, arrays, metadata=None: seen.append(dict(arrays)) or real_save(path, arrays, metadata))
+    small = {"k0": mx.arange(64, dtype=mx.float32).reshape(4, 16), "v0": mx.array([-0.0, 1.5])}
+    large = {"k0": mx.arange(2048, dtype=mx.float32).astype(mx.bfloat16).reshape(2, 1024)}
+    for name, arrays, clears in (("small", small, 0), ("large", large, 1)):
+        diskfile.save(tmp_path / f"{name}.safetensors", arrays, {"m": "x"})
+        assert len(cleared) == clears, name
+        assert not {_address(x) for x in seen[-1].values()} & {_address(a) for a in arrays.values()}
+        loaded = mx.load(str(tmp_path / f"{name}.safetensors"))
+        for k, a in arrays.items():
+            assert loaded[k].dtype == a.dtype and loaded[k].shape == a.shape
+            assert np.array(loaded[k].view(mx.uint16) if a.dtype == mx.bfloat16 else loaded[k]).tobytes() \
+                == np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes()
+
+
 def test_on_cuda_a_restore_reads_each_file_once(tmp_path, monkeypatch):
     """Written on CUDA, a record and its blocks carry a device checksum: a restore
     there loads each file once, through MLX's reader, and checks the arrays where they

@@ -112,8 +112,6 @@ def checksums(files: list[dict[str, Any]]) -> list[str]:
     same names, dtypes and shapes: a model's block files) are summed in one pass
     per `GROUP_BYTES` with one copy back: one file at a time costs ten-odd MLX
     operations and a wait for the device, and a restore checks hundreds of files."""
-    import mlx.core as mx
-
     out: list[str] = [""] * len(files)
     alike: dict[tuple, list[int]] = {}
     for i, arrays in enumerate(files):

@@ -124,8 +124,6 @@ class Blocks:
         name, all fsynced at once (one drive flush's wait, not one each), then renamed
         into place and the folder fsynced. `between()` runs before each file (the tier
         waits there while the engine has work). Returns the bytes written."""
-        import mlx.core as mx
-
         tmps = []
         files = [{f"{kind}{i}": a for i, pair in enumerate(block.kv) for kind, a in zip("kv", pair)}
                  for block in blocks]
@@ -140,8 +138,7 @@ class Blocks:
                 meta = {"version": VERSION, "fingerprint": self.fingerprint, "key": stem}
                 if dsum:  # a restore on CUDA checks the arrays where MLX loads them
                     meta["dsum"] = dsum
-                mx.save_safetensors(str(tmp), diskfile.for_the_host(arrays),
-                                    {"kvroute_block": orjson.dumps(meta).decode()})
+                diskfile.save(tmp, arrays, {"kvroute_block": orjson.dumps(meta).decode()})
             if self.fsync:
                 with ThreadPoolExecutor(min(8, len(tmps))) as pool:
                     list(pool.map(_fsync_file, tmps))

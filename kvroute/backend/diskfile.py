@@ -121,12 +121,9 @@ def write(directory: Path, stem: str, cache: list[Any], meta: dict,
     of the process loses nothing, a power loss may). The final name carries the
     checksums (a header cannot hold the checksum of a file it starts). Returns the
     file's name and size."""
-    import mlx.core as mx
-
     tmp = directory / (stem + TMP_SUFFIX)
     try:
-        arrays, metadata = _flatten(cache, meta)
-        mx.save_safetensors(str(tmp), for_the_host(arrays), metadata)
+        save(tmp, *_flatten(cache, meta))
         _step("tmp_written")
         os.chmod(tmp, 0o600)
         with open(tmp, "rb") as f:  # just written: read back from the page cache
@@ -191,21 +188,35 @@ def sums_to_write(files: list[dict[str, Any]]) -> list[str | None]:
     return list(sums) if sums is not None else [None] * len(files)
 
 
-def for_the_host(arrays: dict[str, Any]) -> dict[str, Any]:
-    """The arrays MLX's writer reads on the host: on CUDA, copies made on the device.
-    There the first host read of an array moves its buffer for good from device
-    memory into managed memory (MLX's CUDA allocator), and the GPU's next read pulls
-    it back page by page (~1.3 GB/s on an H200 host): the next turn of a conversation
-    just written would wait longer for its cached blocks than their prefill took. A
-    copy takes the move instead; the store's arrays stay in device memory. Elsewhere
+STAGED_CLEAR = 64 << 20  # bytes of device copies past which a write empties MLX's buffer cache
+
+
+def save(path: Path, arrays: dict[str, Any], metadata: dict[str, str]) -> None:
+    """`mx.save_safetensors`, which reads the arrays on the host: on CUDA it reads
+    copies made on the device. There the first host read of an array moves its buffer
+    for good from device memory into managed memory (MLX's CUDA allocator), and the
+    GPU's next read pulls it back page by page (~1.3 GB/s on an H200 host): the next
+    turn of a conversation just written would wait longer for its cached blocks than
+    their prefill took. A copy takes the move instead; the store's arrays stay in
+    device memory. Copies of `STAGED_CLEAR` bytes or more (a whole entry's record)
+    are not left in MLX's buffer cache, which would hand them, managed memory now, to
+    the next prefill's KV of their size: the cache is emptied after such a write. A
+    block's copies (~2 MB for a 7B model) are reused by the next block's. Elsewhere
     memory is one (a Mac) or the CPU's: the arrays as they are."""
     import mlx.core as mx
 
     if not on_cuda():
-        return arrays
+        mx.save_safetensors(str(path), arrays, metadata)
+        return
     copies = {name: mx.array(a) for name, a in arrays.items()}  # a copy, bit for bit
     mx.eval(list(copies.values()))
-    return copies
+    staged = sum(a.nbytes for a in copies.values())
+    try:
+        mx.save_safetensors(str(path), copies, metadata)
+    finally:
+        del copies
+        if staged >= STAGED_CLEAR:
+            mx.clear_cache()
 
 
 _sum_failed = False
