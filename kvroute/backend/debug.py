@@ -21,7 +21,10 @@ def describe_entries(store: Store) -> list[dict]:
             digest = xxhash.xxh3_64()
             for _, arr in tree_flatten([c.state for c in e.cache]):
                 if isinstance(arr, mx.array):
+                    # Through a copy: an entry kept whole hands out its own arrays, and on
+                    # CUDA a host read moves a buffer into managed memory for good.
                     # bfloat16 has no numpy dtype: hash the raw bytes through a view.
+                    arr = mx.array(arr)
                     digest.update(np.array(arr.view(mx.uint16) if arr.dtype == mx.bfloat16 else arr).tobytes())
             # Full-attention layers store exactly their tokens' keys; windows and
             # recurrent states hold less (their `offset` still counts every token).
