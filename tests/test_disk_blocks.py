@@ -5,6 +5,7 @@ there is not written again, a restart reads a shared prefix once however many
 conversations restore it, and a record whose blocks are damaged, missing or not
 its own is never used."""
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -306,6 +307,26 @@ def test_on_cuda_a_write_saves_device_copies_and_hands_large_ones_back(tmp_path,
                 == np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes()
 
 
+def test_on_cuda_without_room_for_copies_a_write_saves_the_arrays(tmp_path, monkeypatch, caplog):
+    """Where the GPU has no memory for the copies, the arrays themselves are written
+    (they move to managed memory, as before copies): the write is not lost. Warned once."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    monkeypatch.setattr(diskfile, "_copy_failed", False)
+    caplog.set_level(logging.WARNING, "kvroute.backend.disk")
+    arrays = {"k0": mx.arange(512, dtype=mx.float32).reshape(8, 64)}
+    for i in range(2):
+        with monkeypatch.context() as m:
+            def no_room(*args, **kwargs):
+                raise RuntimeError("[malloc] Unable to allocate 2048 bytes.")
+
+            m.setattr(mx, "array", no_room)
+            diskfile.save(tmp_path / f"{i}.safetensors", arrays, {})
+        assert np.array_equal(np.array(mx.load(str(tmp_path / f"{i}.safetensors"))["k0"]), np.array(arrays["k0"]))
+    assert len([r for r in caplog.records if "no device memory to copy" in r.getMessage()]) == 1
+
+
 def test_on_cuda_a_restore_reads_each_file_once(tmp_path, monkeypatch):
     """Written on CUDA, a record and its blocks carry a device checksum: a restore
     there loads each file once, through MLX's reader, and checks the arrays where they
@@ -335,9 +356,19 @@ def test_on_cuda_a_restore_reads_each_file_once(tmp_path, monkeypatch):
     again.close()
 
     damage_first_block(tmp_path, 0x10)
+    before = {p.name for p in block_files(tmp_path)}
+    first, second = block_keys(root_key("m", None), np.asarray(HEAD, dtype=np.int32), 2)
+    damaged = [p for key in (first, second) for p in block_files(tmp_path) if p.name.startswith(f"{key:016x}.")]
+    data = bytearray(damaged[1].read_bytes())  # a second damaged block in the same restore
+    data[-5] ^= 0x01
+    damaged[1].write_bytes(bytes(data))
     third, metrics = make_tier(tmp_path)
     assert restore(third, conversation(1) + [1]) is None  # never served from damaged bytes
     assert metrics.disk_dropped.labels(model="m", backend="b", reason="corrupt")._value.get() == 1
+    # Both damaged files are gone, though the other two conversations still list them
+    # (the dropped record's own two blocks go with it).
+    gone = before - {p.name for p in block_files(tmp_path)}
+    assert {p.name for p in damaged} <= gone and len(gone) == 2 + 2
     third.close()
 
 
@@ -374,3 +405,30 @@ def test_on_cuda_a_restores_blocks_are_checked_together(tmp_path, monkeypatch):
     assert same_cache(restore(third, conversation(1) + [1]).cache, kv_of(conversation(1)))
     assert len(host_reads) == 10 + 1 and len(third.index) == 3  # nothing dropped
     third.close()
+
+
+def test_on_cuda_blocks_with_and_without_a_device_checksum_restore_together(tmp_path, monkeypatch):
+    """A prefix written before device checksums (or on a CPU) and a conversation's own
+    blocks written with them: a CUDA restore checks the first on the host and the
+    others on the device, together, and serves the whole."""
+    from kvroute.backend import devsum
+
+    write_three(tmp_path)[0].close()  # on this CPU: no device checksums (a head of 8 blocks)
+    monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    tier, metrics = make_tier(tmp_path)
+    store = Store(budget_bytes=1 << 30)
+    store.listeners.append(tier.on_store_event)
+    fourth = HEAD + [9000 + j for j in range(2 * BLOCK_TOKENS + 5)]
+    store.insert("m", fourth, kv_of(fourth), "finish", chain=[4])
+    wait_until(lambda: len(tier.index) == 4 and tier.stats()["write_queue"] == 0, 30, what="on disk")
+    tier.close()
+    summed, host_reads = [], []
+    real_sums, real_read = devsum.checksums, diskfile.read_bytes
+    monkeypatch.setattr(devsum, "checksums", lambda files: summed.append(len(files)) or real_sums(files))
+    monkeypatch.setattr(diskfile, "read_bytes",
+                        lambda path, *a, **kw: host_reads.append(path) or real_read(path, *a, **kw))
+    again, _ = make_tier(tmp_path)
+    assert same_cache(restore(again, fourth + [1]).cache, kv_of(fourth))
+    assert sorted(summed) == [1, 2]  # its record; its own two blocks, together
+    assert len(host_reads) == 8  # the head's blocks, written without a device checksum
+    again.close()

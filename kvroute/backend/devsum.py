@@ -22,7 +22,8 @@ Not `mx.compile`d, though that would make fewer kernels: a function MLX first
 compiles on a thread other than the main one aborts the process at exit (MLX 0.32),
 and restores run on reader threads. Files laid out alike (a model's block files)
 are summed together instead, a pass over up to 32 MB of them: a restore of an
-8k-token conversation checks 250 block files in about ten passes, not 250.
+8k-token conversation of a 7B model checks its 250 block files (1.8 MB each) in 15
+passes, not 250.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def checksum(arrays: dict[str, Any]) -> str:
     return checksums([arrays])[0]
 
 
-GROUP_BYTES = 32 << 20  # words summed in one pass at most (its temporaries: ~6x)
+GROUP_BYTES = 32 << 20  # bytes of arrays summed in one pass at most (temporaries: ~6x)
 
 
 def checksums(files: list[dict[str, Any]]) -> list[str]:

@@ -297,7 +297,8 @@ class DiskTier:
                 return
             # Its blocks and the rest of its state as they are now (eviction may cut the
             # entry before the writer's turn), evaluated: the writer thread evaluates
-            # no graph of the engine's (on CUDA it records its own, the device checksum).
+            # no graph of the engine's (on CUDA it records its own: the device checksum
+            # and the copies it writes, diskfile.save).
             item = ["write", entry.for_disk()]
             with self.lock:
                 self._pending_bytes += entry.nbytes

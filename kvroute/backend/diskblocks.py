@@ -124,20 +124,22 @@ class Blocks:
         name, all fsynced at once (one drive flush's wait, not one each), then renamed
         into place and the folder fsynced. `between()` runs before each file (the tier
         waits there while the engine has work). Returns the bytes written."""
-        tmps = []
+        tmps: list[Path] = []
         files = [{f"{kind}{i}": a for i, pair in enumerate(block.kv) for kind, a in zip("kv", pair)}
                  for block in blocks]
-        sums = diskfile.sums_to_write(files)  # together: one pass per ~32 MB of blocks
+        sums: list[str | None] = []
         try:
-            for block, arrays, dsum in zip(blocks, files, sums):
+            for i, (block, arrays) in enumerate(zip(blocks, files)):
                 if between is not None:
                     between()
+                if i == len(sums):  # the next blocks' device checksums, together
+                    sums += diskfile.sums_to_write(files[i:i + _per_pass(arrays)])
                 stem = f"{block.key:016x}"
                 tmp = self.directory / (stem + diskfile.TMP_SUFFIX)
                 tmps.append(tmp)
                 meta = {"version": VERSION, "fingerprint": self.fingerprint, "key": stem}
-                if dsum:  # a restore on CUDA checks the arrays where MLX loads them
-                    meta["dsum"] = dsum
+                if sums[i]:  # a restore on CUDA checks the arrays where MLX loads them
+                    meta["dsum"] = sums[i]
                 diskfile.save(tmp, arrays, {"kvroute_block": orjson.dumps(meta).decode()})
             if self.fsync:
                 with ThreadPoolExecutor(min(8, len(tmps))) as pool:
@@ -162,7 +164,7 @@ class Blocks:
 
     def load(self, key: int, make: Any) -> Any:
         """A block's arrays as `make(key, kv, nbytes)` builds them, shared with any state
-        still holding them (reader threads)."""
+        still holding them, its file read and checked on the host (reader threads)."""
         block = self._held(key)
         if block is not None:
             return block
@@ -175,24 +177,26 @@ class Blocks:
         """The blocks of `keys`, in order, as `load` makes them, read on `readers`. On
         CUDA the files carrying a device checksum are loaded by MLX's reader and then
         checked all together (devsum.checksums: a pass per ~32 MB of blocks, where one
-        file at a time cost a dozen MLX operations and a wait for the device each)."""
+        file at a time cost a dozen MLX operations and a wait for the device each). A
+        block that fails its sum is deleted (every one that does) and fails the
+        restore; where the sums cannot be computed, each file is checked on the host."""
         if not diskfile.on_cuda():
             return list(readers.map(lambda k: self.load(k, make), keys))
         got = list(readers.map(lambda k: self._unchecked(k, make), keys))
         waiting = [g for g in got if isinstance(g, _Unchecked)]
         sums = diskfile.device_sums([w.arrays for w in waiting]) if waiting else []
-        for w, dsum in zip(waiting, sums or [None] * len(waiting)):
-            if dsum is not None and dsum != w.dsum:
-                with self._forgetting(w.key, w.file):
-                    raise BadRecord("corrupt", f"block {w.key:016x} does not match its device checksum")
-        done = {}
-        for w in waiting:
-            if sums is None:  # no device sum here after all: checked on the host
-                with self._forgetting(w.key, w.file):
-                    done[w.key] = self._register(w.key, *self._read_host(
-                        w.key, self.directory / w.file.name, w.file.size), make)
-            else:
-                done[w.key] = self._register(w.key, _pairs(w.arrays), w.file.size, make)
+        if sums is None:  # no device sum here after all: each file checked on the host
+            for w in waiting:
+                w.arrays = {}  # let go before the second read
+            return list(readers.map(lambda g: self.load(g.key, make) if isinstance(g, _Unchecked) else g, got))
+        bad = [w for w, dsum in zip(waiting, sums) if dsum != w.dsum]
+        if bad:
+            with self.lock:  # never read again: records listing them fail when read
+                for w in bad:
+                    if self.files.get(w.key) is w.file:
+                        self._delete(w.key)
+            raise BadRecord("corrupt", f"block {bad[0].key:016x} does not match its device checksum")
+        done = {w.key: self._register(w.key, _pairs(w.arrays), w.file.size, make) for w in waiting}
         return [done[g.key] if isinstance(g, _Unchecked) else g for g in got]
 
     def _unchecked(self, key: int, make: Any) -> Any:
@@ -209,7 +213,7 @@ class Blocks:
             dsum = self._meta(key, header).get("dsum")
             arrays = diskfile.load_arrays(path, header) if dsum else None
             if arrays is None:
-                return self._register(key, *self._read_host(key, path, f.size), make)
+                return self._register(key, *self._read(key, path, f.size), make)
         return _Unchecked(key, f, arrays, dsum)
 
     def _held(self, key: int) -> Any:
@@ -245,15 +249,6 @@ class Blocks:
         return block
 
     def _read(self, key: int, path: Path, size: int) -> tuple[list[tuple[Any, Any]], int]:
-        if diskfile.on_cuda():
-            header, _ = diskfile.read_head(path, size, _digests(path.name)[0])
-            dsum = self._meta(key, header).get("dsum")
-            arrays = diskfile.load_on_device(path, header, dsum, f"block {key:016x}") if dsum else None
-            if arrays is not None:
-                return _pairs(arrays), size
-        return self._read_host(key, path, size)
-
-    def _read_host(self, key: int, path: Path, size: int) -> tuple[list[tuple[Any, Any]], int]:
         try:
             # Straight into the buffer the arrays are read from: `read_bytes()` then a
             # bytearray copy made a restore copy every block twice before MLX's own. The
@@ -290,6 +285,13 @@ class Blocks:
 
     def stats(self) -> dict:
         return {"blocks": len(self.files), "block_bytes": self.nbytes, "block_reads": self.reads}
+
+
+def _per_pass(arrays: dict[str, Any]) -> int:
+    """Block files like this one that one device-checksum pass takes."""
+    from .devsum import GROUP_BYTES
+
+    return max(1, GROUP_BYTES // max(1, sum(a.nbytes for a in arrays.values())))
 
 
 def _pairs(arrays: dict[str, Any]) -> list[tuple[Any, Any]]:

@@ -198,18 +198,32 @@ def save(path: Path, arrays: dict[str, Any], metadata: dict[str, str]) -> None:
     GPU's next read pulls it back page by page (~1.3 GB/s on an H200 host): the next
     turn of a conversation just written would wait longer for its cached blocks than
     their prefill took. A copy takes the move instead; the store's arrays stay in
-    device memory. Copies of `STAGED_CLEAR` bytes or more (a whole entry's record)
-    are not left in MLX's buffer cache, which would hand them, managed memory now, to
-    the next prefill's KV of their size: the cache is emptied after such a write. A
-    block's copies (~2 MB for a 7B model) are reused by the next block's. Elsewhere
-    memory is one (a Mac) or the CPU's: the arrays as they are."""
+    device memory.
+
+    The copies, managed memory once read, go back to MLX's buffer cache, which hands
+    a buffer to the next allocation of about its size: a block's copies (~2 MB for a
+    7B model) to the next block's, or to a block the store makes, which then pays the
+    one migration back. Copies of `STAGED_CLEAR` bytes or more (the record of an entry
+    over the RAM budget) would be handed to the next prefill's KV: MLX's cache is
+    emptied after such a write. Where the device has no room for the copies, the
+    arrays are written as they are (warned once). Elsewhere memory is one (a Mac) or
+    the CPU's: the arrays as they are."""
     import mlx.core as mx
 
+    global _copy_failed
     if not on_cuda():
         mx.save_safetensors(str(path), arrays, metadata)
         return
-    copies = {name: mx.array(a) for name, a in arrays.items()}  # a copy, bit for bit
-    mx.eval(list(copies.values()))
+    try:
+        copies = {name: mx.array(a) for name, a in arrays.items()}  # a copy, bit for bit
+        mx.eval(list(copies.values()))
+    except RuntimeError as exc:  # MLX's "Unable to allocate"
+        if not _copy_failed:
+            _copy_failed = True
+            log.warning("disk cache: no device memory to copy a state before writing it (%s); "
+                        "writing the arrays themselves, which moves them to managed memory", exc)
+        mx.save_safetensors(str(path), arrays, metadata)
+        return
     staged = sum(a.nbytes for a in copies.values())
     try:
         mx.save_safetensors(str(path), copies, metadata)
@@ -219,6 +233,7 @@ def save(path: Path, arrays: dict[str, Any], metadata: dict[str, str]) -> None:
             mx.clear_cache()
 
 
+_copy_failed = False
 _sum_failed = False
 
 

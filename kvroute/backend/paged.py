@@ -231,7 +231,7 @@ class Paged:
 
 def for_disk(state: Paged) -> tuple[list[Any], list[Block]] | None:
     """What the disk tier writes for an entry, without running MLX (the writer thread
-    reads these evaluated arrays): its layers with each paged one holding the tokens
+    reads these evaluated arrays; on CUDA through copies, diskfile.save): its layers with each paged one holding the tokens
     after its blocks, and those blocks. At least one token stays in the record (a
     block's worth when it ends on a block). None where blocks are stored quantized."""
     blocks, tail = list(state.blocks), state.tail
