@@ -191,10 +191,8 @@ class Blocks:
             return list(readers.map(lambda g: self.load(g.key, make) if isinstance(g, _Unchecked) else g, got))
         bad = [w for w, dsum in zip(waiting, sums) if dsum != w.dsum]
         if bad:
-            with self.lock:  # never read again: records listing them fail when read
-                for w in bad:
-                    if self.files.get(w.key) is w.file:
-                        self._delete(w.key)
+            for w in bad:
+                self._forget(w.key, w.file)
             raise BadRecord("corrupt", f"block {bad[0].key:016x} does not match its device checksum")
         done = {w.key: self._register(w.key, _pairs(w.arrays), w.file.size, make) for w in waiting}
         return [done[g.key] if isinstance(g, _Unchecked) else g for g in got]
@@ -233,10 +231,13 @@ class Blocks:
         try:
             yield
         except BadRecord:
-            with self.lock:
-                if self.files.get(key) is f:
-                    self._delete(key)
+            self._forget(key, f)
             raise
+
+    def _forget(self, key: int, f: BlockFile) -> None:
+        with self.lock:
+            if self.files.get(key) is f:  # not a newer file of the same block
+                self._delete(key)
 
     def _register(self, key: int, kv: list, size: int, make: Any) -> Any:
         with self._load_lock:
