@@ -376,11 +376,13 @@ def test_image_exit_disconnect_mid_decode_and_errors(vlm):
 
 def test_image_disconnect_mid_prefill_resumes_exactly(vlm):
     messages = conversation(*(image_url(40 + i) for i in range(6)))
+    # The header's length first: asked while the stream prefills, the answer came after
+    # that whole prefill on a slow machine, and the wait below never saw it midway.
+    header = chat(vlm, messages[:1] + [{"role": "user", "content": "hi"}], scope="probe",
+                  max_tokens=1).body
     stream = SSEStream(vlm.url + "/v1/chat/completions",
                        {"model": vlm.model_id, "messages": messages, "max_tokens": 4,
                         "kvroute_fault": "slow_prefill:0.05"})
-    header = chat(vlm, messages[:1] + [{"role": "user", "content": "hi"}], scope="probe",
-                  max_tokens=1).body
 
     def past_header():
         jobs = vlm.health()["engine"]["jobs"]
