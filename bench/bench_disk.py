@@ -295,6 +295,14 @@ def tier_bench(args) -> None:
     console.print(table)
 
 
+def concat(parts: list) -> None:
+    """What a hit assembles from blocks: each block's keys and values concatenated."""
+    import mlx.core as mx
+
+    mx.eval(mx.concatenate([x["k0"] for x in parts], axis=2),
+            mx.concatenate([x["v0"] for x in parts], axis=2))
+
+
 def paths_bench(args) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -338,10 +346,6 @@ def paths_bench(args) -> None:
         return {name: np.frombuffer(blob, np.uint16, (t["data_offsets"][1] - t["data_offsets"][0]) // 2,
                                     end + t["data_offsets"][0]).reshape(t["shape"])
                 for name, t in header.items()}
-
-    def concat(parts: list) -> None:
-        mx.eval(mx.concatenate([x["k0"] for x in parts], axis=2),
-                mx.concatenate([x["v0"] for x in parts], axis=2))
 
     def from_bytes(path: Path) -> dict:
         x = {k: mx.array(v).view(mx.bfloat16) for k, v in raw(path).items()}
@@ -465,10 +469,6 @@ def written_bench(args) -> None:
         fn()
         mx.synchronize()
         return time.perf_counter() - t0
-
-    def concat(parts: list) -> None:
-        mx.eval(mx.concatenate([x["k0"] for x in parts], axis=2),
-                mx.concatenate([x["v0"] for x in parts], axis=2))
 
     def write(parts: list, stage: bool) -> None:
         for i, x in enumerate(parts):
