@@ -84,6 +84,10 @@ def main() -> None:
             try:
                 backend.start(timeout=600)
                 say(f"{arch}: backend ready in {time.perf_counter() - t0:.1f} s")
+                # Which gated-delta path a hybrid's backend chose (and why), for the row.
+                for line in backend.log().splitlines():
+                    if "gated-delta" in line:
+                        say(f"{arch}: {line.strip()[-200:]}")
                 ttft(backend, prompt_of(backend, 64))  # warm-up
                 for size in (int(s) for s in args.sizes.split(",")):
                     r = measure(backend, size, args.repeat)
