@@ -272,13 +272,17 @@ def turn2_ttft(url: str, model: str, tok, size: int, repeat: int, part: int,
         before = probe() if probe else {}
         t, usage, _ = run(chat(url, model, messages, 2))
         for k, v in (probe() if probe else {}).items():
-            split[k] = split.get(k, 0.0) + v - before[k]
+            # A gauge is read as it stood before turn 2; counters as what turn 2 added.
+            split[k] = split.get(k, 0.0) + (before[k] if k == "disk_queue" else v - before[k])
         times.append(t)
     out = {"ttft": statistics.median(times), "prompt_tokens": usage.get("prompt_tokens"),
            "cached_tokens": cached_tokens(usage)}
     for name in ("engine_ttft", "backend_prepare", "backend_queue", "proxy_overhead"):
         if split.get(name + "_n"):
             out[name] = split[name] / split[name + "_n"]
+    for name in ("disk_writes", "disk_paced", "disk_queue"):  # per turn 2
+        if name in split:
+            out[name] = split[name] / repeat
     return out
 
 
@@ -432,7 +436,14 @@ class Stack:
                 "backend_queue_n": sum(metric_sum(t, "kvroute_backend_queue_seconds_count")
                                        for t in backends),
                 "proxy_overhead": metric_sum(proxy, "kvroute_proxy_overhead_seconds_sum"),
-                "proxy_overhead_n": metric_sum(proxy, "kvroute_proxy_overhead_seconds_count")}
+                "proxy_overhead_n": metric_sum(proxy, "kvroute_proxy_overhead_seconds_count"),
+                # What the disk writers did around turn 2 (the tier's cost on a hit).
+                "disk_writes": sum(metric_sum(t, "kvroute_backend_disk_writes_total",
+                                              result="ok") for t in backends),
+                "disk_paced": sum(metric_sum(t, "kvroute_backend_disk_write_paced_seconds_total")
+                                  for t in backends),
+                "disk_queue": sum(metric_sum(t, "kvroute_backend_disk_write_queue")
+                                  for t in backends)}
 
     def stop(self) -> int | None:
         return self.proc.stop() if self.proc else None
@@ -597,7 +608,10 @@ def report(args, got: dict) -> str:
                          f"{secs(t2.get('backend_prepare', 0.0))}, in its queue "
                          f"{secs(t2.get('backend_queue', 0.0))}), proxy before forwarding "
                          f"{secs(t2.get('proxy_overhead', 0.0))}, the rest "
-                         f"{secs(t2['ttft'] - t2['engine_ttft'] - t2.get('proxy_overhead', 0.0))}",
+                         f"{secs(t2['ttft'] - t2['engine_ttft'] - t2.get('proxy_overhead', 0.0))}"
+                         + (f"; the disk writers: {t2['disk_queue']:.1f} items queued before it, "
+                            f"{t2['disk_writes']:.1f} writes ended and {t2['disk_paced']:.3f} s "
+                            f"paced during it" if "disk_queue" in t2 else ""),
                          "", "", ""))
         if "restore" in kv and kv["restore"]["cached_tokens"] < kv["restore"]["prompt_tokens"] // 2:
             r = kv["restore"]
