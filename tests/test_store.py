@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kvroute.backend.store import Store
+from kvroute.backend.store import Store, common_prefix
 
 
 def make_cache(n_tokens: int, layers: int = 2, seed: int = 0) -> list[KVCache]:
@@ -159,3 +159,19 @@ def test_partial_prefill_regression_superseding_entry_keeps_the_keys():
     assert len(store) == 1 and partial.chain == [1, 2]
     assert [(e.kind, e.keys) for e in events] == [("insert", [1, 2]), ("insert", []), ("evict", [])]
     assert store.snapshot() == {"m": [[1, 2]]}
+
+
+def test_common_prefix_counts_shared_tokens_wherever_they_part():
+    # Parting in the head, just past it, deep in, not at all; either side the shorter,
+    # lists of equal tokens of unequal lengths, and empty sides.
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 50, 5000).astype(np.int32)
+    for at in (0, 1, 63, 64, 65, 127, 4096, 4999):
+        other = base.copy()
+        other[at] += 1
+        assert common_prefix(base, other) == at
+        assert common_prefix(other[: at + 10], base) == at
+    for cut in (0, 1, 64, 100, 5000):
+        assert common_prefix(base[:cut], base) == cut
+        assert common_prefix(base, base[:cut]) == cut
+    assert common_prefix(np.array([], np.int32), base) == 0

@@ -248,12 +248,22 @@ def _first(cache: list[Any], n: int) -> list[Any]:
     return cache
 
 
+# Lookups compare a prompt with every entry and record, most of which part from it
+# within a few tokens: the head alone settles those without comparing (and allocating)
+# the whole of a 30k-token prompt.
+_HEAD = 64
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
+    head = min(n, _HEAD)
+    diff = np.flatnonzero(a[:head] != b[:head])
+    if len(diff):
+        return int(diff[0])
+    diff = np.flatnonzero(a[head:n] != b[head:n])
+    return head + int(diff[0]) if len(diff) else n
 
 
 def usable_prefix(item: Any, model: str, scope: str | None, prompt: np.ndarray) -> int:
