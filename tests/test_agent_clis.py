@@ -187,6 +187,12 @@ def partial_commits(serve) -> float:
                for b in stats(serve)["backends"])
 
 
+def registry_pending(serve) -> float:
+    return sum(metric_sum(request(f"{b['url']}/metrics")[2].decode(),
+                          "kvroute_backend_registry_pending")
+               for b in stats(serve)["backends"])
+
+
 def kill_mid_prefill(serve, proc: subprocess.Popen) -> int:
     """SIGKILL the agent once its prompt is half prefilled; the tokens processed by then."""
     try:
@@ -285,6 +291,9 @@ def test_claude_code_killed_mid_request_keeps_its_prompt(serve, claude_env, tmp_
                60, what="the backend and the proxy to let the dropped request go")
     wait_until(lambda: partial_commits(serve) > commits_before, 60,
                what="the prefilled part committed")
+    # And advertised: until its keys are in Redis the proxy sends the retry wherever the
+    # shared instructions alone are cached.
+    wait_until(lambda: registry_pending(serve) == 0, 60, what="the committed keys published")
     assert watch.api_counts()[1] == 0
     again = Watch(serve, "messages")
     claude(claude_env, tmp_path, ask)
@@ -391,6 +400,9 @@ def test_codex_killed_mid_request_keeps_its_prompt(serve, codex_home, tmp_path):
                60, what="the backend and the proxy to let the dropped request go")
     wait_until(lambda: partial_commits(serve) > commits_before, 60,
                what="the prefilled part committed")
+    # And advertised: until its keys are in Redis the proxy sends the retry wherever the
+    # shared instructions alone are cached.
+    wait_until(lambda: registry_pending(serve) == 0, 60, what="the committed keys published")
     assert watch.api_counts()[1] == 0
     again = Watch(serve, "responses")
     out = codex(serve, codex_home, tmp_path, ask)

@@ -179,11 +179,13 @@ def test_publisher_keeps_running_while_redis_is_down_and_recovers(own_server):
         during = chain_of({"messages": [{"role": "user", "content": "inserted while Redis was down"}]})
         commit(store, during, 100)
         assert not pub._task.done()
+        assert pub.pending >= 1  # what the backend's registry_pending gauge shows
 
         await asyncio.to_thread(own_server.start)  # same port, empty
         await poll(lambda: _eq(_depth(reg, before), len(before)), what="old entries re-advertised")
         await poll(lambda: _eq(_depth(reg, during), len(during)), what="outage insert published")
         assert pub.connected
+        await poll(lambda: _true(pub.pending == 0), what="nothing left to publish")
         await pub.stop()
         await reg.close()
 

@@ -173,6 +173,8 @@ def start_publisher(state: State) -> Publisher:
         state.disk_publisher = Publisher(registry, lambda: _record(state), state.disk.snapshot,
                                          tier="disk")
         state.disk.listeners.append(state.disk_publisher.on_store_event)
+    m.l(m.registry_pending).set_function(
+        lambda: publisher.pending + (state.disk_publisher.pending if state.disk_publisher else 0))
     return publisher
 
 

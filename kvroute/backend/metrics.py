@@ -89,6 +89,10 @@ class BackendMetrics:
                                               "Redis errors the publisher met (monotonic)")
         self.registry_connected = self._family(Gauge, "kvroute_backend_registry_connected",
                                                "1 while the publisher is in sync with Redis")
+        self.registry_pending = self._family(
+            Gauge, "kvroute_backend_registry_pending",
+            "Cache key changes (RAM and disk tiers) not yet written to Redis: until they "
+            "are, proxies route as if the backend did not hold (or still held) them")
         self.cache_reasons = self._family(
             Counter, "kvroute_backend_cache_reasons",
             "Admitted requests by this backend's cache reason: hit, or why the prompt missed "

@@ -71,6 +71,11 @@ class Publisher:
         self._stopping: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
+    @property
+    def pending(self) -> int:
+        """Key changes queued or being written (a batch leaves the queue once written)."""
+        return len(self._events)
+
     # -- called by the store (any thread) -----------------------------------
 
     def on_insert(self, model: str, keys: list[int]) -> None:
