@@ -245,11 +245,28 @@ def test_a_prefill_faster_than_the_disk_skips_the_restore(tmp_path):
     store = attach(tier)
     store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])
     wait_until(lambda: len(tier.index) == 1, 30, what="written")
-    tier.restore_tps = 100.0  # measured: 10 tokens take 0.1 s to restore
+    (record,) = tier.index.values()
+    tier.restore_bps = record.size / 0.1  # measured: its 10 tokens take 0.1 s to read
     fast = asyncio.run(tier.prefetch("m", tokens(12), None, lambda: 0, prefill_tps=1000.0))
     assert fast is None and metric(metrics, metrics.disk_skipped) == 1
     slow = asyncio.run(tier.prefetch("m", tokens(12), None, lambda: 0, prefill_tps=10.0))
     assert slow.tokens == 10
+
+
+def test_before_any_restore_is_measured_a_few_shared_tokens_are_prefilled(tmp_path):
+    """After a restart no read rate is known yet: a prompt that shares only a chat
+    template's opening with a record must not read the record (a cold prompt on a
+    restarted GPU backend read a whole 8k-token state for 5 tokens)."""
+    tier, metrics = make_tier(tmp_path)
+    store = attach(tier)
+    store.insert("m", tokens(2000), make_cache(2000), "finish", chain=[1])
+    wait_until(lambda: len(tier.index) == 1, 30, what="written")
+    assert not tier.restore_bps
+    prompt = tokens(5) + [90000 + i for i in range(100)]
+    assert asyncio.run(tier.prefetch("m", prompt, None, lambda: 0, prefill_tps=20000.0)) is None
+    assert metric(metrics, metrics.disk_skipped) == 1 and tier.blocks.reads == 0
+    # A slow prefill (a CPU) is still worth the read.
+    assert asyncio.run(tier.prefetch("m", prompt, None, lambda: 0, prefill_tps=5.0)).tokens == 5
 
 
 def test_concurrent_hits_on_one_file_share_one_read(tmp_path):

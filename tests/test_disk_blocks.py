@@ -147,6 +147,24 @@ def test_foreign_blocks_are_never_read(tmp_path):
     other.close()
 
 
+def test_a_hit_on_the_head_of_a_record_reads_only_the_blocks_that_hold_it(tmp_path, read_path):
+    """After a restart, a new conversation that shares a system prompt with a long one
+    on disk reads the blocks of what it shares, not the whole record; a later hit on
+    the whole record reads the rest."""
+    write_three(tmp_path)[0].close()
+    again, _ = make_tier(tmp_path)
+    shared = 5 * BLOCK_TOKENS + 7  # into the sixth block
+    prompt = HEAD[:shared] + [9000 + j for j in range(20)]
+    found = restore(again, prompt)
+    assert found.tokens == shared
+    assert again.stats()["block_reads"] == 6
+    assert same_cache(found.hit().cache, kv_of(HEAD[:shared]))
+    whole = restore(again, conversation(0) + [1])
+    assert same_cache(whole.cache, kv_of(conversation(0)))
+    assert again.stats()["block_reads"] == 10  # the other four the first time, as it held six
+    again.close()
+
+
 def test_a_restored_prefix_the_ram_store_holds_is_not_read_again(tmp_path):
     write_three(tmp_path)[0].close()
     again, _ = make_tier(tmp_path)

@@ -76,6 +76,11 @@ MAX_DELAY = 30.0  # seconds an entry waits for idleness at most
 PACE = 3.0  # past MAX_DELAY under load: wait this many times a block file's time after it
 MAX_PACE_WAIT = 0.5  # seconds, at most, of one such wait
 POLL = 0.02
+# Read rate a restore is assumed to reach before one is measured: a conservative SSD
+# with its checksums. Only decides whether a hit is worth reading at all: a prompt
+# that shares a few tokens with a record (a chat template's opening) is prefilled.
+RESTORE_PRIOR_BPS = 1 << 30
+RESTORE_OVERHEAD = 0.005  # seconds a restore costs beside its bytes (files, sums, a thread hop)
 
 
 @dataclass
@@ -630,34 +635,38 @@ class DiskTier:
             lambda: (self.best(model, tokens, scope), ram_depth()))
         if record is None or n <= ram:
             return None
-        if self.restore_tps and prefill_tps and (n - ram) / prefill_tps < self._to_read(record) / self.restore_tps:
+        blocks = _blocks_for(record, n)
+        if prefill_tps and (n - ram) / prefill_tps < RESTORE_OVERHEAD + (
+                self._read_bytes(record, blocks) / (self.restore_bps or RESTORE_PRIOR_BPS)):
             self.metrics.l(self.metrics.disk_skipped).inc()
             return None
-        fut = self._reads.get(record.name)
+        key = (record.name, blocks)
+        fut = self._reads.get(key)
         if fut is None:
-            fut = asyncio.get_running_loop().run_in_executor(self._readers, self._load, record)
-            self._reads[record.name] = fut
-            fut.add_done_callback(lambda _: self._reads.pop(record.name, None))
+            fut = asyncio.get_running_loop().run_in_executor(self._readers, self._load, record, blocks)
+            self._reads[key] = fut
+            fut.add_done_callback(lambda _: self._reads.pop(key, None))
         state = await asyncio.shield(fut)  # one client leaving never cancels a shared read
-        if state is None:
+        if state is None or state.tokens < n:
             return None
-        return Restored(n, state, len(record.tokens))
+        return Restored(n, state, state.tokens)
 
-    def _to_read(self, record: Record) -> int:
-        """Tokens a restore of `record` reads: its blocks RAM or a restored state holds
-        already are not read again."""
-        held = sum(1 for k in record.blocks
-                   if k in self.blocks.loaded or self.blocks.in_ram(k) is not None)
-        return len(record.tokens) - held * paged.BLOCK_TOKENS
+    def _read_bytes(self, record: Record, blocks: int) -> int:
+        """Bytes a restore of `record`'s first `blocks` blocks reads: its own file, and
+        those blocks but for any RAM or a restored state holds already."""
+        with self.lock:
+            files = [self.blocks.files.get(k) for k in record.blocks[:blocks]
+                     if k not in self.blocks.loaded and self.blocks.in_ram(k) is None]
+        return record.size + sum(f.size for f in files if f is not None)
 
-    def _load(self, record: Record) -> list[Any] | None:
+    def _load(self, record: Record, blocks: int | None = None) -> Paged | None:
         path = self.directory / record.name
         t0, blocks_read = time.perf_counter(), self.blocks.read_bytes
         try:
             if record.data_offset == 0:  # written by this process: read its header now
                 record = self._with_header(record, path)
             cache = diskfile.load(path, record, self.read_parallel)
-            state = self._state(record, cache)
+            state = self._state(record, cache, len(record.blocks) if blocks is None else blocks)
         except BadRecord as exc:
             self._remove(record.name, unlink=False)
             self._drop(path, exc.reason, str(exc))
@@ -670,7 +679,8 @@ class DiskTier:
         read = record.size + self.blocks.read_bytes - blocks_read  # blocks held already: not read
         rate = read / max(seconds, 1e-6)
         self.restore_bps = rate if not self.restore_bps else 0.7 * self.restore_bps + 0.3 * rate
-        tps = len(record.tokens) / max(seconds, 1e-6)
+        # Tokens' worth of what was read (the proxies weigh a restore by its tokens).
+        tps = state.tokens * read / max(self._state_bytes(record, state), 1) / max(seconds, 1e-6)
         self.restore_tps = tps if not self.restore_tps else 0.7 * self.restore_tps + 0.3 * tps
         m = self.metrics
         m.l(m.disk_restore_seconds).observe(seconds)
@@ -686,17 +696,26 @@ class DiskTier:
             pass
         return state
 
-    def _state(self, record: Record, cache: list[Any]) -> Paged:
-        """A record's layers and its shared blocks as one state (reader thread). Its
-        block list must be the chain of its own tokens: a header that lists other
-        blocks is as damaged as a flipped token id."""
+    def _state_bytes(self, record: Record, state: Paged) -> int:
+        """The bytes of a restored state's files (its blocks and the record's own)."""
+        with self.lock:
+            files = [self.blocks.files.get(b.key) for b in state.blocks]
+        return record.size + sum(f.size for f in files if f is not None)
+
+    def _state(self, record: Record, cache: list[Any], blocks: int) -> Paged:
+        """A record's layers and its first `blocks` shared blocks as one state (reader
+        thread): all of them, or, for a hit that shares less of it, those that hold
+        its tokens. Its block list must be the chain of its own tokens: a header that
+        lists other blocks is as damaged as a flipped token id."""
         root = paged.root_key(record.model, record.scope)
         if record.blocks != paged.block_keys(root, record.tokens, len(record.blocks)):
             raise BadRecord("corrupt", "its blocks are not the chain of its tokens")
-        blocks = self.blocks.load_all(record.blocks, lambda key, kv, size: Block(key, kv, size),
+        head = blocks < len(record.blocks) and not paged.keeps_whole(cache)
+        keys = record.blocks[:blocks] if head else record.blocks
+        loaded = self.blocks.load_all(keys, lambda key, kv, size: Block(key, kv, size),
                                       self._block_readers)
         try:
-            state = paged.from_disk(cache, blocks, len(record.tokens))
+            state = paged.from_disk(cache, loaded, len(record.tokens), head=head)
         except ValueError as exc:
             raise BadRecord("corrupt", str(exc))
         # Its tail is sliced here: evaluated on this thread, whose streams (on CUDA) the
@@ -752,6 +771,16 @@ class DiskTier:
         m.l(m.disk_bytes).set(self.held_bytes)
         m.l(m.cache_blocks, tier="disk").set(len(self.blocks.files))
         m.l(m.disk_entries).set(len(self.index))
+
+
+def _blocks_for(record: Record, n: int) -> int:
+    """The record's blocks a hit on its first `n` tokens needs: those that hold them
+    where the record can be cut there (all of them where `n` reaches its tail)."""
+    if n < len(record.tokens) and record.trimmable:
+        need = -(-n // paged.BLOCK_TOKENS)
+        if need <= len(record.blocks):
+            return need
+    return len(record.blocks)
 
 
 def _extends(entry: Entry, old: Any) -> bool:

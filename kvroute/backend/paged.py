@@ -247,14 +247,24 @@ def for_disk(state: Paged) -> tuple[list[Any], list[Block]] | None:
     return [_fill(layer, layers) for layer in state.skeleton], blocks
 
 
-def from_disk(cache: list[Any], blocks: list[Block], tokens: int) -> Paged:
+def from_disk(cache: list[Any], blocks: list[Block], tokens: int, head: bool = False) -> Paged:
     """A restored record as a Paged state (its paged layers: every plain `KVCache`),
-    so the engine assembles its private view as from RAM."""
+    so the engine assembles its private view as from RAM. With `head`, `blocks` are
+    the first of the record's and the state holds just their tokens (a hit that
+    shares only that much of the record reads no more of it); a record with a layer
+    kept whole is only ever read whole."""
     paged: list[KVCache] = []
     skeleton = _skeleton(cache, paged)
-    tail = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in paged]
-    held = len(blocks) * BLOCK_TOKENS + (paged[0].offset if paged else 0)
-    if paged and (held != tokens or any(c.offset != paged[0].offset for c in paged)):
+    if head:
+        if _any_whole(skeleton):
+            raise ValueError("a record with layers kept whole is read whole")
+        tail = [(_empty(c.keys), _empty(c.values)) for c in paged]
+        tokens = len(blocks) * BLOCK_TOKENS
+        held = tokens
+    else:
+        tail = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in paged]
+        held = len(blocks) * BLOCK_TOKENS + (paged[0].offset if paged else 0)
+    if paged and (held != tokens or (not head and any(c.offset != paged[0].offset for c in paged))):
         raise ValueError(f"the record's blocks and layers hold {held} tokens, it lists {tokens}")
     if not paged and blocks:
         raise ValueError("a record lists blocks but has no layer to put them in")
@@ -269,6 +279,12 @@ def from_disk(cache: list[Any], blocks: list[Block], tokens: int) -> Paged:
         raise ValueError(f"a layer of the record does not hold its {tokens} tokens")
     own = sum(c.nbytes for c in whole) + sum(k.nbytes + v.nbytes for k, v in tail)
     return Paged(tokens, skeleton, blocks, tail, own, groups)
+
+
+def keeps_whole(cache: list[Any]) -> bool:
+    """Whether a record's layers (its own file) include one kept whole: such a record
+    serves a hit only when read whole."""
+    return _any_whole(_skeleton(cache, []))
 
 
 def _empty(x: mx.array) -> mx.array:
