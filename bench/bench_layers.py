@@ -27,6 +27,12 @@ Engine (turn 1 committed, turn 2 a hit), over conversations of a few lengths, ea
 twice: a second turn at a length already seen shows the steady state, one at a new
 length also what compiling kernels for new shapes costs.
 
+Restored turns (--restore N): a first turn of about N tokens committed and written to
+a disk tier, the store emptied and the tier reopened (a restart), then the second
+turn restored from disk (`DiskTier.prefetch`, as the server does before the engine)
+and run with the Engine's steps traced; twice, at two lengths, so that what a
+process pays the first time stands apart; and a RAM hit of the same size traced beside.
+
 With --trace, a last cold prompt and the last second turn are run with each of the Engine's steps
 timed (the device synchronised after each, so its work is counted where it was
 queued): admission (lookup, insert), every generator step, the checkpoint commit
@@ -43,6 +49,7 @@ import argparse
 import asyncio
 import cProfile
 import io
+import os
 import platform
 import pstats
 import time
@@ -151,10 +158,12 @@ def raw_turn2(model, first: list[int], second: list[int]) -> float:
     return time.perf_counter() - t0
 
 
-async def _engine_turn(engine: Engine, prompt: list[int], n: int) -> tuple[float, int]:
+async def _engine_turn(engine: Engine, prompt: list[int], n: int,
+                       restored=None) -> tuple[float, int]:
     loop = asyncio.get_running_loop()
     job = Job(prompt=prompt, params=SamplingParams(temperature=0.0), max_tokens=n, tools=None,
               loop=loop, events=asyncio.Queue(), checkpoints={len(prompt) - 1: []})
+    job.restored = restored
     t0 = time.perf_counter()
     engine.submit(job)
     first = 0.0
@@ -295,6 +304,8 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="time each Engine step of a second turn")
     ap.add_argument("--cold", type=int, default=0, help="tokens of the cold-prompt runs right "
                     "after warm-up (0: skip them)")
+    ap.add_argument("--restore", type=int, default=0, help="first-turn tokens of the traced "
+                    "disk-restored second turns (0: skip them)")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--no-hot", action="store_true", help="turn 2 assembles its blocks: no hot "
                     "copy of turn 1 (the store's keep_hot), for an A/B")
@@ -331,9 +342,59 @@ def main() -> None:
         console.print(ttft_table("Second turn of a conversation: time to first token (s)",
                                  ("turn 1 tokens", "turn 2 tokens", "cached"), rows))
         console.print(profile, markup=False, highlight=False)
+    if args.restore:
+        console.print(restored_turns(args, engine, vocab), markup=False, highlight=False)
     if not args.skip_decode:
         decode(args, console, model, engine, one, many)
     engine.stop()
+
+
+def restored_turns(args, engine: Engine, vocab: int) -> str:
+    """Second turns restored from a disk tier after a simulated restart, traced."""
+    import shutil
+    import tempfile
+
+    from kvroute.backend.disk import DiskTier
+
+    folder = tempfile.mkdtemp(prefix="kvr-layers-")
+    out = []
+    try:
+        for i, n in enumerate((args.restore, args.restore - 97)):
+            first = prompts(1, n, vocab + 11 * (i + 1))[0]
+            second = first + prompts(1, args.suffix, vocab)[0][::-1]
+            tier = DiskTier(folder, 1 << 33, "f" * 32, engine.metrics, queue_bytes=1 << 40)
+            assert tier.open()
+            engine.store.listeners.append(tier.on_store_event)
+            asyncio.run(_engine_turn(engine, first, 1))
+            deadline = time.monotonic() + 300
+            while tier.stats()["write_queue"] or not tier.index:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the disk tier did not write turn 1")
+                time.sleep(0.05)
+            engine.store.listeners.remove(tier.on_store_event)
+            tier.close()
+            engine.store.clear()
+            mx.clear_cache()
+            again = DiskTier(folder, 1 << 33, "f" * 32, engine.metrics, queue_bytes=1 << 40,
+                             read_parallel=min(16, max(4, os.cpu_count() or 4)))
+            assert again.open()
+            t0 = time.perf_counter()
+            restored = asyncio.run(again.prefetch("bench", second, None, lambda: 0))
+            read = time.perf_counter() - t0
+            out.append(f"restore {i + 1}: {n} + {args.suffix} tokens, {restored.tokens} read "
+                       f"back in {read * 1e3:.1f} ms")
+            out.append(traced(engine, lambda: _engine_turn(engine, second, 1, restored)))
+            again.close()
+            engine.store.clear()
+            # The same second turn as a RAM hit (turn 1 just committed: its hot copy).
+            asyncio.run(_engine_turn(engine, first, 1))
+            out.append("the same turn, a RAM hit")
+            out.append(traced(engine, lambda: _engine_turn(engine, second, 1)))
+            engine.store.clear()
+            shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return "\n".join(out)
 
 
 def cold_rows(model, engine: Engine, vocab: int, n: int) -> list[tuple]:
