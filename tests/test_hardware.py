@@ -163,6 +163,22 @@ def test_replica_limits_never_oversubscribe_what_runs_together():
     assert replica_limits([], 8 * GiB) == []
 
 
+def test_on_cuda_the_budget_is_the_cards_memory_not_what_mlx_reports(monkeypatch):
+    """MLX 0.32 reports a CUDA device's memory as the host's RAM (125.8 GiB for an
+    80 GB H100 in a 128 GB host): the card's own figure wins. No GPU here: MLX's
+    answers and the runtime's are stand-ins."""
+    import mlx.core as mx
+
+    from kvroute.core import accel
+
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "device_info", lambda: {"device_name": "H100", "memory_size": 135 << 30})
+    monkeypatch.setattr(accel, "cuda_memory", lambda: 80 << 30)
+    assert accel.detect() == accel.Accelerator("cuda", "H100", 80 << 30)
+    monkeypatch.setattr(accel, "cuda_memory", lambda: 0)  # no runtime, no nvidia-smi
+    assert accel.detect().memory == 135 << 30
+
+
 def test_the_accelerator_probe_answers():
     from kvroute.core import accel
 

@@ -26,6 +26,31 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def cuda_memory() -> int:
+    """The CUDA card's own memory in bytes (0: unknown). MLX 0.32 reports the host's
+    RAM as a CUDA device's `memory_size` (its allocator can use managed memory): on an
+    80 GB H100 in a 128 GB host it said 125.8 GiB, and two replicas sized by it ran
+    out of device memory mid-request. Asked of the CUDA runtime MLX has loaded, else
+    of nvidia-smi."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            runtime = ctypes.CDLL(name)
+        except OSError:
+            continue
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        if runtime.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) == 0 and total.value:
+            return int(total.value)
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
+                              "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(float(out.split()[0]) * (1 << 20))  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 0
+
+
 def detect() -> Accelerator:
     """In this process (imports MLX, and on a GPU creates its context)."""
     import mlx.core as mx
@@ -33,7 +58,10 @@ def detect() -> Accelerator:
     info = mx.device_info()
     name = str(info.get("device_name", ""))
     if mx.cuda.is_available():
-        return Accelerator("cuda", name, int(info.get("memory_size") or physical_memory()))
+        reported = int(info.get("memory_size") or 0)
+        card = cuda_memory()
+        memory = min(m for m in (reported, card) if m) if (reported or card) else physical_memory()
+        return Accelerator("cuda", name, memory)
     if mx.metal.is_available():
         memory = info.get("max_recommended_working_set_size") or info.get("memory_size")
         return Accelerator("metal", name, int(memory or physical_memory()))
