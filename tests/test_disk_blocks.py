@@ -165,6 +165,26 @@ def test_a_hit_on_the_head_of_a_record_reads_only_the_blocks_that_hold_it(tmp_pa
     again.close()
 
 
+def test_committing_a_restored_conversation_keeps_the_blocks_it_read(tmp_path):
+    """The next turn of a conversation restored from disk is committed with the
+    blocks the restore read, not copies of them out of the working cache."""
+    write_three(tmp_path)[0].close()
+    again, _ = make_tier(tmp_path)
+    store = Store(budget_bytes=1 << 30)
+    again.blocks.in_ram = store.pool.blocks.get  # as open_disk_tier wires them
+    store.pool.restored = again.blocks.restored
+    found = restore(again, conversation(1) + [1])
+    longer = conversation(1) + [5000 + j for j in range(40)]
+    entry = store.insert("m", longer, kv_of(longer), "finish")
+    read = {b.key: b.kv for b in found.state.blocks}
+    kept = entry.state.blocks
+    assert len(read) == 10 and len(kept) == 11
+    assert all(kept[i].kv[0][0] is read[kept[i].key][0][0] for i in range(10))
+    assert kept[10].key not in read  # the new turn's own block: from the working cache
+    assert same_cache(store.lookup("m", longer + [1]).cache, kv_of(longer))
+    again.close()
+
+
 def test_a_restored_prefix_the_ram_store_holds_is_not_read_again(tmp_path):
     write_three(tmp_path)[0].close()
     again, _ = make_tier(tmp_path)

@@ -833,4 +833,5 @@ def open_disk_tier(model: str, directory: str, budget_bytes: int, ram_budget: in
     store.listeners.append(tier.on_store_event)
     store.overflow = tier.take
     tier.blocks.in_ram = store.pool.blocks.get
+    store.pool.restored = tier.blocks.restored
     return tier

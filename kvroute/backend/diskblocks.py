@@ -214,6 +214,11 @@ class Blocks:
                 return self._register(key, *self._read(key, path, f.size), make)
         return _Unchecked(key, f, arrays, dsum)
 
+    def restored(self, key: int) -> Any:
+        """A block read back and still held by a restored state (any thread)."""
+        with self._load_lock:
+            return self.loaded.get(key)
+
     def _held(self, key: int) -> Any:
         with self._load_lock:
             block = self.loaded.get(key)

@@ -522,6 +522,7 @@ class Engine:
         its private view is made here, on the engine thread."""
         restored, job.restored = job.restored, None  # the shared state may be large
         if restored is not None and restored.tokens > hit.tokens:
+            job.restored_blocks = restored.state.blocks  # until its commit (Job.restored_blocks)
             return restored.hit(), "disk"
         return hit, "ram"
 
@@ -646,6 +647,7 @@ class Engine:
         done = self.store.commit(self.model_id, tokens, cache, path,
                                  chain=self._chain_for(job, path, len(tokens)), scope=job.scope,
                                  prefix_chains=job.checkpoints)
+        job.restored_blocks = None  # the store holds what it took of them
         self._count_commit(done, path)
         if path == "finish" and done.entry is not None and done.kept == len(tokens):
             # The conversation's next turn most likely comes back here (the proxy

@@ -52,6 +52,9 @@ class Job:
     fault: str | None = None
     cancelled: bool = False
     restored: Any = None  # a disk tier state for this prompt (backend/disk.py Restored)
+    # Its blocks, held from admission until the prompt is committed: the store takes
+    # them as they are (paged.Pool.restored) instead of copying them again.
+    restored_blocks: Any = None
     miss: Any = None  # why its prompt missed the cache, at admission (backend/misses.py View)
     grammar: Any = None  # what the answer must be: a compiled backend/grammar.py Grammar
     # Another choice of the same request (n > 1): admitted once `after` has committed its
