@@ -67,6 +67,13 @@ def test_sigkill_restart_keeps_the_conversation(text_model, tool_model, tmp_path
         assert metric(again, "kvroute_backend_disk_restore_bytes_total") > 0
         # Exact: the same answer as a cold prefill in a scope nothing is cached for.
         assert_same_answer(turn2, chat(again, messages2, scope=uuid.uuid4().hex, **GREEDY).body)
+        # Turn 2's commit kept the blocks the restore read: turn 3 hits them in RAM,
+        # and answers as a cold prefill too.
+        messages3 = next_turn(messages2, turn2)
+        turn3 = chat(again, messages3, **GREEDY).body
+        assert cached(turn3) >= 0.9 * turn2["usage"]["prompt_tokens"]
+        assert metric(again, "kvroute_backend_cache_hits_total", tier="ram") >= 1
+        assert_same_answer(turn3, chat(again, messages3, scope=uuid.uuid4().hex, **GREEDY).body)
     finally:
         again.stop()
 
