@@ -185,6 +185,34 @@ def test_committing_a_restored_conversation_keeps_the_blocks_it_read(tmp_path):
     again.close()
 
 
+def test_queued_conversations_on_one_prompt_count_its_blocks_once(tmp_path):
+    """While the engine is busy, writes wait; the queue's bound counts what the waiting
+    entries pin, and entries on one system prompt pin its blocks once: ten of them fit
+    a bound of three whole entries, where counting each whole dropped seven commits."""
+    from kvroute.backend.disk import DiskTier
+    from kvroute.backend.metrics import BackendMetrics
+
+    whole = sum(c.nbytes for c in kv_of(conversation(0)))
+    metrics = BackendMetrics("m", "b")
+    tier = DiskTier(tmp_path, 1 << 30, "f" * 32, metrics, queue_bytes=3 * whole)
+    assert tier.open()
+    tier.busy = lambda: True  # writes wait for an idle engine (up to max_delay)
+    tier.max_delay = 3600.0
+    store = Store(budget_bytes=1 << 30)
+    store.listeners.append(tier.on_store_event)
+    for i in range(10):
+        store.insert("m", conversation(i), kv_of(conversation(i)), "finish", chain=[i])
+    assert metric(metrics, metrics.disk_writes, result="dropped") == 0
+    assert tier._pending_bytes < 3 * whole
+    for i in range(10, 40):  # the bound still holds: the own parts of 30 more do not fit
+        store.insert("m", conversation(i), kv_of(conversation(i)), "finish", chain=[i])
+    assert metric(metrics, metrics.disk_writes, result="dropped") > 0
+    assert tier._pending_bytes <= 3 * whole
+    tier.busy = lambda: False
+    tier.close()  # writes what waits
+    assert len(tier.index) == 40 - metric(metrics, metrics.disk_writes, result="dropped")
+
+
 def test_a_restored_prefix_the_ram_store_holds_is_not_read_again(tmp_path):
     write_three(tmp_path)[0].close()
     again, _ = make_tier(tmp_path)

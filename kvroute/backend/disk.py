@@ -147,7 +147,8 @@ class DiskTier:
         self._superseded: set[int] = set()
         self._key_refs: dict[str, Counter] = {}
         self._queue: queue.Queue = queue.Queue()
-        self._pending_bytes = 0
+        self._pending_bytes = 0  # bytes queued entries pin (_enqueue)
+        self._queued_keys: Counter = Counter()  # blocks of queued entries, by key
         self._reads: dict[str, asyncio.Future] = {}
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="kvroute-disk-read")
         # A restore's block files, several in flight: one reader at a time left a fast
@@ -300,18 +301,19 @@ class DiskTier:
             return  # a RAM prefix of an entry `take` queued whole
         if event.kind == "insert" and entry.id not in self._seen:
             self._seen.add(entry.id)
-            if self._pending_bytes + entry.nbytes > self.queue_bytes:
-                # The disk cannot keep up: queued entries pin their arrays in memory.
-                self.metrics.l(self.metrics.disk_writes, result="dropped").inc()
-                return
             # Its blocks and the rest of its state as they are now (eviction may cut the
             # entry before the writer's turn), evaluated: the writer thread evaluates
             # no graph of the engine's (on CUDA it records its own: the device checksum
             # and the copies it writes, diskfile.save).
-            item = ["write", entry.for_disk()]
+            for_disk = entry.for_disk()
             with self.lock:
-                self._pending_bytes += entry.nbytes
-                self._queued[entry.id] = item
+                item = self._enqueue("write", for_disk)
+                if item is not None:
+                    self._queued[entry.id] = item
+            if item is None:
+                # The disk cannot keep up: queued entries pin their arrays in memory.
+                self.metrics.l(self.metrics.disk_writes, result="dropped").inc()
+                return
             self._queue.put(item)
         elif event.kind == "evict" and event.reason != "trimmed":  # a cut entry's file stays whole
             # Gone from RAM: no more events for it (its file stays, unless superseded).
@@ -321,8 +323,7 @@ class DiskTier:
                 with self.lock:  # not written yet: let its arrays go now
                     item = self._queued.pop(entry.id, None)
                     if item is not None and item[1] is not None:
-                        self._pending_bytes -= item[1].nbytes
-                        item[1] = None
+                        self._dequeue(item)
                 self._queue.put(("drop", entry.id))
             else:
                 self._by_entry.pop(entry.id, None)
@@ -344,17 +345,40 @@ class DiskTier:
             # frees their arrays now, before the writer reaches them.
             for item in self._wholes:
                 if item[1] is not None and _extends(entry, item[1]):
-                    self._pending_bytes -= item[1].nbytes
-                    item[1] = None
-            if self._pending_bytes and self._pending_bytes + entry.nbytes > self.queue_bytes:
+                    self._dequeue(item)
+            item = self._enqueue("whole", entry, always=not self._pending_bytes)
+            if item is None:
                 self.metrics.l(self.metrics.disk_writes, result="dropped").inc()
                 return "disk_queue_full"
-            self._pending_bytes += entry.nbytes
-            item = ["whole", entry]
             self._wholes.append(item)
         self._queue.put(item)
         self._update_queue_gauge()
         return ""
+
+    def _enqueue(self, kind: str, entry: Entry, always: bool = False) -> list | None:
+        """A queue item for `entry`, charged with the bytes queuing it pins beyond what
+        is queued or on disk already: its own state, and the blocks that no queued
+        entry or file holds yet; None when that would pass `queue_bytes` (tier lock
+        held). Conversations on one system prompt share its blocks: each counted whole,
+        a busy GPU's agent turns filled the queue and new commits were dropped."""
+        keys = [b.key for b in entry.shared]
+        new = sum(b.nbytes for b in entry.shared
+                  if not self._queued_keys[b.key] and b.key not in self.blocks.files)
+        charge = entry.nbytes - sum(b.nbytes for b in entry.shared) + new
+        if not always and self._pending_bytes + charge > self.queue_bytes:
+            return None
+        self._queued_keys.update(keys)
+        self._pending_bytes += charge
+        return [kind, entry, charge, keys]
+
+    def _dequeue(self, item: list) -> None:
+        """`item` leaves the queue: written, superseded or replaced (tier lock held)."""
+        self._pending_bytes -= item[2]
+        self._queued_keys.subtract(item[3])
+        for key in item[3]:
+            if self._queued_keys[key] <= 0:
+                del self._queued_keys[key]
+        item[1] = None
 
     def _covered(self, entry: Entry) -> bool:
         """Whether a file (refreshed in LRU order) or a queued entry holds all of
@@ -403,7 +427,7 @@ class DiskTier:
         self.metrics.l(self.metrics.disk_queue).set(self._waiting())
 
     def _handle(self, item: Any) -> None:
-        kind, payload = item
+        kind, payload = item[0], item[1]
         self._writing = 1
         try:
             if kind == "write":
@@ -446,20 +470,20 @@ class DiskTier:
 
     def _write_queued(self, item: list) -> None:
         with self.lock:
-            entry, item[1] = item[1], None
+            entry = item[1]
             if entry is None:  # superseded while it waited
                 return
             self._queued.pop(entry.id, None)
-            self._pending_bytes -= entry.nbytes
+            self._dequeue(item)
         self._write(entry)
 
     def _write_whole(self, item: list) -> None:
         with self.lock:
-            entry, item[1] = item[1], None
+            entry = item[1]
             self._wholes.remove(item)
             if entry is None:  # a later entry that extends it was queued
                 return
-            self._pending_bytes -= entry.nbytes
+            self._dequeue(item)
         self._write(entry)
 
     def _write(self, entry: Entry) -> bool:
