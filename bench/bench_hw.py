@@ -412,8 +412,8 @@ class Stack:
         health = json.loads(get(self.url + "/health"))
         return sorted(b["url"] for b in health["backends"])
 
-    def metric(self, name: str) -> float:
-        return sum(metric_sum(get(b + "/metrics", {"x-kvroute-token": TOKEN}).decode(), name)
+    def metric(self, name: str, **labels: str) -> float:
+        return sum(metric_sum(get(b + "/metrics", {"x-kvroute-token": TOKEN}).decode(), name, **labels)
                    for b in self.backends())
 
     def split(self) -> dict[str, float]:
@@ -545,6 +545,8 @@ def restore(stack: Stack, tok, args) -> dict:
     messages, follow = conversation(tok, fresh(size, 0, 5), 555)
     cold_before, _, reply = run(chat(stack.url, "m", messages, 1))
     settle_disk(stack)
+    # Commits the disk never got (the writers' queue was full): the next turn may find none.
+    dropped = stack.metric("kvroute_backend_disk_writes_total", result="dropped")
     stack.stop()
     ready = stack.start()
     # Kernels are warm after start (warm-up); the cold reference runs first so the
@@ -552,8 +554,11 @@ def restore(stack: Stack, tok, args) -> dict:
     cold = statistics.median(run(chat(stack.url, "m", conversation(tok, fresh(size, r, 6), 600 + r)[0],
                                       1))[0] for r in range(args.repeat))
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": follow}]
+    skipped = stack.metric("kvroute_backend_disk_restores_skipped_total")
     t, usage, _ = run(chat(stack.url, "m", messages, 2))
+    skipped = stack.metric("kvroute_backend_disk_restores_skipped_total") - skipped
     return {"size": size, "restored_ttft": t, "cold_ttft": cold, "cold_before_restart": cold_before,
+            "writes_dropped": dropped, "skipped": skipped,
             "cached_tokens": cached_tokens(usage), "prompt_tokens": usage.get("prompt_tokens"),
             "restart_ready_s": round(ready, 1)}
 
@@ -617,8 +622,11 @@ def report(args, got: dict) -> str:
             r = kv["restore"]
             rows.append((f"~{r['size']}-token conversation after a restart", secs(r["restored_ttft"]),
                          secs(r["cold_ttft"]), "not restored", "<= 0.33x"))
-            rows.append(("", f"cached {r['cached_tokens']} of {r['prompt_tokens']}: the backend "
-                         "judged its prefill faster than reading the disk", "", "", ""))
+            why = ("the backend judged its prefill faster than reading the disk" if r.get("skipped")
+                   else f"its turn 1 was not on disk ({r.get('writes_dropped', 0):.0f} commits were "
+                   "dropped before the restart: the disk writers' queue was full)"
+                   if r.get("writes_dropped") else "its turn 1 was not on disk")
+            rows.append(("", f"cached {r['cached_tokens']} of {r['prompt_tokens']}: {why}", "", "", ""))
         elif "restore" in kv:
             r = kv["restore"]
             # Against a warm backend's prefill of that length (before the restart): the
