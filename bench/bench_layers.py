@@ -49,7 +49,6 @@ import argparse
 import asyncio
 import cProfile
 import io
-import os
 import platform
 import pstats
 import time
@@ -354,7 +353,7 @@ def restored_turns(args, engine: Engine, vocab: int) -> str:
     import shutil
     import tempfile
 
-    from kvroute.backend.disk import DiskTier
+    from kvroute.backend.disk import DiskTier, restore_readers
 
     folder = tempfile.mkdtemp(prefix="kvr-layers-")
     out = []
@@ -376,7 +375,7 @@ def restored_turns(args, engine: Engine, vocab: int) -> str:
             engine.store.clear()
             mx.clear_cache()
             again = DiskTier(folder, 1 << 33, "f" * 32, engine.metrics, queue_bytes=1 << 40,
-                             read_parallel=min(16, max(4, os.cpu_count() or 4)))
+                             read_parallel=restore_readers())
             assert again.open()
             t0 = time.perf_counter()
             restored = asyncio.run(again.prefetch("bench", second, None, lambda: 0))

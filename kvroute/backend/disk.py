@@ -682,9 +682,13 @@ class DiskTier:
     def _read_bytes(self, record: Record, blocks: int) -> int:
         """Bytes a restore of `record`'s first `blocks` blocks reads: its own file, and
         those blocks but for any RAM or a restored state holds already."""
+        return self._file_bytes(record, [k for k in record.blocks[:blocks]
+                                         if k not in self.blocks.loaded and self.blocks.in_ram(k) is None])
+
+    def _file_bytes(self, record: Record, keys: list[int]) -> int:
+        """The sizes of `record`'s own file and of the block files of `keys`."""
         with self.lock:
-            files = [self.blocks.files.get(k) for k in record.blocks[:blocks]
-                     if k not in self.blocks.loaded and self.blocks.in_ram(k) is None]
+            files = [self.blocks.files.get(k) for k in keys]
         return record.size + sum(f.size for f in files if f is not None)
 
     def _load(self, record: Record, blocks: int | None = None) -> Paged | None:
@@ -708,7 +712,8 @@ class DiskTier:
         rate = read / max(seconds, 1e-6)
         self.restore_bps = rate if not self.restore_bps else 0.7 * self.restore_bps + 0.3 * rate
         # Tokens' worth of what was read (the proxies weigh a restore by its tokens).
-        tps = state.tokens * read / max(self._state_bytes(record, state), 1) / max(seconds, 1e-6)
+        files = self._file_bytes(record, [b.key for b in state.blocks])
+        tps = state.tokens * read / max(files, 1) / max(seconds, 1e-6)
         self.restore_tps = tps if not self.restore_tps else 0.7 * self.restore_tps + 0.3 * tps
         m = self.metrics
         m.l(m.disk_restore_seconds).observe(seconds)
@@ -723,12 +728,6 @@ class DiskTier:
         except OSError:
             pass
         return state
-
-    def _state_bytes(self, record: Record, state: Paged) -> int:
-        """The bytes of a restored state's files (its blocks and the record's own)."""
-        with self.lock:
-            files = [self.blocks.files.get(b.key) for b in state.blocks]
-        return record.size + sum(f.size for f in files if f is not None)
 
     def _state(self, record: Record, cache: list[Any], blocks: int) -> Paged:
         """A record's layers and its first `blocks` shared blocks as one state (reader
@@ -835,6 +834,15 @@ def _probe_errno(directory: Path) -> int:
             pass
 
 
+def restore_readers() -> int:
+    """Block files in flight on a restore: one per core up to 16 (page-cache reads of a
+    7B 8k-token restore on a 16-core H200 host: 2.8 GB/s with one, 8.8 with 16). On
+    CUDA, where MLX's own reader loads them, 4: it scales no further (an 8k-token 7B
+    restore: 0.100 s with 4, 0.107-0.109 with 8 or 16 on an H100 host; 82 against
+    95 ms for 16 on an H200's)."""
+    return 4 if diskfile.on_cuda() else min(16, max(4, os.cpu_count() or 4))
+
+
 def open_disk_tier(model: str, directory: str, budget_bytes: int, ram_budget: int,
                    store: Any, metrics: Any, fsync: bool = True) -> DiskTier | None:
     """The disk tier of a backend, listening to its store; None when not configured
@@ -846,14 +854,8 @@ def open_disk_tier(model: str, directory: str, budget_bytes: int, ram_budget: in
 
     fp = diskfile.fingerprint(_download(model))
     # Entries waiting for the writer pin their arrays: at most a RAM budget's worth.
-    # Block files in flight on a restore: one per core up to 16 (page-cache reads of a
-    # 7B 8k-token restore on a 16-core H200 host: 2.8 GB/s with one, 8.8 with 16). On
-    # CUDA, where MLX's own reader loads them, 4: it scales no further (an 8k-token 7B
-    # restore: 0.100 s with 4, 0.107-0.109 with 8 or 16 on an H100 host; 82 against
-    # 95 ms for 16 on an H200's).
-    readers = 4 if diskfile.on_cuda() else min(16, max(4, os.cpu_count() or 4))
     tier = DiskTier(directory, budget_bytes, fp, metrics, queue_bytes=max(ram_budget, 1 << 20),
-                    read_parallel=readers, fsync=fsync)
+                    read_parallel=restore_readers(), fsync=fsync)
     if not tier.open():
         return None
     tier.board = BusyBoard.beside(tier.directory)

@@ -265,12 +265,11 @@ def from_disk(cache: list[Any], blocks: list[Block], tokens: int, head: bool = F
             raise ValueError("a record with layers kept whole is read whole")
         tail = [(_empty(c.keys), _empty(c.values)) for c in paged]
         tokens = len(blocks) * BLOCK_TOKENS
-        held = tokens
     else:
         tail = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in paged]
         held = len(blocks) * BLOCK_TOKENS + (paged[0].offset if paged else 0)
-    if paged and (held != tokens or (not head and any(c.offset != paged[0].offset for c in paged))):
-        raise ValueError(f"the record's blocks and layers hold {held} tokens, it lists {tokens}")
+        if paged and (held != tokens or any(c.offset != paged[0].offset for c in paged)):
+            raise ValueError(f"the record's blocks and layers hold {held} tokens, it lists {tokens}")
     if not paged and blocks:
         raise ValueError("a record lists blocks but has no layer to put them in")
     groups = _groups(paged)
@@ -353,12 +352,11 @@ def _adoptable(pool: Pool, key: int, paged: list[KVCache], groups: list[list[int
     block = pool.restored(key)
     if block is None or len(block.kv) != len(groups):
         return None
-    for (k, v), g in zip(block.kv, groups):
-        ref = paged[g[0]]
-        if (k.shape[0] != len(g) or k.shape[2] != BLOCK_TOKENS or k.dtype != ref.keys.dtype
-                or v.dtype != ref.values.dtype or k.shape[1] != ref.keys.shape[1]
-                or k.shape[3] != ref.keys.shape[3] or v.shape[1:] != (ref.values.shape[1], BLOCK_TOKENS, ref.values.shape[3])):
-            return None
+    for pair, g in zip(block.kv, groups):
+        # As _new_blocks would cut it: the group's layers stacked, a block's tokens.
+        for x, ref in zip(pair, (paged[g[0]].keys, paged[g[0]].values)):
+            if x.dtype != ref.dtype or x.shape != (len(g), ref.shape[1], BLOCK_TOKENS, ref.shape[3]):
+                return None
     return block.kv
 
 

@@ -58,10 +58,8 @@ def detect() -> Accelerator:
     info = mx.device_info()
     name = str(info.get("device_name", ""))
     if mx.cuda.is_available():
-        reported = int(info.get("memory_size") or 0)
-        card = cuda_memory()
-        memory = min(m for m in (reported, card) if m) if (reported or card) else physical_memory()
-        return Accelerator("cuda", name, memory)
+        known = [m for m in (int(info.get("memory_size") or 0), cuda_memory()) if m]
+        return Accelerator("cuda", name, min(known, default=physical_memory()))
     if mx.metal.is_available():
         memory = info.get("max_recommended_working_set_size") or info.get("memory_size")
         return Accelerator("metal", name, int(memory or physical_memory()))
