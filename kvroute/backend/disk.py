@@ -187,6 +187,8 @@ class DiskTier:
             self.blocks.open()
         except OSError as exc:  # a read-only folder without blocks/: records whole only
             log.debug("disk cache: no block folder (%s)", exc)
+        if diskfile.on_cuda():
+            self.blocks.staging.warm()
         self._index_directory()
         orphans = self.blocks.drop_unlisted()
         if orphans:
@@ -837,10 +839,10 @@ def _probe_errno(directory: Path) -> int:
 def restore_readers() -> int:
     """Block files in flight on a restore: one per core up to 16 (page-cache reads of a
     7B 8k-token restore on a 16-core H200 host: 2.8 GB/s with one, 8.8 with 16). On
-    CUDA, where MLX's own reader loads them, 4: it scales no further (an 8k-token 7B
-    restore: 0.100 s with 4, 0.107-0.109 with 8 or 16 on an H100 host; 82 against
-    95 ms for 16 on an H200's)."""
-    return 4 if diskfile.on_cuda() else min(16, max(4, os.cpu_count() or 4))
+    CUDA, 8: the files go into pinned memory (pinned.py), which 8 readers fill at
+    ~20 GB/s on an H100 host, 4 at ~15 (16 no faster); a file that goes through MLX's
+    reader instead gains nothing past 4 (0.100 s with 4, 0.107-0.109 with 8 or 16)."""
+    return 8 if diskfile.on_cuda() else min(16, max(4, os.cpu_count() or 4))
 
 
 def open_disk_tier(model: str, directory: str, budget_bytes: int, ram_budget: int,

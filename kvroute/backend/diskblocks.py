@@ -30,7 +30,7 @@ from typing import Any, Callable
 import orjson
 import xxhash
 
-from . import diskfile
+from . import diskfile, pinned
 from .diskfile import BadRecord
 
 log = logging.getLogger("kvroute.backend.disk")
@@ -42,12 +42,15 @@ VERSION = 1
 
 @dataclass
 class _Unchecked:
-    """A block file loaded by MLX's reader, its device checksum not yet compared."""
+    """A block file on CUDA whose arrays are loaded together with the restore's
+    others, then compared with their device checksum."""
 
     key: int
     file: "BlockFile"
     arrays: dict[str, Any]
     dsum: str
+    header: dict  # its tensors (checked against the header's checksum)
+    offset: int  # where its tensors start
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Blocks:
         # A block the RAM store holds, by key (its pool's dict lookup): the same KV, not
         # read again. Blocks are immutable, so a reader thread may take one.
         self.in_ram: Any = lambda key: None
+        self.staging = pinned.Staging()  # CUDA restores' pinned buffer (made at the first)
 
     def open(self) -> None:
         """Index the folder by its file names (headers are checked when read)."""
@@ -175,7 +179,8 @@ class Blocks:
 
     def load_all(self, keys: list[int], make: Any, readers: ThreadPoolExecutor) -> list[Any]:
         """The blocks of `keys`, in order, as `load` makes them, read on `readers`. On
-        CUDA the files carrying a device checksum are loaded by MLX's reader and then
+        CUDA the files carrying a device checksum go onto the device through pinned
+        host memory (pinned.py; MLX's reader for a file it cannot take) and are then
         checked all together (devsum.checksums: a pass per ~32 MB of blocks, where one
         file at a time cost a dozen MLX operations and a wait for the device each). A
         block that fails its sum is deleted (every one that does) and fails the
@@ -184,6 +189,12 @@ class Blocks:
             return list(readers.map(lambda k: self.load(k, make), keys))
         got = list(readers.map(lambda k: self._unchecked(k, make), keys))
         waiting = [g for g in got if isinstance(g, _Unchecked)]
+        self._load_unchecked(waiting, readers)
+        # Where MLX's reader failed (warned once): read and checked on the host instead.
+        hosted = {w.key: self._register(w.key, *self._read(w.key, self.directory / w.file.name,
+                                                             w.file.size), make)
+                  for w in waiting if not w.arrays}
+        waiting = [w for w in waiting if w.arrays]
         sums = diskfile.device_sums([w.arrays for w in waiting]) if waiting else []
         if sums is None:  # no device sum here after all: each file checked on the host
             for w in waiting:
@@ -194,25 +205,48 @@ class Blocks:
             for w in bad:
                 self._forget(w.key, w.file)
             raise BadRecord("corrupt", f"block {bad[0].key:016x} does not match its device checksum")
-        done = {w.key: self._register(w.key, _pairs(w.arrays), w.file.size, make) for w in waiting}
+        done = hosted | {w.key: self._register(w.key, _pairs(w.arrays), w.file.size, make) for w in waiting}
         return [done[g.key] if isinstance(g, _Unchecked) else g for g in got]
 
     def _unchecked(self, key: int, make: Any) -> Any:
-        """A block held already, or its file loaded by MLX's reader and not yet checked
-        (`_Unchecked`), or, for a file without a device checksum, read and checked on
-        the host (reader thread)."""
+        """A block held already, or its file's header read and checked (`_Unchecked`,
+        its arrays still to load), or, for a file without a device checksum, the file
+        read and checked on the host (reader thread)."""
         block = self._held(key)
         if block is not None:
             return block
         f = self._file(key)
         path = self.directory / f.name
         with self._forgetting(key, f):
-            header, _ = diskfile.read_head(path, f.size, _digests(f.name)[0])
+            header, offset = diskfile.read_head(path, f.size, _digests(f.name)[0])
             dsum = self._meta(key, header).get("dsum")
-            arrays = diskfile.load_arrays(path, header) if dsum else None
-            if arrays is None:
+            if not dsum:
                 return self._register(key, *self._read(key, path, f.size), make)
-        return _Unchecked(key, f, arrays, dsum)
+        return _Unchecked(key, f, {}, dsum, header, offset)
+
+    def _load_unchecked(self, waiting: list[_Unchecked], readers: ThreadPoolExecutor) -> None:
+        """Their arrays onto the device: through pinned memory where it works here,
+        the rest (or all, where it fails) by MLX's reader."""
+        plans = [] if self.staging.failed else [
+            pinned.plan(self.directory / w.file.name, w.header, w.offset) for w in waiting]
+        staged = [(w, p) for w, p in zip(waiting, plans) if p is not None]
+        if staged:
+            try:
+                for (w, _), arrays in zip(staged, self.staging.load([p for _, p in staged], readers)):
+                    w.arrays = arrays
+            except (BadRecord, OSError, RuntimeError, ValueError) as exc:
+                # A file cut short or unreadable fails below, by the path that names it.
+                if isinstance(exc, (RuntimeError, ValueError)):
+                    self.staging.fail(exc)
+                for w, _ in staged:
+                    w.arrays = {}
+        rest = [w for w in waiting if not w.arrays]
+        for w, arrays in zip(rest, readers.map(self._mlx_load, rest)):
+            w.arrays = arrays
+
+    def _mlx_load(self, w: _Unchecked) -> dict[str, Any]:
+        with self._forgetting(w.key, w.file):
+            return diskfile.load_arrays(self.directory / w.file.name, w.header) or {}
 
     def restored(self, key: int) -> Any:
         """A block read back and still held by a restored state (any thread)."""

@@ -353,19 +353,19 @@ def read_bytes(path: Path, size: int, parallel: int = 4) -> memoryview:
     fd = os.open(path, os.O_RDONLY)
     try:
         if parallel <= 1 or size < (8 << 20):
-            _pread_into(fd, view, 0)
+            pread_into(fd, view, 0)
         else:
             from concurrent.futures import ThreadPoolExecutor
 
             step = -(-size // parallel)
             with ThreadPoolExecutor(parallel) as pool:
-                list(pool.map(lambda a: _pread_into(fd, view[a:a + step], a), range(0, size, step)))
+                list(pool.map(lambda a: pread_into(fd, view[a:a + step], a), range(0, size, step)))
     finally:
         os.close(fd)
     return view
 
 
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+def pread_into(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -374,7 +374,7 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
-_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
            "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8",
            "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool_"}
 
@@ -552,7 +552,7 @@ def arrays_from_bytes(blob: memoryview, header: dict, data_offset: int) -> dict[
     try:
         for name, t in header.items():
             a, b = t["data_offsets"]
-            kind = _DTYPES[t["dtype"]]
+            kind = DTYPES[t["dtype"]]
             raw = np.frombuffer(blob, dtype=np.uint16 if kind == "bfloat16" else kind,
                                 count=(b - a) // (2 if kind == "bfloat16" else np.dtype(kind).itemsize),
                                 offset=data_offset + a)

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass
@@ -26,6 +27,19 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def cuda_runtime() -> Any:
+    """The CUDA runtime library (ctypes), the one MLX has loaded where it has; None
+    where there is none."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
 def cuda_memory() -> int:
     """The CUDA card's own memory in bytes (0: unknown). MLX 0.32 reports the host's
     RAM as a CUDA device's `memory_size` (its allocator can use managed memory): on an
@@ -34,11 +48,8 @@ def cuda_memory() -> int:
     of nvidia-smi."""
     import ctypes
 
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            runtime = ctypes.CDLL(name)
-        except OSError:
-            continue
+    runtime = cuda_runtime()
+    if runtime is not None:
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         if runtime.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) == 0 and total.value:
             return int(total.value)
