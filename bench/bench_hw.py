@@ -143,7 +143,7 @@ def raw_main(args) -> None:
         out["cold"][size] = statistics.median(times)
         mx.clear_cache()
     times = []
-    for r in range(args.repeat):
+    for r in range(args.turn2_repeat):
         messages, follow = conversation(tok, fresh(args.turn2, r, 0), 70 + r)
         a = template(messages)
         cache = make_prompt_cache(model)
@@ -166,7 +166,8 @@ def raw_main(args) -> None:
 def run_raw(args, tok, logs: Path) -> dict:
     cmd = [sys.executable, "-m", "bench.bench_hw", "--raw-child", "--model", args.model,
            "--sizes", ",".join(map(str, args.sizes)), "--turn2", str(args.turn2),
-           "--repeat", str(args.repeat), "--decode", str(args.decode),
+           "--repeat", str(args.repeat), "--turn2-repeat", str(args.turn2_repeat),
+           "--decode", str(args.decode),
            "--raw-prefill-step", str(args.raw_prefill_step)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RAW ")]
@@ -366,7 +367,7 @@ def run_mlx_server(args, tok, logs: Path) -> dict:
         run(decode_rate(url, model, tok, 8, 16, 5000))
         run(completion_ttft(url, model, text_of(tok, max(args.sizes + [args.turn2]) + 200, 2)))
         out = {"cold": cold_ttfts(url, model, tok, args.sizes, args.repeat, 1),
-               "turn2": turn2_ttft(url, model, tok, args.turn2, args.repeat, 1)}
+               "turn2": turn2_ttft(url, model, tok, args.turn2, args.turn2_repeat, 1)}
         for n in (1, 8, 32):
             out[f"decode{n}"] = run(decode_rate(url, model, tok, n, args.decode, 5100 + 100 * n))
     finally:
@@ -475,7 +476,7 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
             out["cold"] = cold_ttfts(url, "m", tok, args.sizes, args.repeat, part)
         else:
             out["cold"] = cold_ttfts(url, "m", tok, args.sizes[-1:], args.repeat, part)
-        out["turn2"] = turn2_ttft(url, "m", tok, args.turn2, args.repeat, part, stack.split)
+        out["turn2"] = turn2_ttft(url, "m", tok, args.turn2, args.turn2_repeat, part, stack.split)
         progress(out)
         one = stack.backends()[0]
         run(decode_rate(url, "m", tok, 8, 16, 6000))
@@ -684,6 +685,8 @@ def main() -> None:
     ap.add_argument("--restore", type=int, default=8000,
                     help="conversation restored from disk after a restart (0: skip)")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--turn2-repeat", type=int, default=4,
+                    help="conversations whose turn 2 is timed (a median; each costs a turn 1)")
     ap.add_argument("--decode", type=int, default=256, help="tokens per decode stream")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--cache-bytes", default="16GiB")
