@@ -546,3 +546,29 @@ def test_on_cuda_when_pinned_memory_fails_restores_use_mlxs_reader(tmp_path, mon
     assert same_cache(restore(again, conversation(1) + [1]).cache, kv_of(conversation(1)))
     assert sum("pinned memory failed" in r.getMessage() for r in caplog.records) == 1
     again.close()
+
+
+def test_on_cuda_block_files_mlxs_reader_fails_on_are_read_on_the_host(tmp_path, monkeypatch):
+    """Neither the pinned path (no CUDA here) nor MLX's reader takes the block files:
+    they are read and checked on the host, and the restore still serves them."""
+    import mlx.core as mx
+
+    from kvroute.backend import pinned
+
+    monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    monkeypatch.setattr(diskfile, "_reader_failed", False)
+    monkeypatch.setattr(pinned, "cuda_runtime", lambda: None)
+    write_three(tmp_path)[0].close()
+    real_load = mx.load
+
+    def no_blocks(path, *a, **kw):
+        if str(path).endswith(diskblocks.SUFFIX):
+            raise RuntimeError("this reader cannot")
+        return real_load(path, *a, **kw)
+
+    monkeypatch.setattr(mx, "load", no_blocks)
+    again, _ = make_tier(tmp_path)
+    assert again.blocks.staging.failed  # no CUDA runtime to ask for pinned memory
+    assert same_cache(restore(again, conversation(2) + [1]).cache, kv_of(conversation(2)))
+    assert len(again.index) == 3  # nothing dropped
+    again.close()

@@ -191,9 +191,7 @@ class Blocks:
         waiting = [g for g in got if isinstance(g, _Unchecked)]
         self._load_unchecked(waiting, readers)
         # Where MLX's reader failed (warned once): read and checked on the host instead.
-        hosted = {w.key: self._register(w.key, *self._read(w.key, self.directory / w.file.name,
-                                                             w.file.size), make)
-                  for w in waiting if not w.arrays}
+        hosted = {w.key: self.load(w.key, make) for w in waiting if not w.arrays}
         waiting = [w for w in waiting if w.arrays]
         sums = diskfile.device_sums([w.arrays for w in waiting]) if waiting else []
         if sums is None:  # no device sum here after all: each file checked on the host
