@@ -27,7 +27,8 @@ bare reads at 1-16 threads; arrays made from the read bytes (MLX's managed memor
 CUDA) then concatenated; MLX's own reader per file then concatenated, alone, after
 a host read and xxh3 (a CUDA restore of a file without a device checksum) and
 followed by the device checksum (one with: devsum.py), file by file or all the
-files together (what the backend does); one host-side
+files together; on CUDA, through pinned memory and a copy kernel (pinned.py), alone
+and then checked together (what the backend does); one host-side
 assembly then one array; the concatenation of blocks already on the device (250, and
 980: a 31k-token conversation), against one copy of the assembled state.
 
@@ -311,7 +312,7 @@ def paths_bench(args) -> None:
     import orjson
     import xxhash
 
-    from kvroute.backend import devsum
+    from kvroute.backend import devsum, pinned
 
     layers, heads, dim, b = 28, 4, 128, 32  # Qwen2.5-7B's KV shape, one block
     n = args.blocks
@@ -399,7 +400,7 @@ def paths_bench(args) -> None:
             timed("MLX's reader + device checksum + concatenate", threads,
                   lambda: concat(list(pool.map(device_checked_read, files))))
 
-    def checked_together(pool: ThreadPoolExecutor) -> None:  # the backend's CUDA restore now
+    def checked_together(pool: ThreadPoolExecutor) -> None:  # a CUDA restore before pinned.py
         parts = list(pool.map(mlx_read, files))
         devsum.checksums(parts)
         concat(parts)
@@ -408,6 +409,29 @@ def paths_bench(args) -> None:
         with ThreadPoolExecutor(threads) as pool:
             timed("MLX's reader, then device checksums together + concatenate", threads,
                   lambda: checked_together(pool))
+
+    def tensors(path: Path) -> tuple[dict, int]:
+        blob = path.read_bytes()
+        end = 8 + int.from_bytes(blob[:8], "little")
+        header = orjson.loads(blob[8:end])
+        header.pop("__metadata__", None)
+        return header, end
+
+    staging = pinned.Staging()
+    staging.warm()  # where CUDA cannot pin memory (a CPU, a Mac): these rows are left out
+    plans = [pinned.plan(p, *tensors(p)) for p in files]
+
+    def pinned_together(pool: ThreadPoolExecutor) -> None:  # the backend's CUDA restore now
+        parts = staging.load(plans, pool)
+        devsum.checksums(parts)
+        concat(parts)
+
+    for threads in ((4, 8, 16) if not staging.failed else ()):
+        with ThreadPoolExecutor(threads) as pool:
+            timed("pinned memory + copy kernel (pinned.py) + concatenate", threads,
+                  lambda: concat(staging.load(plans, pool)))
+            timed("pinned memory, then device checksums together + concatenate", threads,
+                  lambda: pinned_together(pool))
     # A layout with one K and one V array per layer (the tier stacks a block's layers
     # into one of each, as above): what the count of arrays costs MLX's reader.
     per_layer = [folder / f"{i}.layers.safetensors" for i in range(n)]
