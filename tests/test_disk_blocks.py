@@ -572,20 +572,3 @@ def test_on_cuda_block_files_mlxs_reader_fails_on_are_read_on_the_host(tmp_path,
     assert same_cache(restore(again, conversation(2) + [1]).cache, kv_of(conversation(2)))
     assert len(again.index) == 3  # nothing dropped
     again.close()
-
-
-def test_a_restore_hands_the_engine_a_view_made_off_its_thread(tmp_path):
-    """The request's private view of a restored state (its blocks concatenated) is
-    made and evaluated on a reader thread, handed to the engine once, and holds the
-    prompt's tokens exactly; a second request on the same file gets its own."""
-    write_three(tmp_path)[0].close()
-    again, _ = make_tier(tmp_path)
-    prompt = conversation(0) + [1]
-    first, second = restore(again, prompt), restore(again, prompt)
-    view = first.view
-    assert view is not None and second.view is not None and second.view[0].keys is not view[0].keys
-    hit = first.hit()
-    assert hit.cache is view and first.view is None
-    assert hit.tokens == len(conversation(0)) and same_cache(hit.cache, kv_of(conversation(0)))
-    assert first.hit().cache is not view  # asked again: assembled anew (no view twice)
-    again.close()

@@ -89,16 +89,14 @@ RESTORE_OVERHEAD = 0.005
 
 @dataclass
 class Restored:
-    """A state read from disk for one request, and the request's private view of it."""
+    """A state read from disk for one request; the engine makes its private view."""
 
     tokens: int  # the prompt's tokens it serves
     state: Paged  # shared by every request that hit the same file: never handed out
     held: int  # tokens the state holds (>= tokens)
-    view: list[Any] | None = None  # assembled and evaluated on a reader thread
 
     def hit(self) -> Hit:
-        view, self.view = self.view, None
-        return Hit(self.tokens, view if view is not None else self.state.assemble(self.tokens), None)
+        return Hit(self.tokens, self.state.assemble(self.tokens), None)
 
     @property
     def cache(self) -> list[Any]:
@@ -681,12 +679,7 @@ class DiskTier:
         state = await asyncio.shield(fut)  # one client leaving never cancels a shared read
         if state is None or state.tokens < n:
             return None
-        restored = Restored(n, state, state.tokens)
-        # The request's view (hundreds of blocks concatenated) is made here, not in the
-        # engine's first step, where it held every running request up for it.
-        restored.view = await asyncio.get_running_loop().run_in_executor(
-            self._readers, _view, state, n)
-        return restored
+        return Restored(n, state, state.tokens)
 
     def _read_bytes(self, record: Record, blocks: int) -> int:
         """Bytes a restore of `record`'s first `blocks` blocks reads: its own file, and
@@ -807,18 +800,6 @@ class DiskTier:
         m.l(m.disk_bytes).set(self.held_bytes)
         m.l(m.cache_blocks, tier="disk").set(len(self.blocks.files))
         m.l(m.disk_entries).set(len(self.index))
-
-
-def _view(state: Paged, n: int) -> list[Any] | None:
-    """The private cache of `state`'s first `n` tokens, evaluated (reader thread);
-    None where it cannot be made here (the engine makes it then)."""
-    try:
-        view = state.assemble(n)
-        mx.eval([c.state for c in view])
-        return view
-    except Exception:  # e.g. no memory for it now: the engine's admission weighs that
-        log.debug("disk cache: the restored view is left to the engine", exc_info=True)
-        return None
 
 
 def _blocks_for(record: Record, n: int) -> int:
