@@ -178,14 +178,14 @@ def run_backend(s: dict[str, Any]) -> int:
         # The name `kvroute serve` gives the demo model, from its one home in config.
         s["model_id"] = s["model_id"] or config.ModelSpec(
             path=config.DEMO, demo_variant=s["demo_variant"]).alias
-    run_async(serve(config.BackendConfig(**_fields_of(config.BackendConfig, s))))
+    code = run_async(serve(config.BackendConfig(**_fields_of(config.BackendConfig, s))))
     # The engine thread has stopped and synchronized its streams. Skip the
     # interpreter's teardown: destructors of MLX's CUDA backend run at exit in no
     # defined order and abort ("terminate called without an active exception").
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code or 0)
 
 
 def run_demo_model(args: dict[str, Any]) -> int:

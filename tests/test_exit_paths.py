@@ -264,3 +264,26 @@ def test_waiting_count_regression_returns_to_zero_after_a_burst(backend):
         assert set(pool.map(one, range(48))) == {200}
     wait_until(lambda: idle(backend), timeout=10, what="the engine to drain")
     assert backend.health()["engine"]["queued"] == 0
+
+
+def test_a_lost_gpu_fails_requests_with_503_and_the_backend_exits_to_be_restarted(text_model, tmp_path):
+    """After a CUDA error that leaves the GPU context unusable (an illegal memory
+    access: every later step and allocation fails the same way), a backend answers
+    what it holds with 503 (a proxy retries it elsewhere) and exits with status 70,
+    for `kvroute serve` or systemd to start a fresh process. This CPU has no GPU to
+    lose: the `device_lost` fault raises MLX's CUDA error from inside the decode step."""
+    from tests.harness.processes import BackendProcess
+
+    backend = BackendProcess(text_model, "demo", tmp_path, extra=["--enable-faults"])
+    backend.start()
+    try:
+        status, body = post_json(backend.url + "/v1/chat/completions",
+                                 {"model": "demo", "messages": conversation(),
+                                  "kvroute_fault": "device_lost:1"})
+        assert status == 503, body
+        assert body["error"]["type"] == "server_error" and "restarting" in body["error"]["message"]
+        wait_until(lambda: backend.proc.poll() is not None, 60, what="the backend to exit")
+        assert backend.proc.returncode == 70
+        assert "the GPU failed for good" in backend.log()
+    finally:
+        backend.stop()

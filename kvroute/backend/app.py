@@ -393,8 +393,9 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     state = _state(request)
-    return json_response({
-        "status": "ok",
+    lost = state.engine.lost  # the process is on its way out, to be restarted
+    body = {
+        "status": "gpu_failed" if lost else "ok",
         "backend_id": state.config.backend_id,
         "instance_id": state.instance_id,
         "pid": os.getpid(),
@@ -407,7 +408,10 @@ async def health(request: web.Request) -> web.Response:
         "grammars": _grammar_stats(state),
         # A model that takes images: images run through its encoder, and those held.
         "vision": state.vision.snapshot() if state.vision is not None else None,
-    })
+    }
+    if lost:
+        body["error"] = lost
+    return json_response(body, status=503 if lost else 200)
 
 
 def _grammar_stats(state: State) -> dict | None:

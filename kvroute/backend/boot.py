@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import socket
 import sys
 import time
@@ -18,7 +20,7 @@ from kvroute.core.registry import BackendRecord, Registry, new_instance_id
 
 from .app import State, create_app
 from .disk import open_disk_tier
-from .engine import Engine
+from .engine import EXIT_DEVICE_LOST, Engine
 from .grammar import Grammars
 from .metrics import BackendMetrics
 from .misses import Misses, template_opening
@@ -226,7 +228,8 @@ async def _first_sync(publishers: list[Publisher], timeout: float = 5.0) -> None
         await asyncio.sleep(0.02)
 
 
-async def serve(config: BackendConfig) -> None:
+async def serve(config: BackendConfig) -> int:
+    """Serve until stopped; the process's exit status (EXIT_DEVICE_LOST: restart it)."""
     socks = bind_sockets(config.host, config.port)  # the port is ours from now on
     state = await asyncio.to_thread(load_state, config)
     if state.device["kind"] != "cpu":
@@ -236,6 +239,9 @@ async def serve(config: BackendConfig) -> None:
                     "http://%s:%d, which they cannot reach", config.host, config.host, config.port)
     if not config.secret and config.redis_url:
         log.warning("no --secret set: prefix keys in Redis are salted with a public default")
+    # A lost GPU context (engine.device_lost): shut down as on SIGTERM, then exit with
+    # EXIT_DEVICE_LOST so that `kvroute serve` (or systemd) starts a fresh process.
+    state.engine.on_lost = lambda: os.kill(os.getpid(), signal.SIGTERM)
     state.engine.start()
     if not config.no_warmup:
         # Before the registry or a proxy hears of this backend: healthy means warm.
@@ -266,3 +272,4 @@ async def serve(config: BackendConfig) -> None:
     await asyncio.to_thread(state.engine.stop)
     if state.disk is not None:
         await asyncio.to_thread(state.disk.close)  # finishes the writes already queued
+    return EXIT_DEVICE_LOST if state.engine.lost else 0

@@ -60,6 +60,19 @@ GAUGE_PERIOD = 0.05  # seconds between gauge updates while only decoding
 # The CUDA-only warm-up (spread prompt lengths, one long prompt) at most: a 7B dense
 # model needs ~5 s of it on an H200 (a 64k-token prompt).
 WARM_CUDA_SECONDS = 30.0
+# CUDA errors after which a process's GPU context is unusable: every later call fails
+# the same way, so recovering a step serves nothing more (seen on an H100: "an illegal
+# memory access was encountered" from every step and every allocation after it).
+DEVICE_LOST = ("illegal memory access", "unspecified launch failure", "misaligned address",
+               "device-side assert", "illegal instruction", "hardware stack error",
+               "uncorrectable ecc error", "device has fallen off the bus")
+EXIT_DEVICE_LOST = 70  # the backend's exit status then (EX_SOFTWARE): restart it
+
+
+def device_lost(exc: BaseException) -> bool:
+    """Whether `exc` says this process's GPU context is gone for good."""
+    text = str(exc).lower()
+    return any(s in text for s in DEVICE_LOST)
 
 
 class Engine:
@@ -132,6 +145,8 @@ class Engine:
         self._submitted = 0
         self._taken = 0
         self._stopping = False
+        self.lost = ""  # why the GPU context is gone (device_lost): the engine has stopped
+        self.on_lost: Callable[[], None] = lambda: None  # then called once (engine thread)
         self._gauges_at = 0.0
         self._gauged_jobs = 0
         self._faults = False  # any job with a test fault admitted: look for delays
@@ -321,15 +336,19 @@ class Engine:
                 self._release_held()
                 if self._jobs:
                     self._step()
-            except Exception:
+            except Exception as exc:
                 log.exception("engine loop error; failing active requests")
-                self._fail_all("Internal engine error.")
-                self._gen = self._new_generator()
+                if device_lost(exc):
+                    self._lose_device(exc)
+                else:
+                    self._fail_all("Internal engine error.")
+                    self._gen = self._new_generator()
             finally:
                 self._flush()
         self._fail_all("The backend is shutting down.", status=503)
         self._flush()
-        mx.synchronize()  # this thread's streams are idle before the process may exit
+        if not self.lost:  # a lost context fails every call, this one too
+            mx.synchronize()  # this thread's streams are idle before the process may exit
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -588,7 +607,10 @@ class Engine:
                 prompt_responses, gen_responses = self._gen.next()
         except Exception as exc:
             log.exception("batch step failed")
-            self._recover(f"Generation failed: {exc}")
+            if device_lost(exc):
+                self._lose_device(exc)
+            else:
+                self._recover(f"Generation failed: {exc}")
             return
         if stats.prompt_tokens and stats.prompt_time > 0:
             rate = stats.prompt_tokens / stats.prompt_time
@@ -843,6 +865,31 @@ class Engine:
         for job in [*held, *self._jobs.values()]:
             self._fail(job, message, status)
         self._update_gauges()
+
+    def _lose_device(self, exc: BaseException) -> None:
+        """The GPU context is gone: every request here fails with a 503 (a proxy
+        retries it on another backend), the engine stops, and `on_lost` has the
+        process exit so that it is restarted (what it committed is in the disk tier,
+        where one is configured)."""
+        self.lost = str(exc)
+        log.critical("the GPU failed for good in this process (%s): failing its requests and "
+                     "exiting with status %d so that it is restarted", exc, EXIT_DEVICE_LOST)
+        self._stopping = True
+        message = "The backend's GPU failed; it is restarting. Retry the request."
+        self._fail_all(message, status=503)
+        while True:  # requests not yet taken: nothing will run them here
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and item[0] == "job":
+                self._taken += 1
+                self._fail(item[1], message, 503)
+            elif item is not None:
+                _, _, loop, fut = item
+                loop.call_soon_threadsafe(_settle, fut, None, RuntimeError(message))
+        self._flush()
+        self.on_lost()
 
     def _recover(self, message: str) -> None:
         """After a failed step the generator's state is unknown. Sequences that

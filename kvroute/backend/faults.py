@@ -2,6 +2,8 @@
 backend started with --enable-faults:
 
 - `decode_error[:N]`: the batched decode step fails after N steps (default 3);
+- `device_lost[:N]`: it fails after N steps as a CUDA step does once the GPU context is
+  gone ("an illegal memory access was encountered"): the backend exits to be restarted;
 - `force:TEXT`: the model replies TEXT then EOS;
 - `slow_prefill[:SECONDS]`: each prefill chunk takes that much longer (default 0.05).
 """
@@ -22,6 +24,9 @@ def logits_processors(fault: str | None, tokenizer: Any) -> list[Callable]:
     processors = []
     if fault and fault.startswith("decode_error"):
         processors.append(_fault_processor(fault))
+    if fault and fault.startswith("device_lost"):
+        processors.append(_fault_processor(fault, "cudaStreamSynchronize(stream_) failed: "
+                                                  "an illegal memory access was encountered"))
     if fault and fault.startswith("force:"):
         processors.append(_forcing_processor(fault.partition(":")[2], tokenizer))
     return processors
@@ -41,7 +46,7 @@ def _forcing_processor(text: str, tokenizer: Any) -> Callable:
     return processor
 
 
-def _fault_processor(spec: str) -> Callable:
+def _fault_processor(spec: str, message: str = "injected decode fault") -> Callable:
     # Test-only (enabled by --enable-faults): fail inside the batched decode step,
     # the path a real Metal/CUDA error or OOM would take.
     after = int(spec.partition(":")[2] or 3)
@@ -49,7 +54,7 @@ def _fault_processor(spec: str) -> Callable:
 
     def processor(tokens, logits):
         if next(calls) >= after:
-            raise RuntimeError("injected decode fault")
+            raise RuntimeError(message)
         return logits
 
     return processor
