@@ -572,3 +572,31 @@ def test_on_cuda_block_files_mlxs_reader_fails_on_are_read_on_the_host(tmp_path,
     assert same_cache(restore(again, conversation(2) + [1]).cache, kv_of(conversation(2)))
     assert len(again.index) == 3  # nothing dropped
     again.close()
+
+
+def test_a_restore_that_finds_no_device_memory_keeps_its_files(tmp_path, monkeypatch):
+    """Out of device memory mid-restore (or a lost GPU) is the device's trouble, not the
+    files': the request prefills instead, the record and its blocks stay, the pinned
+    path stays on, and a later restore serves them."""
+    from kvroute.backend import pinned
+    from tests.test_pinned import HostStaging
+
+    class Full(HostStaging):
+        full = True
+
+        def _load_part(self, files, readers):
+            if Full.full:
+                raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+            return super()._load_part(files, readers)
+
+    monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    monkeypatch.setattr(pinned, "Staging", Full)
+    write_three(tmp_path)[0].close()
+    before = sorted(p.name for p in tmp_path.rglob("*.safetensors"))
+    again, metrics = make_tier(tmp_path)
+    assert restore(again, conversation(0) + [1]) is None
+    assert sorted(p.name for p in tmp_path.rglob("*.safetensors")) == before
+    assert len(again.index) == 3 and not again.blocks.staging.failed
+    Full.full = False
+    assert same_cache(restore(again, conversation(0) + [1]).cache, kv_of(conversation(0)))
+    again.close()

@@ -60,6 +60,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvroute.core import disk_space
+from kvroute.core.accel import device_trouble
 from kvroute.core.sizes import format_bytes
 
 from . import diskfile, paged
@@ -706,6 +707,10 @@ class DiskTier:
             self._drop(path, exc.reason, str(exc))
             return None
         except Exception as exc:  # e.g. a cache class this mlx-lm does not know
+            if device_trouble(exc):  # no memory for it now, a lost GPU: the file is fine
+                log.warning("disk cache: could not restore %s now (%s); prefilling instead",
+                            record.name, exc)
+                return None
             self._remove(record.name, unlink=False)
             self._drop(path, "unloadable", repr(exc))
             return None

@@ -30,6 +30,8 @@ from typing import Any, Callable
 import orjson
 import xxhash
 
+from kvroute.core.accel import device_trouble
+
 from . import diskfile, pinned
 from .diskfile import BadRecord
 
@@ -233,6 +235,8 @@ class Blocks:
                 for (w, _), arrays in zip(staged, self.staging.load([p for _, p in staged], readers)):
                     w.arrays = arrays
             except (BadRecord, OSError, RuntimeError, ValueError) as exc:
+                if device_trouble(exc):  # out of memory now: this restore fails, files kept
+                    raise
                 # A file cut short or unreadable fails below, by the path that names it.
                 if isinstance(exc, (RuntimeError, ValueError)):
                     self.staging.fail(exc)

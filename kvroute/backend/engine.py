@@ -38,7 +38,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvroute.api.errors import APIError, overloaded, server_error
-from kvroute.core.accel import keep_wired_limit
+from kvroute.core.accel import device_lost, keep_wired_limit
 from kvroute.core.hits import is_cache_hit
 from kvroute.core.sizes import format_bytes
 
@@ -60,19 +60,7 @@ GAUGE_PERIOD = 0.05  # seconds between gauge updates while only decoding
 # The CUDA-only warm-up (spread prompt lengths, one long prompt) at most: a 7B dense
 # model needs ~5 s of it on an H200 (a 64k-token prompt).
 WARM_CUDA_SECONDS = 30.0
-# CUDA errors after which a process's GPU context is unusable: every later call fails
-# the same way, so recovering a step serves nothing more (seen on an H100: "an illegal
-# memory access was encountered" from every step and every allocation after it).
-DEVICE_LOST = ("illegal memory access", "unspecified launch failure", "misaligned address",
-               "device-side assert", "illegal instruction", "hardware stack error",
-               "uncorrectable ecc error", "device has fallen off the bus")
-EXIT_DEVICE_LOST = 70  # the backend's exit status then (EX_SOFTWARE): restart it
-
-
-def device_lost(exc: BaseException) -> bool:
-    """Whether `exc` says this process's GPU context is gone for good."""
-    text = str(exc).lower()
-    return any(s in text for s in DEVICE_LOST)
+EXIT_DEVICE_LOST = 70  # the backend's exit status once its GPU context is lost (EX_SOFTWARE)
 
 
 class Engine:

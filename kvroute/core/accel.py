@@ -87,6 +87,27 @@ def probe(timeout: float = 120.0) -> Accelerator:
         return Accelerator("cpu", "", physical_memory())
 
 
+# CUDA errors after which a process's GPU context is unusable: every later call fails
+# the same way (seen on an H100: "an illegal memory access was encountered" from every
+# step and every allocation after the first).
+DEVICE_LOST = ("illegal memory access", "unspecified launch failure", "misaligned address",
+               "device-side assert", "illegal instruction", "hardware stack error",
+               "uncorrectable ecc error", "device has fallen off the bus")
+
+
+def device_lost(exc: BaseException) -> bool:
+    """Whether `exc` says this process's GPU context is gone for good."""
+    text = str(exc).lower()
+    return any(s in text for s in DEVICE_LOST)
+
+
+def device_trouble(exc: BaseException) -> bool:
+    """Whether `exc` is the device's trouble rather than its input's: out of memory
+    now, or the context lost."""
+    text = str(exc).lower()
+    return device_lost(exc) or "out of memory" in text or "unable to allocate" in text
+
+
 def apply_limits(memory_limit: int, cache_limit: int) -> dict[str, int]:
     """Cap this process's MLX memory (0: leave MLX's default) and the buffer cache
     it keeps for reuse (0: a tenth of the memory limit, when there is one).
