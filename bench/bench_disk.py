@@ -420,6 +420,7 @@ def paths_bench(args) -> None:
     staging = pinned.Staging()
     staging.warm()  # where CUDA cannot pin memory (a CPU, a Mac): these rows are left out
     plans = [pinned.plan(p, *tensors(p)) for p in files]
+    assert all(plans), "a block file the pinned path cannot take"
 
     def pinned_together(pool: ThreadPoolExecutor) -> None:  # the backend's CUDA restore now
         parts = staging.load(plans, pool)

@@ -11,6 +11,16 @@ from kvroute.devtools import demo_model
 from tests.harness import BackendProcess, Database, SharedRedis
 
 
+@pytest.fixture(autouse=True)
+def no_pinned_memory(monkeypatch):
+    """Tests that force the disk tier's CUDA path on this CPU never ask a CUDA runtime
+    (one may be installed without a GPU) for pinned memory: their restores take MLX's
+    reader, and tests/test_pinned.py stands in for the pinned path."""
+    from kvroute.backend import pinned
+
+    monkeypatch.setattr(pinned, "cuda_runtime", lambda: None)
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     """One redis-server for the whole session. A module's fleet takes

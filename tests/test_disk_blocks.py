@@ -600,3 +600,18 @@ def test_a_restore_that_finds_no_device_memory_keeps_its_files(tmp_path, monkeyp
     Full.full = False
     assert same_cache(restore(again, conversation(0) + [1]).cache, kv_of(conversation(0)))
     again.close()
+
+
+def test_closing_without_writing_drops_what_waits_and_evicts_nothing(tmp_path):
+    """A backend whose GPU is lost closes its tier with write=False: writes would fail
+    (after evicting records to make room for them), so what waits is dropped and the
+    records on disk stay."""
+    tier, store = write_three(tmp_path)
+    before = sorted(p.name for p in tmp_path.rglob("*.safetensors"))
+    tier.busy = lambda: True  # an engine at work: new writes wait
+    fourth = HEAD + [7000 + j for j in range(3 * BLOCK_TOKENS)]
+    store.insert("m", fourth, kv_of(fourth), "finish", chain=[9])
+    wait_until(lambda: tier.stats()["write_queue"] == 1, 10, what="the write queued")
+    tier.close(write=False)
+    assert sorted(p.name for p in tmp_path.rglob("*.safetensors")) == before
+    assert len(tier.index) == 3

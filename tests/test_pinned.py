@@ -17,7 +17,9 @@ from kvroute.backend import pinned
 
 
 class HostStaging(pinned.Staging):
-    """A pinned.Staging with an ordinary buffer and a host copy for the kernel."""
+    """A pinned.Staging with an ordinary buffer and a host copy for the kernel, which
+    also checks that no byte a launch reads changes before its copies are waited for
+    (the GPU reads the buffer until then)."""
 
     launches = 0
 
@@ -25,6 +27,13 @@ class HostStaging(pinned.Staging):
         if self._host is None:
             self._host = np.zeros(self.nbytes, dtype=np.uint8)
             self._device = self._host.ctypes.data
+            self.reading: list[tuple[int, bytes]] = []
+
+    def _wait(self, arrays) -> None:
+        for at, seen in self.reading:
+            assert bytes(self._host[at:at + len(seen)]) == seen, "the buffer changed under a copy"
+        self.reading.clear()
+        super()._wait(arrays)
 
     def kernel(self):
         def launch(inputs, grid, threadgroup, output_shapes, output_dtypes):
@@ -39,6 +48,7 @@ class HostStaging(pinned.Staging):
                     outs.append(mx.zeros(shape, dtype=mx.uint32))
                     continue
                 assert at % pinned.ALIGN == 0 and shape == (words * pinned.ALIGN // 4,)
+                self.reading.append((at, bytes(self._host[at:at + words * pinned.ALIGN])))
                 outs.append(mx.array(self._host[at:at + words * pinned.ALIGN].view(np.uint32)))
             return outs
         return launch
@@ -131,9 +141,51 @@ def test_a_file_cut_short_fails_the_load(tmp_path):
         HostStaging().load(files, readers)
 
 
-def test_where_cuda_cannot_give_pinned_memory_the_staging_says_so_once(caplog, monkeypatch):
-    monkeypatch.setattr(pinned, "cuda_runtime", lambda: None)
-    staging = pinned.Staging()
+def test_a_file_larger_than_the_buffer_is_left_to_mlxs_reader(tmp_path):
+    path = write_files(tmp_path, 1)[0]
+    assert pinned.plan(path, *header_of(path), limit=1024) is None
+    assert pinned.plan(path, *header_of(path), limit=1 << 20) is not None
+
+
+def test_one_read_failing_lets_the_buffer_go_only_when_every_read_is_over(tmp_path):
+    """A read that fails must not leave others writing into the buffer the next
+    restore fills (its files would then fail their checksums, and be deleted)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths = write_files(tmp_path, 8)
+    files = [pinned.plan(p, *header_of(p)) for p in paths]
+    done, real_read = [], HostStaging._read
+
+    class Slow(HostStaging):
+        def _read(self, f):
+            if f is files[0]:
+                raise OSError("unreadable")
+            time.sleep(0.05)
+            real_read(self, f)
+            done.append(threading.get_ident())
+
+    with ThreadPoolExecutor(4) as readers, pytest.raises(OSError):
+        Slow().load(files, readers)
+    assert len(done) == 7  # the other reads had all ended when load raised
+
+
+@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()),
+                    reason="needs a CUDA GPU (pinned memory and the real copy kernel)")
+def test_on_a_gpu_the_copy_kernel_gives_what_mlxs_reader_does(tmp_path, monkeypatch):
+    from kvroute.core import accel
+
+    monkeypatch.setattr(pinned, "cuda_runtime", accel.cuda_runtime)
+    paths = write_files(tmp_path, 40)
+    staging = pinned.Staging(nbytes=1 << 16)  # in parts
+    staging.warm()
+    assert not staging.failed
+    assert same_as_mlx_reader(paths, load(staging, paths))
+
+
+def test_where_cuda_cannot_give_pinned_memory_the_staging_says_so_once(caplog):
+    staging = pinned.Staging()  # conftest: no CUDA runtime here
     staging.warm()
     staging.warm()
     assert staging.failed

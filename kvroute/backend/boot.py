@@ -270,6 +270,6 @@ async def serve(config: BackendConfig) -> int:
         await state.publisher.registry.close()
     await runner.cleanup()  # lets in-flight requests finish, up to shutdown_timeout
     await asyncio.to_thread(state.engine.stop)
-    if state.disk is not None:
-        await asyncio.to_thread(state.disk.close)  # finishes the writes already queued
+    if state.disk is not None:  # finishes the writes already queued (none on a lost GPU)
+        await asyncio.to_thread(state.disk.close, write=not state.engine.lost)
     return EXIT_DEVICE_LOST if state.engine.lost else 0

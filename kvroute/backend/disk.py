@@ -129,6 +129,7 @@ class DiskTier:
         self.idle_wait = IDLE_WAIT
         self.max_delay = MAX_DELAY
         self._closing = False
+        self._abandon = False  # closing without writing what waits (close(write=False))
         self._deferred: deque = deque()  # "write" and "drop" items waiting for an idle engine
         self._idle_from: float | None = None  # when the engine was last seen going idle
         self._file_from = 0.0  # when the block file being written began (its pace)
@@ -237,10 +238,13 @@ class DiskTier:
             log.warning("disk cache: %s is not writable (%s: %s); serving its files, "
                         "writes go to RAM only", self.directory, reason, exc.strerror or exc)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Finish the writes already queued (up to `timeout`), then stop."""
+    def close(self, timeout: float = 10.0, write: bool = True) -> None:
+        """Finish the writes already queued (up to `timeout`), then stop; with `write`
+        False (the GPU is lost: every write would fail, after evicting records to make
+        room for it) drop them instead."""
         if self.enabled:
             self._closing = True
+            self._abandon = not write
             self._queue.put(None)
             self._writer.join(timeout)
         self._readers.shutdown(wait=False, cancel_futures=True)
@@ -409,7 +413,7 @@ class DiskTier:
                 item = self._queue.get(timeout=POLL if self._deferred else None)
             except queue.Empty:
                 item = ()
-            if item is None:  # closing: what waits is written now
+            if item is None:  # closing: what waits is written now (or dropped: _handle)
                 while self._deferred:
                     self._handle(self._deferred.popleft())
                 return
@@ -431,6 +435,8 @@ class DiskTier:
 
     def _handle(self, item: Any) -> None:
         kind, payload = item[0], item[1]
+        if self._abandon and kind != "drop":
+            return
         self._writing = 1
         try:
             if kind == "write":
@@ -493,7 +499,7 @@ class DiskTier:
         """Write `entry` as a record (its new blocks first); the records it extends are
         removed once it is in place: a restored conversation's next turn, or a whole
         entry, replaces the file it grew from (their chain keys become its own)."""
-        if entry.nbytes > self.budget_bytes:
+        if entry.nbytes > self.budget_bytes or self._abandon:
             return False
         with self.lock:
             extended = [r for r in self.index.values() if _extends(entry, r)]
@@ -707,6 +713,8 @@ class DiskTier:
             self._drop(path, exc.reason, str(exc))
             return None
         except Exception as exc:  # e.g. a cache class this mlx-lm does not know
+            if self._closing:  # its readers are shut down: nothing is wrong with the file
+                return None
             if device_trouble(exc):  # no memory for it now, a lost GPU: the file is fine
                 log.warning("disk cache: could not restore %s now (%s); prefilling instead",
                             record.name, exc)

@@ -81,7 +81,7 @@ class Blocks:
         # A block the RAM store holds, by key (its pool's dict lookup): the same KV, not
         # read again. Blocks are immutable, so a reader thread may take one.
         self.in_ram: Any = lambda key: None
-        self.staging = pinned.Staging()  # CUDA restores' pinned buffer (made at the first)
+        self.staging = pinned.Staging()  # CUDA restores' pinned buffer (made when the tier opens)
 
     def open(self) -> None:
         """Index the folder by its file names (headers are checked when read)."""
@@ -228,7 +228,8 @@ class Blocks:
         """Their arrays onto the device: through pinned memory where it works here,
         the rest (or all, where it fails) by MLX's reader."""
         plans = [] if self.staging.failed else [
-            pinned.plan(self.directory / w.file.name, w.header, w.offset) for w in waiting]
+            pinned.plan(self.directory / w.file.name, w.header, w.offset, self.staging.nbytes)
+            for w in waiting]
         staged = [(w, p) for w, p in zip(waiting, plans) if p is not None]
         if staged:
             try:

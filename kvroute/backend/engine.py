@@ -61,6 +61,7 @@ GAUGE_PERIOD = 0.05  # seconds between gauge updates while only decoding
 # model needs ~5 s of it on an H200 (a 64k-token prompt).
 WARM_CUDA_SECONDS = 30.0
 EXIT_DEVICE_LOST = 70  # the backend's exit status once its GPU context is lost (EX_SOFTWARE)
+LOST_MESSAGE = "The backend's GPU failed; it is restarting. Retry the request."
 
 
 class Engine:
@@ -170,6 +171,8 @@ class Engine:
         return self.waiting + len(self._jobs)
 
     def submit(self, job: Job) -> None:
+        if self.lost:
+            raise APIError(503, LOST_MESSAGE, "server_error")
         if self.queue_depth >= self.max_queue:
             raise overloaded(f"The backend queue is full ({self.max_queue} requests).")
         self._submitted += 1
@@ -178,6 +181,8 @@ class Engine:
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread (the only one allowed to read caches)."""
+        if self.lost:
+            raise RuntimeError(LOST_MESSAGE)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._inbox.put(("call", fn, loop, fut))
@@ -334,6 +339,8 @@ class Engine:
             finally:
                 self._flush()
         self._fail_all("The backend is shutting down.", status=503)
+        if self.lost:  # what arrived while it was being lost
+            self._fail_inbox()
         self._flush()
         if not self.lost:  # a lost context fails every call, this one too
             mx.synchronize()  # this thread's streams are idle before the process may exit
@@ -856,28 +863,31 @@ class Engine:
 
     def _lose_device(self, exc: BaseException) -> None:
         """The GPU context is gone: every request here fails with a 503 (a proxy
-        retries it on another backend), the engine stops, and `on_lost` has the
-        process exit so that it is restarted (what it committed is in the disk tier,
-        where one is configured)."""
+        retries it on another backend), as does every later one, the engine stops,
+        and `on_lost` has the process exit so that it is restarted (what it wrote to
+        its disk tier, where one is configured, is there for its successor)."""
         self.lost = str(exc)
         log.critical("the GPU failed for good in this process (%s): failing its requests and "
                      "exiting with status %d so that it is restarted", exc, EXIT_DEVICE_LOST)
         self._stopping = True
-        message = "The backend's GPU failed; it is restarting. Retry the request."
-        self._fail_all(message, status=503)
-        while True:  # requests not yet taken: nothing will run them here
+        self._fail_all(LOST_MESSAGE, status=503)
+        self._fail_inbox()
+        self._flush()
+        self.on_lost()
+
+    def _fail_inbox(self) -> None:
+        """Requests and calls not yet taken, once the GPU is lost: nothing runs them."""
+        while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return
             if item is not None and item[0] == "job":
                 self._taken += 1
-                self._fail(item[1], message, 503)
+                self._fail(item[1], LOST_MESSAGE, 503)
             elif item is not None:
                 _, _, loop, fut = item
-                loop.call_soon_threadsafe(_settle, fut, None, RuntimeError(message))
-        self._flush()
-        self.on_lost()
+                loop.call_soon_threadsafe(_settle, fut, None, RuntimeError(LOST_MESSAGE))
 
     def _recover(self, message: str) -> None:
         """After a failed step the generator's state is unknown. Sequences that

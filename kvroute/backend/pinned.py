@@ -7,12 +7,14 @@ a 7B model (470 MB) spent ~0.16 s there, longer than the rest of its turn.
 
 Here reader threads read the files' tensor bytes into one page-locked, device-mapped
 buffer, and one small kernel per batch of tensors copies them into device arrays,
-reading the host memory across the bus. The buffer is reused restore after restore
-(`STAGING_BYTES`, allocated at the first restore; a larger restore goes through it in
-parts). A file it cannot take (a tensor whose size or offset is not a multiple of 16
-bytes, no CUDA runtime, no pinned memory) gets `None`: the caller loads it with MLX's
-reader as before. The bytes are checked where they land, by the caller's device
-checksum, exactly as for MLX's reader.
+reading the host memory across the bus. The buffer (`STAGING_BYTES`) is made when the
+disk tier opens, with the kernel, and reused restore after restore; a larger restore
+goes through it in parts. A file it cannot take (a tensor whose size or offset is not
+a multiple of 16 bytes, a file larger than the buffer) gets no plan: the caller loads
+it with MLX's reader. Where the path cannot work at all (no CUDA runtime to ask for
+pinned memory, a kernel MLX cannot build) it fails once and every file goes through
+MLX's reader. The bytes are checked where they land, by the caller's device checksum,
+exactly as for MLX's reader.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import ctypes
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,20 +57,21 @@ class File:
     at: int = 0  # where its bytes sit in the buffer
 
 
-def plan(path: Path, header: dict, data_offset: int) -> File | None:
+def plan(path: Path, header: dict, data_offset: int, limit: int = STAGING_BYTES) -> File | None:
     """A file's tensors as this path copies them, or None where it cannot (a tensor's
-    size or place not a multiple of `ALIGN`, an empty one, too big for the buffer)."""
+    size or place not a multiple of `ALIGN`, an empty one, a dtype it does not know,
+    more than `limit` bytes: the buffer's size)."""
     tensors = []
     for name, t in header.items():
         a, b = t["data_offsets"]
-        if b <= a or a % ALIGN or (b - a) % ALIGN:
+        if b <= a or a % ALIGN or (b - a) % ALIGN or t["dtype"] not in DTYPES:
             return None
         tensors.append(Tensor(name, t["dtype"], list(t["shape"]), data_offset + a, b - a))
     if not tensors:
         return None
     start = min(t.start for t in tensors)
     nbytes = max(t.start + t.nbytes for t in tensors) - start
-    if nbytes > STAGING_BYTES:
+    if nbytes > limit:
         return None
     return File(path, tensors, start, nbytes)
 
@@ -98,13 +101,11 @@ class Staging:
     def warm(self) -> None:
         """The buffer and the copy kernel made now, not in the first restore's time
         (~0.3 s and ~1.7 s on an H100 host)."""
-        import mlx.core as mx
-
         try:
             with self._lock:
                 self._open()
                 f = File(Path(), [Tensor("w", "U32", [ALIGN // 4], 0, ALIGN)], 0, ALIGN)
-                mx.eval(self._copy([(f, f.tensors[0])]))
+                self._wait(self._copy([(f, f.tensors[0])]))
         except Exception as exc:  # whatever it is, restores fall back to MLX's reader
             self.fail(exc)
 
@@ -139,6 +140,8 @@ class Staging:
         parts: list[list[File]] = [[]]
         at = 0
         for f in files:
+            if f.nbytes > self.nbytes:  # `plan` with this buffer's size leaves it out
+                raise ValueError(f"{f.path.name}: {f.nbytes} bytes, the buffer holds {self.nbytes}")
             if at + f.nbytes > self.nbytes:
                 parts.append([])
                 at = 0
@@ -150,17 +153,33 @@ class Staging:
     def _load_part(self, files: list[File], readers: ThreadPoolExecutor) -> list[dict[str, Any]]:
         import mlx.core as mx
 
-        list(readers.map(self._read, files))
+        reads = [readers.submit(self._read, f) for f in files]
+        wait(reads)  # every read is over before one's failure lets the buffer go
+        for r in reads:
+            r.result()
         tensors = [(f, t) for f in files for t in f.tensors]
-        words: list[Any] = []
-        for i in range(0, len(tensors), BATCH):
-            words += self._copy(tensors[i:i + BATCH])
-        arrays: list[dict[str, Any]] = [{} for _ in files]
-        index = {id(f): i for i, f in enumerate(files)}
-        for (f, t), w in zip(tensors, words):
-            arrays[index[id(f)]][t.name] = w.view(getattr(mx, DTYPES[t.dtype])).reshape(t.shape)
-        mx.eval([a for d in arrays for a in d.values()])  # the buffer is free again after this
+        try:
+            words: list[Any] = []
+            for i in range(0, len(tensors), BATCH):
+                words += self._copy(tensors[i:i + BATCH])
+            arrays: list[dict[str, Any]] = [{} for _ in files]
+            index = {id(f): i for i, f in enumerate(files)}
+            for (f, t), w in zip(tensors, words):
+                arrays[index[id(f)]][t.name] = w.view(getattr(mx, DTYPES[t.dtype])).reshape(t.shape)
+            self._wait([a for d in arrays for a in d.values()])
+        except BaseException:
+            try:  # copies launched before the failure may still read the buffer
+                mx.synchronize()
+            except Exception:
+                pass
+            raise
         return arrays
+
+    def _wait(self, arrays: list[Any]) -> None:
+        """Until the copies into `arrays` are done: the buffer is free again after."""
+        import mlx.core as mx
+
+        mx.eval(arrays)
 
     def _read(self, f: File) -> None:
         fd = os.open(f.path, os.O_RDONLY)

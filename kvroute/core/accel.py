@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Iterator
 
 
 @dataclass
@@ -27,29 +27,33 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def cuda_runtime() -> Any:
-    """The CUDA runtime library (ctypes), the one MLX has loaded where it has; None
-    where there is none."""
+def cuda_runtimes() -> Iterator[Any]:
+    """The CUDA runtime libraries here (ctypes), the ones this process has loaded
+    already (MLX's) first."""
     import ctypes
 
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    return None
+    names = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
+    for mode in (os.RTLD_NOLOAD | os.RTLD_LAZY, ctypes.DEFAULT_MODE):
+        for name in names:
+            try:
+                yield ctypes.CDLL(name, mode=mode)
+            except OSError:
+                continue
+
+
+def cuda_runtime() -> Any:
+    """The CUDA runtime MLX has loaded (else the first one here); None where none is."""
+    return next(cuda_runtimes(), None)
 
 
 def cuda_memory() -> int:
     """The CUDA card's own memory in bytes (0: unknown). MLX 0.32 reports the host's
     RAM as a CUDA device's `memory_size` (its allocator can use managed memory): on an
     80 GB H100 in a 128 GB host it said 125.8 GiB, and two replicas sized by it ran
-    out of device memory mid-request. Asked of the CUDA runtime MLX has loaded, else
-    of nvidia-smi."""
+    out of device memory mid-request. Asked of the CUDA runtime, else of nvidia-smi."""
     import ctypes
 
-    runtime = cuda_runtime()
-    if runtime is not None:
+    for runtime in cuda_runtimes():
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         if runtime.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) == 0 and total.value:
             return int(total.value)
