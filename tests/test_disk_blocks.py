@@ -500,20 +500,28 @@ def test_on_cuda_blocks_with_and_without_a_device_checksum_restore_together(tmp_
     again.close()
 
 
+def three_on_cuda(folder: Path, monkeypatch, staging: type) -> list:
+    """Three conversations written on "CUDA" (forced on this CPU), restores staged by
+    `staging` (a stand-in for pinned.Staging); the files MLX's reader loads from now."""
+    import mlx.core as mx
+    from kvroute.backend import pinned
+
+    monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    monkeypatch.setattr(pinned, "Staging", staging)
+    write_three(folder)[0].close()
+    loads: list = []
+    real_load = mx.load
+    monkeypatch.setattr(mx, "load", lambda path, *a, **kw: loads.append(path) or real_load(path, *a, **kw))
+    return loads
+
+
 def test_on_cuda_a_restore_loads_its_blocks_through_pinned_memory(tmp_path, monkeypatch):
     """On CUDA a restore's block files go onto the device through the pinned buffer
     (pinned.py; its CUDA parts stood in for by test_pinned.HostStaging: no GPU here),
     MLX's reader loading only the record, and answer as the conversation's own KV."""
-    import mlx.core as mx
-    from kvroute.backend import pinned
     from tests.test_pinned import HostStaging
 
-    monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
-    monkeypatch.setattr(pinned, "Staging", HostStaging)
-    write_three(tmp_path)[0].close()
-    loads = []
-    real_load = mx.load
-    monkeypatch.setattr(mx, "load", lambda path, *a, **kw: loads.append(path) or real_load(path, *a, **kw))
+    loads = three_on_cuda(tmp_path, monkeypatch, HostStaging)
     HostStaging.launches = 0
     again, _ = make_tier(tmp_path)
     found = restore(again, conversation(0) + [1])
@@ -526,20 +534,13 @@ def test_on_cuda_a_restore_loads_its_blocks_through_pinned_memory(tmp_path, monk
 def test_on_cuda_when_pinned_memory_fails_restores_use_mlxs_reader(tmp_path, monkeypatch, caplog):
     """Should the pinned path fail in a restore (a kernel MLX cannot build here, say),
     that restore and every later one load through MLX's reader, said once."""
-    import mlx.core as mx
-    from kvroute.backend import pinned
     from tests.test_pinned import HostStaging
 
     class Broken(HostStaging):
         def _load_part(self, files, readers):
             raise RuntimeError("no kernel here")
 
-    monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
-    monkeypatch.setattr(pinned, "Staging", Broken)
-    write_three(tmp_path)[0].close()
-    loads = []
-    real_load = mx.load
-    monkeypatch.setattr(mx, "load", lambda path, *a, **kw: loads.append(path) or real_load(path, *a, **kw))
+    loads = three_on_cuda(tmp_path, monkeypatch, Broken)
     again, _ = make_tier(tmp_path)
     assert same_cache(restore(again, conversation(0) + [1]).cache, kv_of(conversation(0)))
     assert len(loads) == 1 + 10 and again.blocks.staging.failed
