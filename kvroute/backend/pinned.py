@@ -31,7 +31,7 @@ from typing import Any
 from ..core.accel import cuda_runtime
 from .diskfile import DTYPES, pread_into
 
-log = logging.getLogger("kvroute.disk")
+log = logging.getLogger("kvroute.backend.disk")
 
 STAGING_BYTES = 256 << 20  # page-locked host memory a backend keeps for restores
 BATCH = 16  # tensors one kernel launch copies
