@@ -413,7 +413,7 @@ class DiskTier:
                 item = self._queue.get(timeout=POLL if self._deferred else None)
             except queue.Empty:
                 item = ()
-            if item is None:  # closing: what waits is written now (or dropped: _handle)
+            if item is None:  # closing: what waits is written now (or dropped: _write)
                 while self._deferred:
                     self._handle(self._deferred.popleft())
                 return
@@ -435,8 +435,6 @@ class DiskTier:
 
     def _handle(self, item: Any) -> None:
         kind, payload = item[0], item[1]
-        if self._abandon and kind != "drop":
-            return
         self._writing = 1
         try:
             if kind == "write":

@@ -331,9 +331,9 @@ def page(cache: list[Any], tokens: np.ndarray, root: int, pool: Pool) -> Paged:
     n, groups = len(tokens), _groups(paged)
     full = (n - 1) // BLOCK_TOKENS
     keys = block_keys(root, tokens, full)
-    found = {i: kv for i, key in enumerate(keys)
-             if key not in pool.blocks and (kv := _adoptable(pool, key, paged, groups)) is not None}
-    new = [i for i, key in enumerate(keys) if key not in pool.blocks and i not in found]
+    missing = [i for i, key in enumerate(keys) if key not in pool.blocks]
+    found = {i: kv for i in missing if (kv := _adoptable(pool, keys[i], paged, groups)) is not None}
+    new = [i for i in missing if i not in found]
     pieces = _new_blocks(paged, groups, new[0], full) if new else {}
     pieces.update(found)
     blocks = [pool.acquire(key, lambda i=i: pieces[i]) for i, key in enumerate(keys)]

@@ -158,14 +158,14 @@ class Staging:
         for r in reads:
             r.result()
         tensors = [(f, t) for f in files for t in f.tensors]
+        owner = [i for i, f in enumerate(files) for _ in f.tensors]
         try:
             words: list[Any] = []
             for i in range(0, len(tensors), BATCH):
                 words += self._copy(tensors[i:i + BATCH])
             arrays: list[dict[str, Any]] = [{} for _ in files]
-            index = {id(f): i for i, f in enumerate(files)}
-            for (f, t), w in zip(tensors, words):
-                arrays[index[id(f)]][t.name] = w.view(getattr(mx, DTYPES[t.dtype])).reshape(t.shape)
+            for i, (_, t), w in zip(owner, tensors, words):
+                arrays[i][t.name] = w.view(getattr(mx, DTYPES[t.dtype])).reshape(t.shape)
             self._wait([a for d in arrays for a in d.values()])
         except BaseException:
             try:  # copies launched before the failure may still read the buffer

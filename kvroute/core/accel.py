@@ -29,16 +29,20 @@ def physical_memory() -> int:
 
 def cuda_runtimes() -> Iterator[Any]:
     """The CUDA runtime libraries here (ctypes), the ones this process has loaded
-    already (MLX's) first."""
+    already (MLX's) first, each once."""
     import ctypes
 
     names = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
+    seen: set[int] = set()
     for mode in (os.RTLD_NOLOAD | os.RTLD_LAZY, ctypes.DEFAULT_MODE):
         for name in names:
             try:
-                yield ctypes.CDLL(name, mode=mode)
+                lib = ctypes.CDLL(name, mode=mode)
             except OSError:
                 continue
+            if lib._handle not in seen:  # one library by several names or both passes
+                seen.add(lib._handle)
+                yield lib
 
 
 def cuda_runtime() -> Any:
