@@ -28,7 +28,7 @@ CUDA) then concatenated; MLX's own reader per file then concatenated, alone, aft
 a host read and xxh3 (a CUDA restore of a file without a device checksum) and
 followed by the device checksum (one with: devsum.py), file by file or all the
 files together; on CUDA, through pinned memory and a copy kernel (pinned.py), alone
-and then checked together (what the backend does); one host-side
+and each file checked by its xxh3 where it lands (what the backend does); one host-side
 assembly then one array; the concatenation of blocks already on the device (250, and
 980: a 31k-token conversation), against one copy of the assembled state.
 
@@ -410,29 +410,26 @@ def paths_bench(args) -> None:
             timed("MLX's reader, then device checksums together + concatenate", threads,
                   lambda: checked_together(pool))
 
-    def tensors(path: Path) -> tuple[dict, int]:
-        blob = path.read_bytes()
-        end = 8 + int.from_bytes(blob[:8], "little")
-        header = orjson.loads(blob[8:end])
-        header.pop("__metadata__", None)
-        return header, end
-
     staging = pinned.Staging()
     staging.warm()  # where CUDA cannot pin memory (a CPU, a Mac): these rows are left out
-    plans = [pinned.plan(p, *tensors(p)) for p in files]
-    assert all(plans), "a block file the pinned path cannot take"
+    plans = [pinned.File(p, p.stat().st_size) for p in files]
 
-    def pinned_together(pool: ThreadPoolExecutor) -> None:  # the backend's CUDA restore now
-        parts = staging.load(plans, pool)
-        devsum.checksums(parts)
+    def checked_fill(f: pinned.File, view: memoryview) -> tuple[dict, int]:
+        header, offset = pinned.plain_fill(f, view)
+        xxhash.xxh3_64(view).hexdigest()  # as the backend checks a block file
+        return header, offset
+
+    def pinned_load(pool: ThreadPoolExecutor, fill=pinned.plain_fill) -> None:
+        parts = staging.load(plans, pool, fill)
+        assert all(p is not None for p in parts), "a block file the pinned path cannot take"
         concat(parts)
 
     for threads in ((4, 8, 16) if not staging.failed else ()):
         with ThreadPoolExecutor(threads) as pool:
             timed("pinned memory + copy kernel (pinned.py) + concatenate", threads,
-                  lambda: concat(staging.load(plans, pool)))
-            timed("pinned memory, then device checksums together + concatenate", threads,
-                  lambda: pinned_together(pool))
+                  lambda: pinned_load(pool))
+            timed("pinned memory + xxh3 where it lands (the backend's restore) + concatenate",
+                  threads, lambda: pinned_load(pool, checked_fill))
     # A layout with one K and one V array per layer (the tier stacks a block's layers
     # into one of each, as above): what the count of arrays costs MLX's reader.
     per_layer = [folder / f"{i}.layers.safetensors" for i in range(n)]

@@ -284,6 +284,8 @@ def turn2_ttft(url: str, model: str, tok, size: int, repeat: int, part: int,
     for name in ("disk_writes", "disk_paced", "disk_queue"):  # per turn 2
         if name in split:
             out[name] = split[name] / repeat
+    if "hot_hits" in split:
+        out["hot_hits"], out["repeat"] = split["hot_hits"], repeat
     return out
 
 
@@ -422,6 +424,8 @@ class Stack:
         proxy's time before forwarding."""
         backends = [get(b + "/metrics", {"x-kvroute-token": TOKEN}).decode()
                     for b in self.backends()]
+        caches = [json.loads(get(b + "/health", {"x-kvroute-token": TOKEN}))["cache"]
+                  for b in self.backends()]
         proxy = get(self.url + "/metrics").decode()
         hit = {"cached": "true"}
         return {"engine_ttft": sum(metric_sum(t, "kvroute_backend_ttft_seconds_sum", **hit)
@@ -444,7 +448,9 @@ class Stack:
                 "disk_paced": sum(metric_sum(t, "kvroute_backend_disk_write_paced_seconds_total")
                                   for t in backends),
                 "disk_queue": sum(metric_sum(t, "kvroute_backend_disk_write_queue")
-                                  for t in backends)}
+                                  for t in backends),
+                # Hits that started from a finished turn's contiguous copy, not its blocks.
+                "hot_hits": sum(c.get("hot_hits", 0) for c in caches)}
 
     def stop(self) -> int | None:
         return self.proc.stop() if self.proc else None
@@ -615,6 +621,8 @@ def report(args, got: dict) -> str:
                          f"{secs(t2.get('backend_queue', 0.0))}), proxy before forwarding "
                          f"{secs(t2.get('proxy_overhead', 0.0))}, the rest "
                          f"{secs(t2['ttft'] - t2['engine_ttft'] - t2.get('proxy_overhead', 0.0))}"
+                         + (f"; {t2['hot_hits']:.0f} of {t2['repeat']} from the turn's hot copy"
+                            if "hot_hits" in t2 else "")
                          + (f"; the disk writers: {t2['disk_queue']:.1f} items queued before it, "
                             f"{t2['disk_writes']:.1f} writes ended and {t2['disk_paced']:.3f} s "
                             f"paced during it" if "disk_queue" in t2 else ""),
@@ -644,6 +652,9 @@ def report(args, got: dict) -> str:
                 nd["cold"].get(str(big), nd["cold"].get(big)), secs, "<= 1.05x")
             add("disk tier on: turn 2 (off)", kv["turn2"]["ttft"], nd["turn2"]["ttft"], secs,
                 "<= 1.05x")
+            if "hot_hits" in kv["turn2"] and "hot_hits" in nd["turn2"]:
+                rows.append(("", f"from the turn's hot copy: {kv['turn2']['hot_hits']:.0f} of "
+                             f"{kv['turn2']['repeat']} (off: {nd['turn2']['hot_hits']:.0f})", "", "", ""))
             add("disk tier on: decode 8 via the proxy (off)", kv["decode8"], nd["decode8"], rate,
                 ">= 0.95x")
             add("disk tier on: agents' turns 2-4 TTFT (off)", kv["agents"]["ttft_turns_2_4"],

@@ -57,12 +57,19 @@ def same_state(a: list, b: list) -> bool:
     return len(a) == len(b)
 
 
-@pytest.fixture(params=["host", "cuda"])
+@pytest.fixture(params=["host", "cuda", "pinned"])
 def read_path(request, monkeypatch):
-    """As on a CPU or a Mac, and as on CUDA (the checked file loaded again by MLX's
-    reader, into device memory there), the latter run on this CPU."""
-    if request.param == "cuda":
+    """As on a CPU or a Mac, as on CUDA (the checked file loaded again by MLX's
+    reader, into device memory there), and as on CUDA with pinned memory (block files
+    through pinned.py, its CUDA parts stood in for by test_pinned.HostStaging), the
+    latter two run on this CPU."""
+    if request.param != "host":
         monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
+    if request.param == "pinned":
+        from kvroute.backend import pinned
+        from tests.test_pinned import HostStaging
+
+        monkeypatch.setattr(pinned, "Staging", HostStaging)
     return request.param
 
 

@@ -531,13 +531,47 @@ def test_on_cuda_a_restore_loads_its_blocks_through_pinned_memory(tmp_path, monk
     again.close()
 
 
+def test_on_cuda_with_pinned_memory_a_block_file_is_read_once_and_checked_as_it_lands(tmp_path, monkeypatch):
+    """Through pinned memory a block file is read whole, once, and checked on the host
+    against its name's xxh3 where the copy kernel takes it from: no header read
+    before, no device checksum after (the record alone, loaded by MLX's reader, is
+    summed there). Damaged bytes are found, and every damaged file goes."""
+    from kvroute.backend import devsum
+    from tests.test_pinned import HostStaging
+
+    three_on_cuda(tmp_path, monkeypatch, HostStaging)
+    heads, summed = [], []
+    real_head, real_sums = diskfile.read_head, devsum.checksums
+    monkeypatch.setattr(diskfile, "read_head", lambda path, *a: heads.append(path) or real_head(path, *a))
+    monkeypatch.setattr(devsum, "checksums", lambda files: summed.append(len(files)) or real_sums(files))
+    again, _ = make_tier(tmp_path)
+    assert same_cache(restore(again, conversation(0) + [1]).cache, kv_of(conversation(0)))
+    assert not [p for p in heads if p.name.endswith(diskblocks.SUFFIX)]
+    assert summed == [1] and again.stats()["block_reads"] == 10
+    again.close()
+
+    before = {p.name for p in block_files(tmp_path)}
+    first, second = block_keys(root_key("m", None), np.asarray(HEAD, dtype=np.int32), 2)
+    damaged = [p for key in (first, second) for p in block_files(tmp_path) if p.name.startswith(f"{key:016x}.")]
+    for path, at in zip(damaged, (-3, -5)):  # two damaged blocks in one restore
+        data = bytearray(path.read_bytes())
+        data[at] ^= 0x01
+        path.write_bytes(bytes(data))
+    third, metrics = make_tier(tmp_path)
+    assert restore(third, conversation(1) + [1]) is None  # never served from damaged bytes
+    assert metrics.disk_dropped.labels(model="m", backend="b", reason="corrupt")._value.get() == 1
+    gone = before - {p.name for p in block_files(tmp_path)}
+    assert {p.name for p in damaged} <= gone and len(gone) == 2 + 2
+    third.close()
+
+
 def test_on_cuda_when_pinned_memory_fails_restores_use_mlxs_reader(tmp_path, monkeypatch, caplog):
     """Should the pinned path fail in a restore (a kernel MLX cannot build here, say),
     that restore and every later one load through MLX's reader, said once."""
     from tests.test_pinned import HostStaging
 
     class Broken(HostStaging):
-        def _load_part(self, files, readers):
+        def _read_part(self, part, readers, fill):
             raise RuntimeError("no kernel here")
 
     loads = three_on_cuda(tmp_path, monkeypatch, Broken)
@@ -585,10 +619,10 @@ def test_a_restore_that_finds_no_device_memory_keeps_its_files(tmp_path, monkeyp
     class Full(HostStaging):
         full = True
 
-        def _load_part(self, files, readers):
+        def _read_part(self, part, readers, fill):
             if Full.full:
                 raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
-            return super()._load_part(files, readers)
+            return super()._read_part(part, readers, fill)
 
     monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
     monkeypatch.setattr(pinned, "Staging", Full)

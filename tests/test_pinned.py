@@ -19,7 +19,7 @@ from kvroute.backend import pinned
 class HostStaging(pinned.Staging):
     """A pinned.Staging with an ordinary buffer and a host copy for the kernel, which
     also checks that no byte a launch reads changes before its copies are waited for
-    (the GPU reads the buffer until then)."""
+    (the GPU reads the buffer until then), and that a load waits for all of them."""
 
     launches = 0
 
@@ -27,12 +27,18 @@ class HostStaging(pinned.Staging):
         if self._host is None:
             self._host = np.zeros(self.nbytes, dtype=np.uint8)
             self._device = self._host.ctypes.data
-            self.reading: list[tuple[int, bytes]] = []
+            self.reading: list[tuple[int, bytes, object]] = []
+
+    def load(self, *args, **kwargs):
+        out = super().load(*args, **kwargs)
+        assert not self.reading, "a load returned before its copies were waited for"
+        return out
 
     def _wait(self, arrays) -> None:
-        for at, seen in self.reading:
+        waited = {id(a) for a in arrays}
+        for at, seen, out in [r for r in self.reading if id(r[2]) in waited]:
             assert bytes(self._host[at:at + len(seen)]) == seen, "the buffer changed under a copy"
-        self.reading.clear()
+        self.reading = [r for r in self.reading if id(r[2]) not in waited]
         super()._wait(arrays)
 
     def kernel(self):
@@ -48,25 +54,15 @@ class HostStaging(pinned.Staging):
                     outs.append(mx.zeros(shape, dtype=mx.uint32))
                     continue
                 assert at % pinned.ALIGN == 0 and shape == (words * pinned.ALIGN // 4,)
-                self.reading.append((at, bytes(self._host[at:at + words * pinned.ALIGN])))
                 outs.append(mx.array(self._host[at:at + words * pinned.ALIGN].view(np.uint32)))
+                self.reading.append((at, bytes(self._host[at:at + words * pinned.ALIGN]), outs[-1]))
             return outs
         return launch
 
 
-def header_of(path: Path) -> tuple[dict, int]:
-    import orjson
-
-    data = path.read_bytes()
-    n = int.from_bytes(data[:8], "little")
-    header = orjson.loads(data[8:8 + n])
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
 def write_files(folder: Path, count: int) -> list[Path]:
     """Files like block files (a key and a value array) and others: several dtypes
-    and shapes, none a multiple of the others."""
+    and shapes, none a multiple of the others, headers of several lengths."""
     paths = []
     for i in range(count):
         arrays = {"k0": mx.random.normal((2, 4, 32, 16)).astype(mx.bfloat16),
@@ -75,24 +71,26 @@ def write_files(folder: Path, count: int) -> list[Path]:
             arrays["k1"] = mx.random.normal((3, 8)).astype(mx.float32)
             arrays["v1"] = mx.arange(48, dtype=mx.uint8).reshape(3, 16)
         path = folder / f"b{i}.safetensors"
-        mx.save_safetensors(str(path), arrays, {"kvroute_block": "{}"})
+        mx.save_safetensors(str(path), arrays, {"kvroute_block": "x" * (i % 5)})
         paths.append(path)
     return paths
 
 
-def load(staging: pinned.Staging, paths: list[Path]) -> list[dict]:
+def files_of(paths: list[Path]) -> list[pinned.File]:
+    return [pinned.File(p, p.stat().st_size) for p in paths]
+
+
+def load(staging: pinned.Staging, paths: list[Path]) -> list[dict | None]:
     from concurrent.futures import ThreadPoolExecutor
 
-    files = [pinned.plan(p, *header_of(p)) for p in paths]
-    assert all(f is not None for f in files)
     with ThreadPoolExecutor(4) as readers:
-        return staging.load(files, readers)
+        return staging.load(files_of(paths), readers)
 
 
 def same_as_mlx_reader(paths: list[Path], got: list[dict]) -> bool:
     for path, arrays in zip(paths, got):
         want = mx.load(str(path))
-        if set(want) != set(arrays):
+        if arrays is None or set(want) != set(arrays):
             return False
         for name, a in want.items():
             b = arrays[name]
@@ -102,49 +100,61 @@ def same_as_mlx_reader(paths: list[Path], got: list[dict]) -> bool:
 
 
 def test_files_come_back_as_mlx_reads_them(tmp_path):
+    """Whatever their header's length (a file's tensors are moved onto a 16-byte
+    boundary in the buffer where the last file's did not fit it)."""
     paths = write_files(tmp_path, 40)  # 40 files, 106 tensors: 7 launches of 16
+    lengths = {int.from_bytes(p.read_bytes()[:8], "little") % pinned.ALIGN for p in paths}
+    assert len(lengths) > 1
     HostStaging.launches = 0
     got = load(HostStaging(), paths)
     assert same_as_mlx_reader(paths, got)
     assert HostStaging.launches == -(-sum(len(mx.load(str(p))) for p in paths) // pinned.BATCH)
 
 
-def test_a_restore_larger_than_the_buffer_goes_through_it_in_parts(tmp_path):
+def test_a_restore_larger_than_a_half_of_the_buffer_goes_through_it_in_parts(tmp_path):
+    """Each part read into one half while the last part's copies read the other: the
+    stand-in checks that no half is refilled before its copies were waited for."""
     paths = write_files(tmp_path, 12)
     size = max(p.stat().st_size for p in paths)
-    staging = HostStaging(nbytes=3 * size)  # three files at a time at most
-    parts = staging._parts([pinned.plan(p, *header_of(p)) for p in paths])
-    assert len(parts) >= 4 and all(sum(f.nbytes for f in part) <= 3 * size for part in parts)
+    staging = HostStaging(nbytes=2 * 3 * (size + 2 * pinned.ALIGN))  # three files a half
+    parts = staging._parts(files_of(paths))
+    assert len(parts) >= 4 and sorted(i for part in parts for i, _ in part) == list(range(12))
+    assert all(at + p.stat().st_size <= staging.half for part in parts for i, at in part
+               for p in [paths[i]])
     assert same_as_mlx_reader(paths, load(staging, paths))
 
 
-def test_files_it_cannot_copy_in_16_byte_words_are_left_to_mlxs_reader(tmp_path):
+def test_files_it_cannot_copy_in_16_byte_words_are_left_to_the_caller(tmp_path):
     odd = tmp_path / "odd.safetensors"
     mx.save_safetensors(str(odd), {"a": mx.arange(3, dtype=mx.uint8), "b": mx.arange(5, dtype=mx.int32)})
-    assert pinned.plan(odd, *header_of(odd)) is None  # 3 and 20 bytes
     empty = tmp_path / "empty.safetensors"
     mx.save_safetensors(str(empty), {"a": mx.zeros((0, 4))})
-    assert pinned.plan(empty, *header_of(empty)) is None
-    even = write_files(tmp_path, 1)[0]
-    assert pinned.plan(even, *header_of(even)) is not None
+    even = write_files(tmp_path, 2)
+    got = load(HostStaging(), [even[0], odd, empty, even[1]])
+    assert got[1] is None and got[2] is None  # 3 and 20 bytes; nothing at all
+    assert same_as_mlx_reader([even[0], even[1]], [got[0], got[3]])
 
 
 def test_a_file_cut_short_fails_the_load(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
     from kvroute.backend.diskfile import BadRecord
 
     paths = write_files(tmp_path, 3)
-    files = [pinned.plan(p, *header_of(p)) for p in paths]
+    files = files_of(paths)
     paths[1].write_bytes(paths[1].read_bytes()[:-100])
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(2) as readers, pytest.raises(BadRecord):
         HostStaging().load(files, readers)
 
 
-def test_a_file_larger_than_the_buffer_is_left_to_mlxs_reader(tmp_path):
-    path = write_files(tmp_path, 1)[0]
-    assert pinned.plan(path, *header_of(path), limit=1024) is None
-    assert pinned.plan(path, *header_of(path), limit=1 << 20) is not None
+def test_a_file_larger_than_a_half_of_the_buffer_is_left_to_the_caller(tmp_path):
+    paths = write_files(tmp_path, 2)
+    big = tmp_path / "big.safetensors"
+    mx.save_safetensors(str(big), {"a": mx.zeros((1 << 15,), dtype=mx.uint8)})
+    staging = HostStaging(nbytes=1 << 16)  # a half of 32 KiB, which the file's tensor fills
+    assert not staging.fits(big.stat().st_size) and staging.fits(paths[0].stat().st_size)
+    got = load(staging, [paths[0], big, paths[1]])
+    assert got[1] is None and same_as_mlx_reader(paths, [got[0], got[2]])
 
 
 def test_one_read_failing_lets_the_buffer_go_only_when_every_read_is_over(tmp_path):
@@ -155,19 +165,18 @@ def test_one_read_failing_lets_the_buffer_go_only_when_every_read_is_over(tmp_pa
     from concurrent.futures import ThreadPoolExecutor
 
     paths = write_files(tmp_path, 8)
-    files = [pinned.plan(p, *header_of(p)) for p in paths]
-    done, real_read = [], HostStaging._read
+    files = files_of(paths)
+    done = []
 
-    class Slow(HostStaging):
-        def _read(self, f):
-            if f is files[0]:
-                raise OSError("unreadable")
-            time.sleep(0.05)
-            real_read(self, f)
-            done.append(threading.get_ident())
+    def fill(f, view):
+        if f is files[0]:
+            raise OSError("unreadable")
+        time.sleep(0.05)
+        done.append(threading.get_ident())
+        return pinned.plain_fill(f, view)
 
     with ThreadPoolExecutor(4) as readers, pytest.raises(OSError):
-        Slow().load(files, readers)
+        HostStaging().load(files, readers, fill)
     assert len(done) == 7  # the other reads had all ended when load raised
 
 

@@ -52,7 +52,6 @@ class _Unchecked:
     arrays: dict[str, Any]
     dsum: str
     header: dict  # its tensors (checked against the header's checksum)
-    offset: int  # where its tensors start
 
 
 @dataclass
@@ -181,17 +180,65 @@ class Blocks:
 
     def load_all(self, keys: list[int], make: Any, readers: ThreadPoolExecutor) -> list[Any]:
         """The blocks of `keys`, in order, as `load` makes them, read on `readers`. On
-        CUDA the files carrying a device checksum go onto the device through pinned
-        host memory (pinned.py; MLX's reader for a file it cannot take) and are then
-        checked all together (devsum.checksums: a pass per ~32 MB of blocks, where one
-        file at a time cost a dozen MLX operations and a wait for the device each). A
-        block that fails its sum is deleted (every one that does) and fails the
-        restore; where the sums cannot be computed, each file is checked on the host."""
+        CUDA the files go onto the device through pinned host memory (pinned.py),
+        checked there on the host as they land; those it cannot take, and all where it
+        fails, as `_on_device` loads them."""
         if not diskfile.on_cuda():
             return list(readers.map(lambda k: self.load(k, make), keys))
+        got = [self._held(k) for k in keys]
+        if not self.staging.failed:
+            todo = [i for i, g in enumerate(got) if g is None]
+            for i, block in zip(todo, self._pinned([keys[i] for i in todo], make, readers)):
+                got[i] = block
+        rest = [i for i, g in enumerate(got) if g is None]
+        for i, block in zip(rest, self._on_device([keys[i] for i in rest], make, readers)):
+            got[i] = block
+        return got
+
+    def _pinned(self, keys: list[int], make: Any, readers: ThreadPoolExecutor) -> list[Any]:
+        """The blocks of `keys` through pinned memory, each file read once and checked
+        against its name's xxh3 where the kernel copies it from; None for a file the
+        path cannot take, or for all where it fails here."""
+        files = [pinned.File(self.directory / f.name, f.size, (k, f))
+                 for k, f in ((k, self._file(k)) for k in keys)]
+        try:
+            loaded = self.staging.load(files, readers, self._fill)
+        except (RuntimeError, ValueError) as exc:
+            if device_trouble(exc):  # out of memory now: this restore fails, files kept
+                raise
+            self.staging.fail(exc)
+            return [None] * len(keys)
+        return [None if arrays is None else self._register(f.owner[0], _pairs(arrays), f.size, make)
+                for f, arrays in zip(files, loaded)]
+
+    def _fill(self, f: pinned.File, view: memoryview) -> tuple[dict, int]:
+        """A block file read into `view` (pinned memory) and checked (reader thread)."""
+        key, file = f.owner
+        with self._forgetting(key, file):
+            try:
+                fd = os.open(f.path, os.O_RDONLY)
+            except OSError as exc:
+                raise BadRecord("unreadable", str(exc))
+            try:
+                diskfile.pread_into(fd, view, 0)
+            except OSError as exc:
+                raise BadRecord("unreadable", str(exc))
+            finally:
+                os.close(fd)
+            return self._checked(key, view, file.name)
+
+    def _on_device(self, keys: list[int], make: Any, readers: ThreadPoolExecutor) -> list[Any]:
+        """The blocks of `keys` on CUDA without pinned memory: the files carrying a
+        device checksum loaded by MLX's reader and then checked all together
+        (devsum.checksums: a pass per ~32 MB of blocks, where one file at a time cost a
+        dozen MLX operations and a wait for the device each); the others read and
+        checked on the host. A block that fails its sum is deleted (every one that
+        does) and fails the restore; where the sums cannot be computed, each file is
+        checked on the host."""
         got = list(readers.map(lambda k: self._unchecked(k, make), keys))
         waiting = [g for g in got if isinstance(g, _Unchecked)]
-        self._load_unchecked(waiting, readers)
+        for w, arrays in zip(waiting, readers.map(self._mlx_load, waiting)):
+            w.arrays = arrays
         # Where MLX's reader failed (warned once): read and checked on the host instead.
         hosted = {w.key: self.load(w.key, make) for w in waiting if not w.arrays}
         waiting = [w for w in waiting if w.arrays]
@@ -218,34 +265,11 @@ class Blocks:
         f = self._file(key)
         path = self.directory / f.name
         with self._forgetting(key, f):
-            header, offset = diskfile.read_head(path, f.size, _digests(f.name)[0])
+            header, _ = diskfile.read_head(path, f.size, _digests(f.name)[0])
             dsum = self._meta(key, header).get("dsum")
             if not dsum:
                 return self._register(key, *self._read(key, path, f.size), make)
-        return _Unchecked(key, f, {}, dsum, header, offset)
-
-    def _load_unchecked(self, waiting: list[_Unchecked], readers: ThreadPoolExecutor) -> None:
-        """Their arrays onto the device: through pinned memory where it works here,
-        the rest (or all, where it fails) by MLX's reader."""
-        plans = [] if self.staging.failed else [
-            pinned.plan(self.directory / w.file.name, w.header, w.offset, self.staging.nbytes)
-            for w in waiting]
-        staged = [(w, p) for w, p in zip(waiting, plans) if p is not None]
-        if staged:
-            try:
-                for (w, _), arrays in zip(staged, self.staging.load([p for _, p in staged], readers)):
-                    w.arrays = arrays
-            except (BadRecord, OSError, RuntimeError, ValueError) as exc:
-                if device_trouble(exc):  # out of memory now: this restore fails, files kept
-                    raise
-                # A file cut short or unreadable fails below, by the path that names it.
-                if isinstance(exc, (RuntimeError, ValueError)):
-                    self.staging.fail(exc)
-                for w, _ in staged:
-                    w.arrays = {}
-        rest = [w for w in waiting if not w.arrays]
-        for w, arrays in zip(rest, readers.map(self._mlx_load, rest)):
-            w.arrays = arrays
+        return _Unchecked(key, f, {}, dsum, header)
 
     def _mlx_load(self, w: _Unchecked) -> dict[str, Any]:
         with self._forgetting(w.key, w.file):
@@ -299,21 +323,26 @@ class Blocks:
             blob = diskfile.read_bytes(path, size, parallel=1)
         except OSError as exc:
             raise BadRecord("unreadable", str(exc))
-        header_sum, file_sum = _digests(path.name)
-        if len(blob) < 8:
-            raise BadRecord("truncated", "block shorter than a header")
-        view = memoryview(blob)
-        offset = 8 + struct.unpack("<Q", view[:8])[0]
-        if offset > len(blob) or _digest(view[:offset]) != header_sum or _digest(view) != file_sum:
-            raise BadRecord("corrupt", f"block {key:016x} does not match its checksums")
-        header = orjson.loads(view[8:offset])
-        self._meta(key, header)
+        header, offset = self._checked(key, memoryview(blob), path.name)
         # On CUDA without a device checksum (an older file): checked here, then into
         # device memory through MLX's reader (diskfile.load_checked).
         arrays = diskfile.load_arrays(path, header) if diskfile.on_cuda() else None
         if arrays is None:
             arrays = diskfile.arrays_from_bytes(blob, header, offset)
         return _pairs(arrays), len(blob)
+
+    def _checked(self, key: int, view: memoryview, name: str) -> tuple[dict, int]:
+        """A whole block file's bytes checked against the xxh3 sums its name carries:
+        its tensor table (its metadata checked and taken out) and where tensors start."""
+        header_sum, file_sum = _digests(name)
+        if len(view) < 8:
+            raise BadRecord("truncated", "block shorter than a header")
+        offset = 8 + struct.unpack("<Q", view[:8])[0]
+        if offset > len(view) or _digest(view[:offset]) != header_sum or _digest(view) != file_sum:
+            raise BadRecord("corrupt", f"block {key:016x} does not match its checksums")
+        header = orjson.loads(view[8:offset])
+        self._meta(key, header)
+        return header, offset
 
     def _meta(self, key: int, header: dict) -> dict:
         """A block header's kvroute metadata, popped from `header`; it must be ours."""

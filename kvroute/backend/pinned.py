@@ -5,16 +5,18 @@ an H200 host that is ~5 GB/s in all however many threads read, while the same fi
 come off the page cache at 15-22 GB/s. A disk restore of an 8k-token conversation of
 a 7B model (470 MB) spent ~0.16 s there, longer than the rest of its turn.
 
-Here reader threads read the files' tensor bytes into one page-locked, device-mapped
-buffer, and one small kernel per batch of tensors copies them into device arrays,
-reading the host memory across the bus. The buffer (`STAGING_BYTES`) is made when the
-disk tier opens, with the kernel, and reused restore after restore; a larger restore
-goes through it in parts. A file it cannot take (a tensor whose size or offset is not
-a multiple of 16 bytes, a file larger than the buffer) gets no plan: the caller loads
-it with MLX's reader. Where the path cannot work at all (no CUDA runtime to ask for
-pinned memory, a kernel MLX cannot build) it fails once and every file goes through
-MLX's reader. The bytes are checked where they land, by the caller's device checksum,
-exactly as for MLX's reader.
+Here reader threads read whole files, header and tensors in one read, into one
+page-locked, device-mapped buffer, where the caller's `fill` checks them (the disk
+tier: each file's xxh3, on the host, on the bytes the GPU will copy), and one small
+kernel per batch of tensors copies them into device arrays, reading the host memory
+across the bus. The buffer (`STAGING_BYTES`) is made when the disk tier opens, with
+the kernel, and reused restore after restore. It is two halves: a restore larger than
+one goes through them in parts, the next part read into one half while the last
+part's copies read the other. A file it cannot take (a tensor whose size or place is
+not a multiple of 16 bytes, a dtype it does not know, a file larger than a half) comes
+back as None: the caller loads it another way. Where the path cannot work at all (no
+CUDA runtime to ask for pinned memory, a kernel MLX cannot build) it fails once and
+the caller loads every file another way.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import orjson
 
 from ..core.accel import cuda_runtime
 from .diskfile import DTYPES, pread_into
@@ -40,40 +44,55 @@ _HOST_ALLOC_MAPPED = 3  # cudaHostAllocPortable | cudaHostAllocMapped
 
 
 @dataclass
+class File:
+    path: Path
+    size: int  # the bytes to read: the whole file, as the caller knows it
+    owner: Any = None  # the caller's, for its `fill`
+
+
+@dataclass
 class Tensor:
     name: str
     dtype: str
     shape: list[int]
-    start: int  # within the file
+    at: int  # in the buffer
     nbytes: int
 
 
-@dataclass
-class File:
-    path: Path
-    tensors: list[Tensor]
-    start: int  # of the file's tensor bytes
-    nbytes: int
-    at: int = 0  # where its bytes sit in the buffer
+# Reads `file` into the view (exactly its size) and checks it; returns its tensor
+# table (safetensors' header without `__metadata__`) and where its tensors start.
+Fill = Callable[[File, memoryview], tuple[dict, int]]
 
 
-def plan(path: Path, header: dict, data_offset: int, limit: int = STAGING_BYTES) -> File | None:
-    """A file's tensors as this path copies them, or None where it cannot (a tensor's
-    size or place not a multiple of `ALIGN`, an empty one, a dtype it does not know,
-    more than `limit` bytes: the buffer's size)."""
-    tensors = []
+def plain_fill(f: File, view: memoryview) -> tuple[dict, int]:
+    """A safetensors file read as it is, unchecked (benchmarks, tests)."""
+    fd = os.open(f.path, os.O_RDONLY)
+    try:
+        pread_into(fd, view, 0)
+    finally:
+        os.close(fd)
+    offset = 8 + int.from_bytes(view[:8], "little")
+    header = orjson.loads(view[8:offset])
+    header.pop("__metadata__", None)
+    return header, offset
+
+
+def tensors(header: dict, base: int) -> list[Tensor] | None:
+    """A tensor table as the kernel copies it from `base` (where the tensors start in
+    the buffer), or None where it cannot: an empty tensor, a size or place not a
+    multiple of `ALIGN`, a dtype it does not know."""
+    out = []
     for name, t in header.items():
         a, b = t["data_offsets"]
-        if b <= a or a % ALIGN or (b - a) % ALIGN or t["dtype"] not in DTYPES:
+        if b <= a or (base + a) % ALIGN or (b - a) % ALIGN or t["dtype"] not in DTYPES:
             return None
-        tensors.append(Tensor(name, t["dtype"], list(t["shape"]), data_offset + a, b - a))
-    if not tensors:
-        return None
-    start = min(t.start for t in tensors)
-    nbytes = max(t.start + t.nbytes for t in tensors) - start
-    if nbytes > limit:
-        return None
-    return File(path, tensors, start, nbytes)
+        out.append(Tensor(name, t["dtype"], list(t["shape"]), base + a, b - a))
+    return out or None
+
+
+def _slot(size: int) -> int:
+    """Buffer bytes a file takes: room to move its tensors onto a 16-byte boundary."""
+    return -(-(size + ALIGN) // ALIGN) * ALIGN
 
 
 class Staging:
@@ -81,21 +100,46 @@ class Staging:
 
     def __init__(self, nbytes: int = STAGING_BYTES):
         self.nbytes = nbytes
+        self.half = nbytes // 2 // ALIGN * ALIGN
         self._lock = threading.Lock()
         self._host: Any = None  # numpy view of the pinned buffer
         self._device = 0  # its address as the device sees it
         self._kernel: Any = None
+        self._header = 0  # where the last file's tensors started: the next likely the same
         self.failed = False
 
-    def load(self, files: list[File], readers: ThreadPoolExecutor) -> list[dict[str, Any]]:
-        """Each file's tensors as device arrays, in order. Raises BadRecord where a
-        file ends early, OSError where it cannot be read, RuntimeError where this path
-        does not work here (the caller falls back to MLX's reader)."""
+    def fits(self, size: int) -> bool:
+        return _slot(size) <= self.half
+
+    def load(self, files: list[File], readers: ThreadPoolExecutor, fill: Fill = plain_fill
+             ) -> list[dict[str, Any] | None]:
+        """Each file's tensors as device arrays, in order; None for a file this path
+        cannot take. Raises what `fill` raises (after every read of its part is over),
+        RuntimeError where this path does not work here."""
+        import mlx.core as mx
+
         with self._lock:
             self._open()
-            out: list[dict[str, Any]] = []
-            for part in self._parts(files):
-                out += self._load_part(part, readers)
+            out: list[dict[str, Any] | None] = [None] * len(files)
+            copying: list[list[Any]] = []  # each part's kernel outputs, in order
+            try:
+                for n, part in enumerate(self._parts(files)):
+                    if n >= 2:  # this half's last copies must be over before it is refilled
+                        self._wait(copying[n - 2])
+                    base = (n % 2) * self.half
+                    planned = self._read_part([(files[i], base + at) for i, at in part], readers, fill)
+                    words, made = self._launch([(i, t) for (i, _), ts in zip(part, planned) if ts
+                                                for t in ts])
+                    copying.append(words)
+                    for i, arrays in made.items():
+                        out[i] = arrays
+                self._wait([w for ws in copying[-2:] for w in ws])
+            except BaseException:
+                try:  # copies launched before the failure may still read the buffer
+                    mx.synchronize()
+                except Exception:
+                    pass
+                raise
             return out
 
     def warm(self) -> None:
@@ -104,13 +148,13 @@ class Staging:
         try:
             with self._lock:
                 self._open()
-                f = File(Path(), [Tensor("w", "U32", [ALIGN // 4], 0, ALIGN)], 0, ALIGN)
-                self._wait(self._copy([(f, f.tensors[0])]))
+                words, _ = self._launch([(0, Tensor("w", "U32", [ALIGN // 4], 0, ALIGN))])
+                self._wait(words)
         except Exception as exc:  # whatever it is, restores fall back to MLX's reader
             self.fail(exc)
 
     def fail(self, exc: Exception) -> None:
-        """This path does not work here: MLX's reader loads every file from now on."""
+        """This path does not work here: the caller loads every file another way."""
         if not self.failed:
             self.failed = True
             log.warning("disk cache: restores through pinned memory failed (%r); MLX's reader "
@@ -135,68 +179,71 @@ class Staging:
         self._host = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(host.value))
         self._device = device.value
 
-    def _parts(self, files: list[File]) -> list[list[File]]:
-        """Files in runs that fit the buffer, each placed 16-byte aligned."""
-        parts: list[list[File]] = [[]]
+    def _parts(self, files: list[File]) -> list[list[tuple[int, int]]]:
+        """The files that fit a half, in runs that fill one: (position, offset in the half)."""
+        parts: list[list[tuple[int, int]]] = [[]]
         at = 0
-        for f in files:
-            if f.nbytes > self.nbytes:  # `plan` with this buffer's size leaves it out
-                raise ValueError(f"{f.path.name}: {f.nbytes} bytes, the buffer holds {self.nbytes}")
-            if at + f.nbytes > self.nbytes:
+        for i, f in enumerate(files):
+            if not self.fits(f.size):
+                continue
+            if at + _slot(f.size) > self.half:
                 parts.append([])
                 at = 0
-            f.at = at
-            parts[-1].append(f)
-            at += -(-f.nbytes // ALIGN) * ALIGN
+            parts[-1].append((i, at))
+            at += _slot(f.size)
         return [p for p in parts if p]
 
-    def _load_part(self, files: list[File], readers: ThreadPoolExecutor) -> list[dict[str, Any]]:
+    def _read_part(self, part: list[tuple[File, int]], readers: ThreadPoolExecutor,
+                   fill: Fill) -> list[list[Tensor] | None]:
+        reads = [readers.submit(self._read, f, at, fill) for f, at in part]
+        wait(reads)  # every read is over before one's failure lets the buffer go
+        return [r.result() for r in reads]
+
+    def _read(self, f: File, at: int, fill: Fill) -> list[Tensor] | None:
+        """The file into its slot at `at`, checked by `fill`; its tensors where they
+        landed, moved onto a 16-byte boundary if the guess of its header's length
+        (the last file's: a model's block files have one) was wrong."""
+        pad = (-self._header) % ALIGN
+        header, offset = fill(f, memoryview(self._host[at + pad:at + pad + f.size]))
+        if (at + pad + offset) % ALIGN:
+            moved = (-offset) % ALIGN
+            self._host[at + moved:at + moved + f.size] = self._host[at + pad:at + pad + f.size].copy()
+            pad = moved
+        self._header = offset
+        return tensors(header, at + pad + offset)
+
+    def _launch(self, tensors_: list[tuple[int, Tensor]]) -> tuple[list[Any], dict[int, dict[str, Any]]]:
+        """The copies of these tensors (each with its file's position), launched, not
+        waited for: the arrays to wait for (kernel outputs and the views of them, to be
+        evaluated on this thread, whose stream made them), and each file's arrays."""
         import mlx.core as mx
 
-        reads = [readers.submit(self._read, f) for f in files]
-        wait(reads)  # every read is over before one's failure lets the buffer go
-        for r in reads:
-            r.result()
-        tensors = [(f, t) for f in files for t in f.tensors]
-        owner = [i for i, f in enumerate(files) for _ in f.tensors]
-        try:
-            words: list[Any] = []
-            for i in range(0, len(tensors), BATCH):
-                words += self._copy(tensors[i:i + BATCH])
-            arrays: list[dict[str, Any]] = [{} for _ in files]
-            for i, (_, t), w in zip(owner, tensors, words):
-                arrays[i][t.name] = w.view(getattr(mx, DTYPES[t.dtype])).reshape(t.shape)
-            self._wait([a for d in arrays for a in d.values()])
-        except BaseException:
-            try:  # copies launched before the failure may still read the buffer
-                mx.synchronize()
-            except Exception:
-                pass
-            raise
-        return arrays
+        words: list[Any] = []
+        for i in range(0, len(tensors_), BATCH):
+            words += self._copy([t for _, t in tensors_[i:i + BATCH]])
+        made: dict[int, dict[str, Any]] = {}
+        views = []
+        for (i, t), w in zip(tensors_, words):
+            views.append(w.view(getattr(mx, DTYPES[t.dtype])).reshape(t.shape))
+            made.setdefault(i, {})[t.name] = views[-1]
+        mx.async_eval(views)
+        return words + views, made
 
     def _wait(self, arrays: list[Any]) -> None:
-        """Until the copies into `arrays` are done: the buffer is free again after."""
+        """Until the copies into `arrays` are done: their bytes of the buffer are free after."""
         import mlx.core as mx
 
         mx.eval(arrays)
 
-    def _read(self, f: File) -> None:
-        fd = os.open(f.path, os.O_RDONLY)
-        try:
-            pread_into(fd, memoryview(self._host[f.at:f.at + f.nbytes]), f.start)
-        finally:
-            os.close(fd)
-
-    def _copy(self, batch: list[tuple[File, Tensor]]) -> list[Any]:
+    def _copy(self, batch: list[Tensor]) -> list[Any]:
         """One launch: each tensor's bytes from the pinned buffer into a new device
         array of 32-bit words (slots past the batch's end copy nothing)."""
         import mlx.core as mx
 
-        words = [t.nbytes // ALIGN for _, t in batch]
-        plan_ = [self._device + f.at + (t.start - f.start) for f, t in batch] + [0] * (BATCH - len(batch))
-        plan_ += words + [0] * (BATCH - len(batch))
-        shapes = [(t.nbytes // 4,) for _, t in batch] + [(4,)] * (BATCH - len(batch))
+        pad = BATCH - len(batch)
+        words = [t.nbytes // ALIGN for t in batch]
+        plan_ = [self._device + t.at for t in batch] + [0] * pad + words + [0] * pad
+        shapes = [(t.nbytes // 4,) for t in batch] + [(4,)] * pad
         outs = self.kernel()(inputs=[mx.array(plan_, dtype=mx.uint64)], grid=(max(words), BATCH, 1),
                              threadgroup=(256, 1, 1), output_shapes=shapes,
                              output_dtypes=[mx.uint32] * BATCH)
