@@ -535,11 +535,16 @@ def test_on_cuda_with_pinned_memory_a_block_file_is_read_once_and_checked_as_it_
     """Through pinned memory a block file is read whole, once, and checked on the host
     against its name's xxh3 where the copy kernel takes it from: no header read
     before, no device checksum after (the record alone, loaded by MLX's reader, is
-    summed there). Damaged bytes are found, and every damaged file goes."""
+    summed there); so block files are written without one, records with one. Damaged
+    bytes are found, and every damaged file goes."""
     from kvroute.backend import devsum
     from tests.test_pinned import HostStaging
 
     three_on_cuda(tmp_path, monkeypatch, HostStaging)
+    for path in block_files(tmp_path) + records(tmp_path):
+        meta = orjson.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])["__metadata__"]
+        dsum = orjson.loads(meta.get("kvroute_block") or meta["0.kvroute"]).get("dsum")
+        assert bool(dsum) == path.name.endswith(diskfile.SUFFIX)
     heads, summed = [], []
     real_head, real_sums = diskfile.read_head, devsum.checksums
     monkeypatch.setattr(diskfile, "read_head", lambda path, *a: heads.append(path) or real_head(path, *a))

@@ -108,6 +108,10 @@ class Staging:
         self._header = 0  # where the last file's tensors started: the next likely the same
         self.failed = False
 
+    def works(self) -> bool:
+        """Made (`warm`) and not failed: restores go this way."""
+        return self._host is not None and not self.failed
+
     def fits(self, size: int) -> bool:
         return _slot(size) <= self.half
 
