@@ -655,3 +655,27 @@ def test_closing_without_writing_drops_what_waits_and_evicts_nothing(tmp_path):
     tier.close(write=False)
     assert sorted(p.name for p in tmp_path.rglob("*.safetensors")) == before
     assert len(tier.index) == 3
+
+
+@pytest.mark.skipif(not diskfile.on_cuda(), reason="needs a CUDA GPU (pinned memory and the real copy kernel)")
+def test_on_a_gpu_a_restore_through_pinned_memory_answers_as_the_conversations_kv(tmp_path, monkeypatch):
+    """The whole path on a real GPU: blocks written there, a restart, each
+    conversation restored through the page-locked buffer and the CUDA kernel (in
+    parts: a buffer of a few blocks), the same keys and values; a damaged block found."""
+    from kvroute.backend import pinned
+    from kvroute.core import accel
+
+    monkeypatch.setattr(pinned, "cuda_runtime", accel.cuda_runtime)
+    write_three(tmp_path)[0].close()
+    size = max(p.stat().st_size for p in block_files(tmp_path))
+    real = pinned.Staging
+    monkeypatch.setattr(pinned, "Staging", lambda: real(nbytes=2 * 3 * (size + 2 * pinned.ALIGN)))
+    again, _ = make_tier(tmp_path)
+    assert again.blocks.staging.works()
+    for i in range(3):
+        assert same_cache(restore(again, conversation(i) + [1]).cache, kv_of(conversation(i)))
+    again.close()
+    damage_first_block(tmp_path, 0x01)
+    third, _ = make_tier(tmp_path)
+    assert restore(third, conversation(0) + [1]) is None
+    third.close()

@@ -343,7 +343,10 @@ class Blocks:
         offset = 8 + struct.unpack("<Q", view[:8])[0]
         if offset > len(view) or _digest(view[:offset]) != header_sum or _digest(view) != file_sum:
             raise BadRecord("corrupt", f"block {key:016x} does not match its checksums")
-        header = orjson.loads(view[8:offset])
+        try:
+            header = orjson.loads(view[8:offset])
+        except orjson.JSONDecodeError:
+            raise BadRecord("corrupt", f"block {key:016x}: its header is not JSON")
         self._meta(key, header)
         return header, offset
 
