@@ -56,6 +56,26 @@ def damage_first_block(folder: Path, bits: int) -> None:
     head_block.write_bytes(bytes(data))
 
 
+def two_damaged_blocks_fail_a_restore(folder: Path, bits: int) -> None:
+    """Damage the head's first two block files (`bits` of the first, a bit of the
+    second): a restore of a conversation listing them fails, its record is dropped as
+    corrupt, and both files go, though the other two conversations still list them
+    (the dropped record's own two blocks go with it)."""
+    before = {p.name for p in block_files(folder)}
+    first, second = block_keys(root_key("m", None), np.asarray(HEAD, dtype=np.int32), 2)
+    damaged = [p for key in (first, second) for p in block_files(folder) if p.name.startswith(f"{key:016x}.")]
+    for path, at, flip in zip(damaged, (-3, -5), (bits, 0x01)):
+        data = bytearray(path.read_bytes())
+        data[at] ^= flip
+        path.write_bytes(bytes(data))
+    tier, metrics = make_tier(folder)
+    assert restore(tier, conversation(1) + [1]) is None  # never served from damaged bytes
+    assert metrics.disk_dropped.labels(model="m", backend="b", reason="corrupt")._value.get() == 1
+    gone = before - {p.name for p in block_files(folder)}
+    assert {p.name for p in damaged} <= gone and len(gone) == 2 + 2
+    tier.close()
+
+
 def test_a_block_already_on_disk_is_not_written_again(tmp_path):
     tier, _ = write_three(tmp_path)
     # The head's 8 blocks once, each conversation's 2 own (its last 5 tokens stay in
@@ -421,21 +441,7 @@ def test_on_cuda_a_restore_reads_each_file_once(tmp_path, monkeypatch):
     assert len(loads) == len(set(loads)) == 10 + 1  # its ten blocks and its record, once each
     again.close()
 
-    damage_first_block(tmp_path, 0x10)
-    before = {p.name for p in block_files(tmp_path)}
-    first, second = block_keys(root_key("m", None), np.asarray(HEAD, dtype=np.int32), 2)
-    damaged = [p for key in (first, second) for p in block_files(tmp_path) if p.name.startswith(f"{key:016x}.")]
-    data = bytearray(damaged[1].read_bytes())  # a second damaged block in the same restore
-    data[-5] ^= 0x01
-    damaged[1].write_bytes(bytes(data))
-    third, metrics = make_tier(tmp_path)
-    assert restore(third, conversation(1) + [1]) is None  # never served from damaged bytes
-    assert metrics.disk_dropped.labels(model="m", backend="b", reason="corrupt")._value.get() == 1
-    # Both damaged files are gone, though the other two conversations still list them
-    # (the dropped record's own two blocks go with it).
-    gone = before - {p.name for p in block_files(tmp_path)}
-    assert {p.name for p in damaged} <= gone and len(gone) == 2 + 2
-    third.close()
+    two_damaged_blocks_fail_a_restore(tmp_path, 0x10)
 
 
 def test_on_cuda_a_restores_blocks_are_checked_together(tmp_path, monkeypatch):
@@ -555,19 +561,7 @@ def test_on_cuda_with_pinned_memory_a_block_file_is_read_once_and_checked_as_it_
     assert summed == [1] and again.stats()["block_reads"] == 10
     again.close()
 
-    before = {p.name for p in block_files(tmp_path)}
-    first, second = block_keys(root_key("m", None), np.asarray(HEAD, dtype=np.int32), 2)
-    damaged = [p for key in (first, second) for p in block_files(tmp_path) if p.name.startswith(f"{key:016x}.")]
-    for path, at in zip(damaged, (-3, -5)):  # two damaged blocks in one restore
-        data = bytearray(path.read_bytes())
-        data[at] ^= 0x01
-        path.write_bytes(bytes(data))
-    third, metrics = make_tier(tmp_path)
-    assert restore(third, conversation(1) + [1]) is None  # never served from damaged bytes
-    assert metrics.disk_dropped.labels(model="m", backend="b", reason="corrupt")._value.get() == 1
-    gone = before - {p.name for p in block_files(tmp_path)}
-    assert {p.name for p in damaged} <= gone and len(gone) == 2 + 2
-    third.close()
+    two_damaged_blocks_fail_a_restore(tmp_path, 0x01)
 
 
 def test_on_cuda_when_pinned_memory_fails_restores_use_mlxs_reader(tmp_path, monkeypatch, caplog):
