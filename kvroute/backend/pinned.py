@@ -125,7 +125,7 @@ class Staging:
         with self._lock:
             self._open()
             out: list[dict[str, Any] | None] = [None] * len(files)
-            copying: list[list[Any]] = []  # each part's kernel outputs, in order
+            copying: list[list[Any]] = []  # each part's copies (kernel outputs, views), in order
             try:
                 for n, part in enumerate(self._parts(files)):
                     if n >= 2:  # this half's last copies must be over before it is refilled
