@@ -56,11 +56,11 @@ def damage_first_block(folder: Path, bits: int) -> None:
     head_block.write_bytes(bytes(data))
 
 
-def two_damaged_blocks_fail_a_restore(folder: Path, bits: int) -> None:
+def two_damaged_blocks_fail_a_restore(folder: Path, bits: int):
     """Damage the head's first two block files (`bits` of the first, a bit of the
     second): a restore of a conversation listing them fails, its record is dropped as
     corrupt, and both files go, though the other two conversations still list them
-    (the dropped record's own two blocks go with it)."""
+    (the dropped record's own two blocks go with it). Returns the tier, open."""
     before = {p.name for p in block_files(folder)}
     first, second = block_keys(root_key("m", None), np.asarray(HEAD, dtype=np.int32), 2)
     damaged = [p for key in (first, second) for p in block_files(folder) if p.name.startswith(f"{key:016x}.")]
@@ -73,7 +73,7 @@ def two_damaged_blocks_fail_a_restore(folder: Path, bits: int) -> None:
     assert metrics.disk_dropped.labels(model="m", backend="b", reason="corrupt")._value.get() == 1
     gone = before - {p.name for p in block_files(folder)}
     assert {p.name for p in damaged} <= gone and len(gone) == 2 + 2
-    tier.close()
+    return tier  # still open: the caller closes it
 
 
 def test_a_block_already_on_disk_is_not_written_again(tmp_path):
@@ -441,7 +441,7 @@ def test_on_cuda_a_restore_reads_each_file_once(tmp_path, monkeypatch):
     assert len(loads) == len(set(loads)) == 10 + 1  # its ten blocks and its record, once each
     again.close()
 
-    two_damaged_blocks_fail_a_restore(tmp_path, 0x10)
+    two_damaged_blocks_fail_a_restore(tmp_path, 0x10).close()
 
 
 def test_on_cuda_a_restores_blocks_are_checked_together(tmp_path, monkeypatch):
@@ -561,7 +561,33 @@ def test_on_cuda_with_pinned_memory_a_block_file_is_read_once_and_checked_as_it_
     assert summed == [1] and again.stats()["block_reads"] == 10
     again.close()
 
-    two_damaged_blocks_fail_a_restore(tmp_path, 0x01)
+    third = two_damaged_blocks_fail_a_restore(tmp_path, 0x01)
+    assert not third.blocks.staging.failed  # damaged files are theirs, not the path's
+    third.close()
+
+
+def test_on_cuda_a_restore_cut_by_shutdown_leaves_the_pinned_path_on(tmp_path, monkeypatch, caplog):
+    """Readers shut down under a restore (the tier closing) are not the pinned path
+    failing: it stays on, nothing is said about it, and the record stays."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvroute.backend import pinned
+    from tests.test_pinned import HostStaging
+
+    three_on_cuda(tmp_path, monkeypatch, HostStaging)
+    again, _ = make_tier(tmp_path)
+    (record,) = [r for r in again.index.values() if r.tokens.tolist() == conversation(0)]
+    closed = ThreadPoolExecutor(2)
+    closed.shutdown()
+    with pytest.raises(pinned.ReadersClosed):
+        again.blocks.load_all(record.blocks, lambda key, kv, size: kv, closed)
+    assert again.blocks.staging.works()
+    assert not [r for r in caplog.records if "pinned memory failed" in r.getMessage()]
+    again._closing = True  # as close() marks it before shutting its readers down
+    again._block_readers.shutdown()
+    assert again._load(record) is None and record.name in again.index
+    again._closing = False
+    again.close()
 
 
 def test_on_cuda_when_pinned_memory_fails_restores_use_mlxs_reader(tmp_path, monkeypatch, caplog):
@@ -668,8 +694,10 @@ def test_on_a_gpu_a_restore_through_pinned_memory_answers_as_the_conversations_k
     assert again.blocks.staging.works()
     for i in range(3):
         assert same_cache(restore(again, conversation(i) + [1]).cache, kv_of(conversation(i)))
+    assert again.blocks.staging.works()  # not served by MLX's reader after a failure
     again.close()
     damage_first_block(tmp_path, 0x01)
     third, _ = make_tier(tmp_path)
     assert restore(third, conversation(0) + [1]) is None
+    assert third.blocks.staging.works()
     third.close()

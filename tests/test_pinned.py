@@ -135,6 +135,40 @@ def test_files_it_cannot_copy_in_16_byte_words_are_left_to_the_caller(tmp_path):
     assert same_as_mlx_reader([even[0], even[1]], [got[0], got[3]])
 
 
+def with_header(path: Path, out: Path, change) -> Path:
+    """A copy of a safetensors file whose tensor table `change` edited."""
+    import orjson
+
+    data = path.read_bytes()
+    end = 8 + int.from_bytes(data[:8], "little")
+    header = orjson.loads(data[8:end])
+    change(header)
+    raw = orjson.dumps(header)
+    raw += b" " * (-len(raw) % 8)
+    out.write_bytes(len(raw).to_bytes(8, "little") + raw + data[end:])
+    return out
+
+
+def test_a_tensor_table_that_does_not_match_its_bytes_is_left_to_the_caller(tmp_path):
+    """The kernel must never read past a file's slot: a table whose tensors run past
+    the file, or whose shapes do not fit their bytes, gets no copy."""
+    good = write_files(tmp_path, 1)[0]
+
+    def past_the_end(h):
+        h["v0"]["data_offsets"][1] += 1024
+
+    def wrong_shape(h):
+        h["k0"]["shape"][0] += 1
+
+    def no_offsets(h):
+        del h["k0"]["data_offsets"]
+
+    bad = [with_header(good, tmp_path / f"{f.__name__}.safetensors", f)
+           for f in (past_the_end, wrong_shape, no_offsets)]
+    got = load(HostStaging(), [good, *bad])
+    assert same_as_mlx_reader([good], got[:1]) and got[1:] == [None, None, None]
+
+
 def test_a_file_cut_short_fails_the_load(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -191,6 +225,16 @@ def test_on_a_gpu_the_copy_kernel_gives_what_mlxs_reader_does(tmp_path, monkeypa
     staging.warm()
     assert not staging.failed
     assert same_as_mlx_reader(paths, load(staging, paths))
+
+
+def test_readers_shut_down_under_a_load_are_said_apart_from_a_failure(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    readers = ThreadPoolExecutor(2)
+    readers.shutdown()
+    staging = HostStaging()
+    with pytest.raises(pinned.ReadersClosed):
+        staging.load(files_of(write_files(tmp_path, 2)), readers)
 
 
 def test_where_cuda_cannot_give_pinned_memory_the_staging_says_so_once(caplog):

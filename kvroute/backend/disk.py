@@ -51,7 +51,7 @@ import shutil
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -755,8 +755,12 @@ class DiskTier:
             own = self._block_readers.submit(diskfile.load, path, record, self.read_parallel)
             try:
                 loaded = self._load_blocks(record.blocks)
-            finally:
-                cache = own.result()  # its failure first: a damaged record names itself
+            except BaseException:
+                # A block's failure first: a damaged block is already deleted, and the
+                # record listing it must go too, whatever its own file met.
+                wait([own])
+                raise
+            cache = own.result()
             head = False
         else:
             cache = diskfile.load(path, record, self.read_parallel)
@@ -864,7 +868,8 @@ def restore_readers() -> int:
     7B 8k-token restore on a 16-core H200 host: 2.8 GB/s with one, 8.8 with 16). On
     CUDA, 8: the files go into pinned memory (pinned.py), which 8 readers fill at
     ~20 GB/s on an H100 host, 4 at ~15 (16 no faster); a file that goes through MLX's
-    reader instead gains nothing past 4 (0.100 s with 4, 0.107-0.109 with 8 or 16)."""
+    reader instead gains nothing past 4 (0.100 s with 4, 0.107-0.109 with 8 or 16). A
+    record read whole loads its own file on one of them, beside its blocks."""
     return 8 if diskfile.on_cuda() else min(16, max(4, os.cpu_count() or 4))
 
 

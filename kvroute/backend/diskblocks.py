@@ -6,8 +6,9 @@ tokens; the key names the block's file, `<key>.<header xxh3>.<file xxh3>.kvb.saf
 so a block already on disk is never written again, and a restart that restores
 conversations sharing a prefix reads that prefix once (blocks being read or held by
 a restored state are shared, `loaded`). The header carries the format version, the
-model fingerprint and the key (and, written on CUDA, the arrays' device checksum,
-which a restore there checks where MLX's reader put them: diskfile.py); the checksums
+model fingerprint and the key (and, written on CUDA where restores cannot go through
+pinned memory, the arrays' device checksum, which a restore there checks where MLX's
+reader put them: diskfile.py); the checksums
 in the name cover the header and the whole file, as a record's do. A block is written (to a temporary name, fsynced
 under the tier's policy, renamed) before the record that lists it, so a crash leaves
 at most blocks no record lists; a restart removes those. A block file that is

@@ -77,17 +77,33 @@ def plain_fill(f: File, view: memoryview) -> tuple[dict, int]:
     return header, offset
 
 
-def tensors(header: dict, base: int) -> list[Tensor] | None:
-    """A tensor table as the kernel copies it from `base` (where the tensors start in
-    the buffer), or None where it cannot: an empty tensor, a size or place not a
-    multiple of `ALIGN`, a dtype it does not know."""
+def tensors(header: dict, base: int, nbytes: int) -> list[Tensor] | None:
+    """A tensor table as the kernel copies it from `base` (where the `nbytes` bytes of
+    tensors start in the buffer), or None where it cannot: an empty tensor, a size or
+    place not a multiple of `ALIGN`, a dtype it does not know, a tensor whose bytes
+    are not where the table says (past the file's end, or not its shape's size: the
+    kernel would read past the file, or the arrays would not match)."""
+    import mlx.core as mx
+
     out = []
     for name, t in header.items():
-        a, b = t["data_offsets"]
-        if b <= a or (base + a) % ALIGN or (b - a) % ALIGN or t["dtype"] not in DTYPES:
+        try:
+            (a, b), dtype, shape = t["data_offsets"], t["dtype"], [int(n) for n in t["shape"]]
+        except (KeyError, TypeError, ValueError):
             return None
-        out.append(Tensor(name, t["dtype"], list(t["shape"]), base + a, b - a))
+        if dtype not in DTYPES or not 0 <= a < b <= nbytes or (base + a) % ALIGN or (b - a) % ALIGN:
+            return None
+        size = getattr(mx, DTYPES[dtype]).size
+        for n in shape:
+            size *= n
+        if size != b - a:
+            return None
+        out.append(Tensor(name, dtype, shape, base + a, b - a))
     return out or None
+
+
+class ReadersClosed(Exception):
+    """The reader threads were shut down (the tier is closing): not this path's failure."""
 
 
 def _slot(size: int) -> int:
@@ -119,7 +135,8 @@ class Staging:
              ) -> list[dict[str, Any] | None]:
         """Each file's tensors as device arrays, in order; None for a file this path
         cannot take. Raises what `fill` raises (after every read of its part is over),
-        RuntimeError where this path does not work here."""
+        ReadersClosed where `readers` are shut down, RuntimeError where this path does
+        not work here."""
         import mlx.core as mx
 
         with self._lock:
@@ -199,7 +216,13 @@ class Staging:
 
     def _read_part(self, part: list[tuple[File, int]], readers: ThreadPoolExecutor,
                    fill: Fill) -> list[list[Tensor] | None]:
-        reads = [readers.submit(self._read, f, at, fill) for f, at in part]
+        reads = []
+        try:
+            for f, at in part:
+                reads.append(readers.submit(self._read, f, at, fill))
+        except RuntimeError as exc:  # "cannot schedule new futures after shutdown"
+            wait(reads)
+            raise ReadersClosed(str(exc))
         wait(reads)  # every read is over before one's failure lets the buffer go
         return [r.result() for r in reads]
 
@@ -214,7 +237,7 @@ class Staging:
             self._host[at + moved:at + moved + f.size] = self._host[at + pad:at + pad + f.size].copy()
             pad = moved
         self._header = offset
-        return tensors(header, at + pad + offset)
+        return tensors(header, at + pad + offset, f.size - offset)
 
     def _launch(self, tensors_: list[tuple[int, Tensor]]) -> tuple[list[Any], dict[int, dict[str, Any]]]:
         """The copies of these tensors (each with its file's position), launched, not
