@@ -287,3 +287,36 @@ def test_a_lost_gpu_fails_requests_with_503_and_the_backend_exits_to_be_restarte
         assert "the GPU failed for good" in backend.log()
     finally:
         backend.stop()
+
+
+def test_a_gpu_lost_during_warm_up_exits_to_be_restarted(text_model, tmp_path, monkeypatch, caplog):
+    """A GPU context lost before the backend served anything (in its warm-up) ends the
+    process as one lost while serving does: status 70, for `kvroute serve` or systemd
+    to start a fresh process, its disk tier closed without writing. In process, with
+    the real model and engine thread; this CPU has no GPU to lose, so warm-up raises
+    MLX's CUDA error."""
+    import asyncio
+
+    from kvroute.backend import boot, engine
+    from kvroute.config import BackendConfig
+    from tests.harness.redis import free_port
+
+    def lost(self, long_tokens=0):
+        raise RuntimeError("cudaStreamSynchronize(stream_) failed: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine.Engine, "warm_up", lost)
+    closed = []
+    real_close = boot.open_disk_tier
+
+    def tier(*args, **kwargs):
+        t = real_close(*args, **kwargs)
+        close = t.close
+        t.close = lambda **kw: closed.append(kw) or close(**kw)
+        return t
+
+    monkeypatch.setattr(boot, "open_disk_tier", tier)
+    config = BackendConfig(model=str(text_model), port=free_port(), host="127.0.0.1",
+                           disk_cache_dir=str(tmp_path / "disk"), disk_cache_bytes=64 << 20)
+    assert asyncio.run(boot.serve(config)) == 70
+    assert closed == [{"write": False}]
+    assert any("failed for good during warm-up" in r.getMessage() for r in caplog.records)

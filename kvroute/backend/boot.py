@@ -228,6 +228,19 @@ async def _first_sync(publishers: list[Publisher], timeout: float = 5.0) -> None
         await asyncio.sleep(0.02)
 
 
+async def _lost_in_warm_up(state: State, socks: list[socket.socket], exc: BaseException) -> int:
+    """The GPU context is gone before this backend served anything: stop, and exit as a
+    backend that lost it while serving does, to be restarted (not with a traceback)."""
+    log.critical("the GPU failed for good during warm-up (%s): exiting with status %d so "
+                 "that it is restarted", exc, EXIT_DEVICE_LOST)
+    for sock in socks:
+        sock.close()
+    await asyncio.to_thread(state.engine.stop)
+    if state.disk is not None:  # writes would fail: keep what is on disk as it is
+        await asyncio.to_thread(state.disk.close, write=False)
+    return EXIT_DEVICE_LOST
+
+
 async def serve(config: BackendConfig) -> int:
     """Serve until stopped; the process's exit status (EXIT_DEVICE_LOST: restart it)."""
     socks = bind_sockets(config.host, config.port)  # the port is ours from now on
@@ -245,7 +258,12 @@ async def serve(config: BackendConfig) -> int:
     state.engine.start()
     if not config.no_warmup:
         # Before the registry or a proxy hears of this backend: healthy means warm.
-        seconds = await state.engine.call(lambda: state.engine.warm_up(_warm_long_tokens(state)))
+        try:
+            seconds = await state.engine.call(lambda: state.engine.warm_up(_warm_long_tokens(state)))
+        except Exception as exc:
+            if not accel.device_lost(exc):
+                raise
+            return await _lost_in_warm_up(state, socks, exc)
         state.device["warmup_s"] = round(seconds, 2)
         log.info("warmed up in %.1fs (prefill step %d)", seconds, config.prefill_step)
     # How long a prompt one entry may hold under the budgets, said once at start.
