@@ -228,17 +228,13 @@ async def _first_sync(publishers: list[Publisher], timeout: float = 5.0) -> None
         await asyncio.sleep(0.02)
 
 
-async def _lost_in_warm_up(state: State, socks: list[socket.socket], exc: BaseException) -> int:
-    """The GPU context is gone before this backend served anything: stop, and exit as a
-    backend that lost it while serving does, to be restarted (not with a traceback)."""
-    log.critical("the GPU failed for good during warm-up (%s): exiting with status %d so "
-                 "that it is restarted", exc, EXIT_DEVICE_LOST)
-    for sock in socks:
-        sock.close()
+async def _stop(state: State) -> int:
+    """Stop the engine, then the disk tier (finishing the writes already queued, none
+    on a lost GPU); the process's exit status (EXIT_DEVICE_LOST: restart it)."""
     await asyncio.to_thread(state.engine.stop)
-    if state.disk is not None:  # writes would fail: keep what is on disk as it is
-        await asyncio.to_thread(state.disk.close, write=False)
-    return EXIT_DEVICE_LOST
+    if state.disk is not None:
+        await asyncio.to_thread(state.disk.close, write=not state.engine.lost)
+    return EXIT_DEVICE_LOST if state.engine.lost else 0
 
 
 async def serve(config: BackendConfig) -> int:
@@ -263,7 +259,13 @@ async def serve(config: BackendConfig) -> int:
         except Exception as exc:
             if not accel.device_lost(exc):
                 raise
-            return await _lost_in_warm_up(state, socks, exc)
+            # Lost before it served anything: it exits as one lost while serving does.
+            log.critical("the GPU failed for good during warm-up (%s): exiting with status "
+                         "%d so that it is restarted", exc, EXIT_DEVICE_LOST)
+            state.engine.lost = str(exc)
+            for sock in socks:
+                sock.close()
+            return await _stop(state)
         state.device["warmup_s"] = round(seconds, 2)
         log.info("warmed up in %.1fs (prefill step %d)", seconds, config.prefill_step)
     # How long a prompt one entry may hold under the budgets, said once at start.
@@ -287,7 +289,4 @@ async def serve(config: BackendConfig) -> int:
         await state.publisher.stop(withdraw=True)
         await state.publisher.registry.close()
     await runner.cleanup()  # lets in-flight requests finish, up to shutdown_timeout
-    await asyncio.to_thread(state.engine.stop)
-    if state.disk is not None:  # finishes the writes already queued (none on a lost GPU)
-        await asyncio.to_thread(state.disk.close, write=not state.engine.lost)
-    return EXIT_DEVICE_LOST if state.engine.lost else 0
+    return await _stop(state)
