@@ -450,18 +450,10 @@ class Stack:
                 "disk_queue": sum(metric_sum(t, "kvroute_backend_disk_write_queue")
                                   for t in backends),
                 # Hits that started from a finished turn's contiguous copy, not its blocks.
-                "hot_hits": sum(c.get("hot_hits", 0) for c in caches)}
-
-    def restore_split(self) -> dict[str, float]:
-        """Sums behind a restored turn's split (deltas over one request): the backend's
-        TTFT of cache hits (from its arrival), of it the time before the engine (the
-        restore included), of that the restore itself (its files read and checked)."""
-        text = [get(b + "/metrics", {"x-kvroute-token": TOKEN}).decode() for b in self.backends()]
-        return {"backend_ttft": sum(metric_sum(t, "kvroute_backend_ttft_seconds_sum", cached="true")
-                                    for t in text),
-                "backend_prepare": sum(metric_sum(t, "kvroute_backend_prepare_seconds_sum") for t in text),
+                "hot_hits": sum(c.get("hot_hits", 0) for c in caches),
+                # The disk restores' own time (files read and checked).
                 "restore_read": sum(metric_sum(t, "kvroute_backend_disk_restore_seconds_sum")
-                                    for t in text)}
+                                    for t in backends)}
 
     def stop(self) -> int | None:
         return self.proc.stop() if self.proc else None
@@ -573,9 +565,11 @@ def restore(stack: Stack, tok, args) -> dict:
                                       1))[0] for r in range(args.repeat))
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": follow}]
     skipped = stack.metric("kvroute_backend_disk_restores_skipped_total")
-    before = stack.restore_split()
+    before = stack.split()
     t, usage, _ = run(chat(stack.url, "m", messages, 2))
-    split = {k: v - before[k] for k, v in stack.restore_split().items()}
+    # The backend's TTFT of the hit, its time before the engine, of that the restore.
+    after = stack.split()
+    split = {k: after[k] - before[k] for k in ("engine_ttft", "backend_prepare", "restore_read")}
     skipped = stack.metric("kvroute_backend_disk_restores_skipped_total") - skipped
     return {"size": size, "restored_ttft": t, "cold_ttft": cold, "cold_before_restart": cold_before,
             **split,
@@ -660,12 +654,12 @@ def report(args, got: dict) -> str:
             add(f"~{r['size']}-token conversation restored from disk after a restart "
                 "(cold prompts of its length after the restart)", r["restored_ttft"],
                 r["cold_ttft"], secs)
-            if "backend_ttft" in r:
+            if "engine_ttft" in r:
                 rows.append(("the restored turn: where it went",
-                             f"backend {secs(r['backend_ttft'])} (before its engine "
+                             f"backend {secs(r['engine_ttft'])} (before its engine "
                              f"{secs(r['backend_prepare'])}, of it the restore "
                              f"{secs(r['restore_read'])}), the rest "
-                             f"{secs(r['restored_ttft'] - r['backend_ttft'])}", "", "", ""))
+                             f"{secs(r['restored_ttft'] - r['engine_ttft'])}", "", "", ""))
         if nd:
             big = args.sizes[-1]
             add(f"disk tier on: cold TTFT ~{big} (off)", kv["cold"].get(str(big), kv["cold"].get(big)),
