@@ -224,7 +224,8 @@ def test_a_backend_writes_only_while_its_siblings_rest(text_model, tmp_path):
             wait_until(lambda: idle.health()["disk"]["entries"] > 0, 2.0,
                        what="a write beside the sibling's prefill")
         assert slow.is_alive()  # the window above lay within the sibling's prefill
-        assert idle.health()["disk"]["write_queue"] > 0
+        disk = idle.health()["disk"]
+        assert disk["write_queue"] > 0 and disk["write_queue_bytes"] > 0
         slow.join(120)
         wait_until(lambda: written(idle), 30, what="the write once both rest")
     finally:

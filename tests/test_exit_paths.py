@@ -289,6 +289,34 @@ def test_a_lost_gpu_fails_requests_with_503_and_the_backend_exits_to_be_restarte
         backend.stop()
 
 
+def test_out_of_device_memory_fails_the_step_logs_what_the_backend_held_and_serves_on(
+        text_model, tmp_path):
+    """A step that finds the card full fails its requests (500) but not the process: the
+    backend logs what it held (MLX's memory, the prompt cache) for the operator, lets
+    its buffer cache and finished turns' copies go, and answers the next request. This
+    CPU has no card to fill: the `out_of_memory` fault raises MLX's CUDA allocation
+    error from inside the decode step."""
+    from tests.harness.processes import BackendProcess
+
+    backend = BackendProcess(text_model, "demo", tmp_path, extra=["--enable-faults"])
+    backend.start()
+    try:
+        status, body = post_json(backend.url + "/v1/chat/completions",
+                                 {"model": "demo", "messages": conversation(),
+                                  "kvroute_fault": "out_of_memory:1"})
+        assert status == 500 and "out of memory" in body["error"]["message"], body
+        log = backend.log()
+        assert "out of device memory: active" in log and "prompt cache" in log, log[-2000:]
+        memory = backend.health()["memory"]
+        assert memory["peak"] >= memory["active"] > 0
+        status, body = post_json(backend.url + "/v1/chat/completions",
+                                 {"model": "demo", "messages": conversation(), "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+        assert backend.proc.poll() is None
+    finally:
+        backend.stop()
+
+
 def test_a_gpu_lost_during_warm_up_exits_to_be_restarted(text_model, tmp_path, monkeypatch, caplog):
     """A GPU context lost before the backend served anything (in its warm-up) ends the
     process as one lost while serving does: status 70, for `kvroute serve` or systemd

@@ -14,7 +14,7 @@ import signal
 
 import mlx.core as mx
 import pytest
-from tests.harness import BackendProcess, SSEStream, post_json, wait_until
+from tests.harness import BackendProcess, SSEStream, metric_sum, post_json, request, wait_until
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
@@ -99,6 +99,12 @@ def test_backend_is_warm_when_healthy_applies_limits_and_exits_0(text_model, tmp
         status, body = post_json(backend.url + "/v1/completions",
                                  {"model": "demo", "prompt": "hello " * 80, "max_tokens": 3})
         assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+        # What the process holds, for an operator sizing replicas: MLX's own counts
+        # (the weights at least), under the cap given; the same as gauges.
+        memory = backend.health()["memory"]
+        assert memory["limit"] == 3 << 30 and 0 < memory["active"] <= memory["peak"]
+        text = request(backend.url + "/metrics")[2].decode()
+        assert metric_sum(text, "kvroute_backend_memory_bytes", kind="peak") > 0
         # A request in flight when SIGTERM arrives does not stop a clean exit.
         stream = SSEStream(backend.url + "/v1/completions",
                            {"model": "demo", "prompt": "long " * 300, "max_tokens": 200})

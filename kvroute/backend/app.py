@@ -26,6 +26,7 @@ from kvroute.api.http import SSE_DONE, SSE_HEADERS, json_response, read_json, ss
 from kvroute.api.routes import (CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, EMBEDDINGS_PATH,
                                 HEALTH_PATH, MODELS_PATH)
 from kvroute.config import BackendConfig
+from kvroute.core import accel
 from kvroute.core.usage import USAGE_HEADER, usage_comment
 
 from .chunks import ChatBuilder, CompletionBuilder
@@ -404,6 +405,7 @@ async def health(request: web.Request) -> web.Response:
         "cache": state.store.stats(),
         "disk": state.disk.stats() if state.disk is not None else None,
         "device": state.device,
+        "memory": accel.memory(),
         "engine": state.engine.snapshot(),
         "grammars": _grammar_stats(state),
         # A model that takes images: images run through its encoder, and those held.

@@ -817,6 +817,7 @@ class DiskTier:
             **self.blocks.stats(),
             "budget_bytes": self.budget_bytes,
             "write_queue": self._waiting(),
+            "write_queue_bytes": self._pending_bytes,  # what queued writes keep in memory
             "fsync": "always" if self.fsync else "never",
             "restore_bytes_per_s": round(self.restore_bps),
             "restore_tokens_per_s": round(self.restore_tps),

@@ -38,7 +38,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvroute.api.errors import APIError, overloaded, server_error
-from kvroute.core.accel import device_lost, keep_wired_limit
+from kvroute.core.accel import device_lost, device_trouble, keep_wired_limit, memory
 from kvroute.core.hits import is_cache_hit
 from kvroute.core.sizes import format_bytes
 
@@ -604,8 +604,10 @@ class Engine:
             log.exception("batch step failed")
             if device_lost(exc):
                 self._lose_device(exc)
-            else:
-                self._recover(f"Generation failed: {exc}")
+                return
+            if device_trouble(exc):
+                self._out_of_memory()
+            self._recover(f"Generation failed: {exc}")
             return
         if stats.prompt_tokens and stats.prompt_time > 0:
             rate = stats.prompt_tokens / stats.prompt_time
@@ -911,6 +913,19 @@ class Engine:
             self._admit_or_fail(job)
         self._update_gauges()
 
+    def _out_of_memory(self) -> None:
+        """After a step found no device memory: say what this process held (the
+        operator's first question), and give its buffer cache back to the device, where
+        another replica's allocation may be what failed next."""
+        stats = self.store.stats()
+        log.error("out of device memory: %s; prompt cache %s (+%s of finished turns' copies); "
+                  "%d sequences running, %d KV tokens",
+                  ", ".join(f"{k} {format_bytes(v)}" for k, v in memory().items()),
+                  format_bytes(stats["bytes"]), format_bytes(stats["hot_bytes"]),
+                  len(self._jobs), self.running_tokens)
+        self.store.drop_hot()
+        mx.clear_cache()
+
     def _in_generator(self) -> set[int]:
         # Sequences the generator still holds; one that was completing its prompt
         # in a failed step is in neither its prompt nor its generation batch.
@@ -944,6 +959,9 @@ class Engine:
         m.l(m.cache_hot_bytes).set(stats["hot_bytes"])
         m.l(m.cache_blocks, tier="ram").set(stats["blocks"])
         m.l(m.prefill_tps).set(self.prefill_tps)
+        m.l(m.memory, kind="active").set(mx.get_active_memory())
+        m.l(m.memory, kind="cache").set(mx.get_cache_memory())
+        m.l(m.memory, kind="peak").set(mx.get_peak_memory())
 
 
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

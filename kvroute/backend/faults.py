@@ -4,6 +4,8 @@ backend started with --enable-faults:
 - `decode_error[:N]`: the batched decode step fails after N steps (default 3);
 - `device_lost[:N]`: it fails after N steps as a CUDA step does once the GPU context is
   gone ("an illegal memory access was encountered"): the backend exits to be restarted;
+- `out_of_memory[:N]`: it fails after N steps as a CUDA allocation does when the card
+  is full (the request fails with a 500; the backend logs its memory and serves on);
 - `force:TEXT`: the model replies TEXT then EOS;
 - `slow_prefill[:SECONDS]`: each prefill chunk takes that much longer (default 0.05).
 """
@@ -27,6 +29,9 @@ def logits_processors(fault: str | None, tokenizer: Any) -> list[Callable]:
     if fault and fault.startswith("device_lost"):
         processors.append(_fault_processor(fault, "cudaStreamSynchronize(stream_) failed: "
                                                   "an illegal memory access was encountered"))
+    if fault and fault.startswith("out_of_memory"):
+        processors.append(_fault_processor(fault, "cudaMallocAsync(&data, size, stream) failed: "
+                                                  "out of memory"))
     if fault and fault.startswith("force:"):
         processors.append(_forcing_processor(fault.partition(":")[2], tokenizer))
     return processors

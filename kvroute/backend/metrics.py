@@ -79,6 +79,10 @@ class BackendMetrics:
         self.cache_blocks = self._family(Gauge, "kvroute_backend_cache_blocks",
                                          "Token blocks of the prompt cache held, by tier",
                                          ("tier",))
+        self.memory = self._family(
+            Gauge, "kvroute_backend_memory_bytes",
+            "MLX memory of this process: arrays in use (active), its buffer cache (cache), the "
+            "most in use at once since start (peak)", ("kind",))
         self.queue_depth = self._family(Gauge, "kvroute_backend_queue_depth",
                                         "Requests admitted but not finished")
         self.batch_size = self._family(Gauge, "kvroute_backend_batch_size",
@@ -190,6 +194,8 @@ class BackendMetrics:
             self.tier_tokens.labels(**self._labels, tier=tier)
         for result in ("ok", "failed", "dropped"):
             self.disk_writes.labels(**self._labels, result=result)
+        for kind in ("active", "cache", "peak"):
+            self.memory.labels(**self._labels, kind=kind)
 
     def _family(self, kind: type, name: str, doc: str, extra: tuple[str, ...] = (),
                 **kw: Any) -> Any:

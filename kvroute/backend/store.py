@@ -373,6 +373,11 @@ class Store:
         self.hot_bytes -= nbytes
         return cache
 
+    def drop_hot(self) -> None:
+        """Every finished turn's copy goes (the device is short of memory)."""
+        while self.hot:
+            self._drop_hot(next(iter(self.hot)))
+
     def _drop_hot(self, entry_id: int) -> None:
         self._take_hot(entry_id)
 

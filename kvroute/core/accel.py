@@ -116,6 +116,25 @@ def device_trouble(exc: BaseException) -> bool:
     return device_lost(exc) or "out of memory" in text or "unable to allocate" in text
 
 
+def memory() -> dict[str, int]:
+    """This process's MLX memory (arrays in use, its buffer cache, the peak since
+    start, its cap) and, on a CUDA card, the card's free and total bytes as the driver
+    counts them (every process on it, and what MLX does not allocate: contexts,
+    library workspaces). Cheap enough for every health check."""
+    import ctypes
+
+    import mlx.core as mx
+
+    out = {"active": int(mx.get_active_memory()), "cache": int(mx.get_cache_memory()),
+           "peak": int(mx.get_peak_memory()), "limit": int(mx.get_memory_limit())}
+    if mx.cuda.is_available():
+        runtime = cuda_runtime()
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        if runtime is not None and runtime.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) == 0:
+            out["device_free"], out["device_total"] = int(free.value), int(total.value)
+    return out
+
+
 def apply_limits(memory_limit: int, cache_limit: int) -> dict[str, int]:
     """Cap this process's MLX memory (0: leave MLX's default) and the buffer cache
     it keeps for reuse (0: a tenth of the memory limit, when there is one).
