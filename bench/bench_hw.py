@@ -58,6 +58,7 @@ from typing import Callable
 import aiohttp
 
 from bench.command import command_line
+from kvroute.core.sizes import format_bytes
 from kvroute.serve.redis_server import free_port
 from tests.harness import metric_sum
 
@@ -455,6 +456,18 @@ class Stack:
                 "restore_read": sum(metric_sum(t, "kvroute_backend_disk_restore_seconds_sum")
                                     for t in backends)}
 
+    def memory(self) -> list[dict]:
+        """Each backend's memory now (its /health): MLX's active, cache, peak and cap,
+        and the card's free bytes."""
+        out = []
+        for b in self.backends():
+            health = json.loads(get(b + "/health", {"x-kvroute-token": TOKEN}))
+            disk = health.get("disk") or {}
+            out.append({**health.get("memory", {}), "store": health["cache"]["bytes"],
+                        "hot": health["cache"].get("hot_bytes", 0),
+                        "queued": disk.get("write_queue_bytes", 0)})
+        return out
+
     def stop(self) -> int | None:
         return self.proc.stop() if self.proc else None
 
@@ -486,6 +499,7 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
         else:
             out["cold"] = cold_ttfts(url, "m", tok, args.sizes[-1:], args.repeat, part)
         out["turn2"] = turn2_ttft(url, "m", tok, args.turn2, args.turn2_repeat, part, stack.split)
+        out["memory"] = {"turn2": stack.memory()}
         progress(out)
         one = stack.backends()[0]
         run(decode_rate(url, "m", tok, 8, 16, 6000))
@@ -496,7 +510,12 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
                 out[f"decode{n}_one"] = run(decode_rate(one, "m", tok, n, args.decode,
                                                         6050 + 100 * n, {"x-kvroute-token": TOKEN}))
         progress(out)
-        out["agents"] = run(agents(url, "m", tok, 20000 + 1000 * part, args.agent_system))
+        out["memory"]["decode"] = stack.memory()
+        try:
+            out["agents"] = run(agents(url, "m", tok, 20000 + 1000 * part, args.agent_system))
+        except RuntimeError as exc:  # recorded, and the restore still measured
+            out["agents_error"] = str(exc)[-400:]
+        out["memory"]["agents"] = stack.memory()
         progress(out)
         if disk and args.restore:
             out["restore"] = restore(stack, tok, args)
@@ -505,6 +524,7 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
                                      / seconds if seconds else None)
             out["disk_restores_skipped"] = stack.metric(
                 "kvroute_backend_disk_restores_skipped_total")
+            out["memory"]["restore"] = stack.memory()
     finally:
         out["exit_codes"].append(stack.stop())
         if disk_dir:
@@ -584,6 +604,25 @@ def progress(out: dict) -> None:
 
 
 # -- report -------------------------------------------------------------------------------
+
+
+def memory_table(phases: dict[str, list[dict]]) -> str:
+    """Each backend's MLX memory after each phase (active, buffer cache, peak, cap),
+    the card's free memory then, and what the prompt cache and the disk writers' queue
+    held of it."""
+    if not phases:
+        return ""
+    b = format_bytes
+    text = ("\n| memory after | backend | active | buffer cache | peak | cap | card free "
+            "| prompt cache + hot copies | disk write queue |\n|---|---|---|---|---|---|---|---|---|\n")
+    for phase, backends in phases.items():
+        for i, m in enumerate(backends):
+            if m:
+                text += (f"| {phase} | {i + 1} | {b(m['active'])} | {b(m['cache'])} | {b(m['peak'])} "
+                         f"| {b(m.get('limit', 0))} "
+                         f"| {b(m['device_free']) if 'device_free' in m else '-'} "
+                         f"| {b(m.get('store', 0))} + {b(m.get('hot', 0))} | {b(m.get('queued', 0))} |\n")
+    return text
 
 
 def report(args, got: dict) -> str:
@@ -671,8 +710,9 @@ def report(args, got: dict) -> str:
                              f"{kv['turn2']['repeat']} (off: {nd['turn2']['hot_hits']:.0f})", "", "", ""))
             add("disk tier on: decode 8 via the proxy (off)", kv["decode8"], nd["decode8"], rate,
                 ">= 0.95x")
-            add("disk tier on: agents' turns 2-4 TTFT (off)", kv["agents"]["ttft_turns_2_4"],
-                nd["agents"]["ttft_turns_2_4"], secs, "<= 1.05x")
+            if "agents" in kv and "agents" in nd:
+                add("disk tier on: agents' turns 2-4 TTFT (off)", kv["agents"]["ttft_turns_2_4"],
+                    nd["agents"]["ttft_turns_2_4"], secs, "<= 1.05x")
     if plain:
         started = "error" not in plain and plain.get("ttft") is not None
         rows.append((f"plain `kvroute serve --model M --replicas {args.replicas}`",
@@ -690,6 +730,9 @@ def report(args, got: dict) -> str:
                 a = part["agents"]
                 text += (f"| {name} | {a['hit_ratio']:.3f} | {a['ttft_turns_2_4']:.3f} s "
                          f"| {a['wall_s']:.1f} s |\n")
+        if "agents_error" in kv:
+            text += f"| disk tier on | failed: {kv['agents_error'][-200:]} | | |\n"
+        text += memory_table(kv.get("memory") or {})
         extra = {k: kv.get(k) for k in ("ready_s", "exit_codes", "disk_read_rate",
                                         "disk_restores_skipped",
                                         "disk_bytes_written", "restore")}
