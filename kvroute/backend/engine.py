@@ -42,7 +42,7 @@ from kvroute.core.accel import device_lost, device_trouble, keep_wired_limit, me
 from kvroute.core.hits import is_cache_hit
 from kvroute.core.sizes import format_bytes
 
-from . import faults
+from . import faults, join
 from .attention import avoid_cudnn_plans, fast, new_cache
 from .grammar import MaskBatch
 from .jobs import Delta, Finish, Job
@@ -270,6 +270,7 @@ class Engine:
         next (H200, 2k tokens). Prompts of lengths spread over a prefill chunk take most
         of that away; then one long prompt (`_warm_long`), as long as the time left
         allows at the rate the spread measured."""
+        join.warm()  # the kernel that joins a hit's blocks, built and checked
         t0 = time.perf_counter()
         deadline = t0 + WARM_CUDA_SECONDS
         spread = max(self.prefill_step // 21, 1)

@@ -35,6 +35,8 @@ import numpy as np
 import xxhash
 from mlx_lm.models.cache import CacheList, KVCache, trim_prompt_cache
 
+from .join import join
+
 BLOCK_TOKENS = 32
 
 _H = xxhash.xxh3_64_intdigest
@@ -222,8 +224,7 @@ class Paged:
         elif rest:
             parts.append(tuple(mx.stack([self.tail[s][i][0, :, :rest, :] for s in slots])
                                for i in (0, 1)))
-        return (mx.concatenate([k for k, _ in parts], axis=2),
-                mx.concatenate([v for _, v in parts], axis=2))
+        return join([k for k, _ in parts]), join([v for _, v in parts])
 
     def drop_tail(self) -> int:
         """Cut the entry back to its last full block; the bytes freed."""
