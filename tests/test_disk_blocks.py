@@ -701,3 +701,34 @@ def test_on_a_gpu_a_restore_through_pinned_memory_answers_as_the_conversations_k
     assert restore(third, conversation(0) + [1]) is None
     assert third.blocks.staging.works()
     third.close()
+
+
+def test_writes_waiting_for_evicted_entries_count_in_the_ram_budget(tmp_path):
+    """An entry evicted while its write waits for an idle engine stays in memory (the
+    write holds its arrays): the store counts those bytes in its budget, and such a
+    write goes at once, busy engine or not, since it is all that holds them. So the
+    cache holds no more than its budget says (beyond the one entry it always keeps),
+    however far the disk writers were behind."""
+    tier, _ = make_tier(tmp_path)
+    tier.busy = lambda: True  # an engine at work: writes of entries RAM holds wait
+    talks = [[9000 + 1000 * i + j for j in range(4 * BLOCK_TOKENS + 3)] for i in range(5)]
+    one = Store(budget_bytes=1 << 30)
+    one.insert("m", talks[0], kv_of(talks[0]), "finish", chain=[0])
+    store = Store(budget_bytes=int(2.5 * one.nbytes))  # two entries fit
+    store.listeners.append(tier.on_store_event)
+    store.overflow, store.pinned = tier.take, tier.pinned_bytes
+    for i, talk in enumerate(talks):
+        store.insert("m", talk, kv_of(talk), "finish", chain=[i])
+        assert (store.nbytes + store.hot_bytes + tier.pinned_bytes() <= store.budget_bytes
+                or len(store.entries) == 1)
+    # The evicted entries' writes went; those of the entries RAM holds still wait.
+    wait_until(lambda: tier.pinned_bytes() == 0 and len(tier.index) == 5 - len(store.entries),
+               30, what="the evicted entries written")
+    assert tier.stats()["write_queue"] == len(store.entries) >= 1
+    assert tier.stats()["write_queue_evicted_bytes"] == 0
+    tier.busy = lambda: False
+    wait_until(lambda: tier.stats()["write_queue"] == 0 and len(tier.index) == 5, 60,
+               what="the rest once the engine rests")
+    store.insert("m", talks[0], kv_of(talks[0]), "finish", chain=[0])
+    assert len(store.entries) == 2  # nothing pinned now: the budget is RAM's again
+    tier.close()

@@ -150,6 +150,10 @@ class DiskTier:
         self._key_refs: dict[str, Counter] = {}
         self._queue: queue.Queue = queue.Queue()
         self._pending_bytes = 0  # bytes queued entries pin (_enqueue)
+        # Of those, what RAM has let go (evicted while its write waited): memory the
+        # store's budget must still count (`pinned_bytes`), or the process holds more
+        # than its cache budget says.
+        self._orphaned_bytes = 0
         self._queued_keys: Counter = Counter()  # blocks of queued entries, by key
         self._reads: dict[str, asyncio.Future] = {}
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="kvroute-disk-read")
@@ -334,7 +338,17 @@ class DiskTier:
                 self._queue.put(("drop", entry.id))
             else:
                 self._by_entry.pop(entry.id, None)
+                with self.lock:  # its write still holds its arrays
+                    item = self._queued.get(entry.id)
+                    if item is not None and item[1] is not None and not item[4]:
+                        item[4] = True
+                        self._orphaned_bytes += item[2]
         self._update_queue_gauge()
+
+    def pinned_bytes(self) -> int:
+        """Bytes queued writes keep in memory for entries RAM has evicted (the store
+        counts them in its budget until they are written)."""
+        return self._orphaned_bytes
 
     def take(self, entry: Entry) -> str:
         """Queue an entry the RAM budget cannot hold (engine thread: only enqueue).
@@ -376,11 +390,14 @@ class DiskTier:
             return None
         self._queued_keys.update(keys)
         self._pending_bytes += charge
-        return [kind, entry, charge, keys]
+        return [kind, entry, charge, keys, False]  # False: RAM still holds the entry
 
     def _dequeue(self, item: list) -> None:
         """`item` leaves the queue: written, superseded or replaced (tier lock held)."""
         self._pending_bytes -= item[2]
+        if item[4]:
+            self._orphaned_bytes -= item[2]
+            item[4] = False
         self._queued_keys.subtract(item[3])
         for key in item[3]:
             if self._queued_keys[key] <= 0:
@@ -463,9 +480,11 @@ class DiskTier:
 
     def _due(self, item: Any) -> bool:
         """Whether the oldest waiting item goes now: the engine has been idle
-        `idle_wait` seconds, its entry waited `max_delay` since its commit or was
-        superseded meanwhile (nothing to write), or the tier is closing."""
-        if item[0] != "write" or item[1] is None or self._closing:
+        `idle_wait` seconds, its entry waited `max_delay` since its commit, was
+        superseded meanwhile (nothing to write) or evicted from RAM (its write is all
+        that holds its memory, which the RAM budget counts until then), or the tier is
+        closing."""
+        if item[0] != "write" or item[1] is None or item[4] or self._closing:
             return True
         if time.time() - item[1].created >= self.max_delay:
             return True
@@ -481,8 +500,14 @@ class DiskTier:
             if entry is None:  # superseded while it waited
                 return
             self._queued.pop(entry.id, None)
+            evicted, item[4] = item[4], False  # its bytes stay counted until written
             self._dequeue(item)
-        self._write(entry)
+        try:
+            self._write(entry, urgent=evicted)
+        finally:
+            if evicted:
+                with self.lock:
+                    self._orphaned_bytes -= item[2]
 
     def _write_whole(self, item: list) -> None:
         with self.lock:
@@ -493,10 +518,12 @@ class DiskTier:
             self._dequeue(item)
         self._write(entry)
 
-    def _write(self, entry: Entry) -> bool:
+    def _write(self, entry: Entry, urgent: bool = False) -> bool:
         """Write `entry` as a record (its new blocks first); the records it extends are
         removed once it is in place: a restored conversation's next turn, or a whole
-        entry, replaces the file it grew from (their chain keys become its own)."""
+        entry, replaces the file it grew from (their chain keys become its own). An
+        `urgent` write (RAM evicted its entry) does not wait for the engine to rest
+        between its files, only keeps its pace."""
         if entry.nbytes > self.budget_bytes or self._abandon:
             return False
         with self.lock:
@@ -521,7 +548,7 @@ class DiskTier:
         try:
             if shutil.disk_usage(self.directory).free < entry.nbytes:
                 raise OSError(errno.ENOSPC, "no space left on the device")
-            held = self._write_blocks(entry.shared, entry.created + self.max_delay)
+            held = self._write_blocks(entry.shared, 0.0 if urgent else entry.created + self.max_delay)
             name, size = diskfile.write(self.directory, stem, entry.cache, meta, self.fsync)
         except (OSError, RuntimeError) as exc:  # MLX reports a failed write as RuntimeError
             if held:
@@ -818,6 +845,7 @@ class DiskTier:
             "budget_bytes": self.budget_bytes,
             "write_queue": self._waiting(),
             "write_queue_bytes": self._pending_bytes,  # what queued writes keep in memory
+            "write_queue_evicted_bytes": self._orphaned_bytes,  # of it, what RAM let go
             "fsync": "always" if self.fsync else "never",
             "restore_bytes_per_s": round(self.restore_bps),
             "restore_tokens_per_s": round(self.restore_tps),
@@ -892,6 +920,7 @@ def open_disk_tier(model: str, directory: str, budget_bytes: int, ram_budget: in
     tier.board = BusyBoard.beside(tier.directory)
     store.listeners.append(tier.on_store_event)
     store.overflow = tier.take
+    store.pinned = tier.pinned_bytes
     tier.blocks.in_ram = store.pool.blocks.get
     store.pool.restored = tier.blocks.restored
     return tier

@@ -305,6 +305,10 @@ class Store:
         # Where an entry over the budget goes whole (the disk tier: engine thread, it
         # only enqueues): "" when it took the entry, else why not.
         self.overflow: Callable[[Entry], str] | None = None
+        # Bytes evicted entries still hold elsewhere (the disk tier's queued writes):
+        # counted in the budget, which bounds the memory the cache takes, not just
+        # what this store holds.
+        self.pinned: Callable[[], int] = lambda: 0
         self._ids = itertools.count(1)
         self._key_refs: dict[str, Counter] = {}
         # Entries change on the engine thread; `snapshot` and `stats` are read from
@@ -361,7 +365,7 @@ class Store:
             copy.append(new)
         # The copy's own size: a working cache's buffers run past its tokens.
         nbytes = cache_nbytes(copy)
-        if self.nbytes + self.hot_bytes + nbytes > self.budget_bytes:
+        if self.nbytes + self.hot_bytes + self.pinned() + nbytes > self.budget_bytes:
             return False
         mx.async_eval([x for c in copy for x in (c.keys, c.values)])  # the copy runs behind
         self.hot[entry.id] = (copy, nbytes)
@@ -578,11 +582,11 @@ class Store:
         self._emit("evict", entry, self._release(entry.model, entry.chain), reason)
 
     def _over(self) -> bool:
-        return (self.nbytes + self.hot_bytes > self.budget_bytes
+        return (self.nbytes + self.hot_bytes + self.pinned() > self.budget_bytes
                 or len(self.entries) > self.max_entries)
 
     def _enforce_budget(self, keep: int) -> None:
-        while self.hot and self.nbytes + self.hot_bytes > self.budget_bytes:
+        while self.hot and self.nbytes + self.hot_bytes + self.pinned() > self.budget_bytes:
             self._drop_hot(next(iter(self.hot)))  # copies go before any entry does
         while self._over() and len(self.entries) > 1:
             oldest = next(iter(self.entries.values()))
