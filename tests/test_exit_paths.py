@@ -8,7 +8,9 @@ entry must hold exactly as many tokens as its KV.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from typing import Iterator
 
 import pytest
 from tests.harness import TOOLS, SSEStream, chat, post_json, wait_until
@@ -266,27 +268,37 @@ def test_waiting_count_regression_returns_to_zero_after_a_burst(backend):
     assert backend.health()["engine"]["queued"] == 0
 
 
+@contextlib.contextmanager
+def faulty_backend(text_model, tmp_path) -> Iterator:
+    """A backend that honours `kvroute_fault` (--enable-faults), stopped after."""
+    from tests.harness.processes import BackendProcess
+
+    backend = BackendProcess(text_model, "demo", tmp_path, extra=["--enable-faults"])
+    backend.start()
+    try:
+        yield backend
+    finally:
+        backend.stop()
+
+
+def faulted_chat(backend, fault: str) -> tuple[int, dict]:
+    return post_json(backend.url + "/v1/chat/completions",
+                     {"model": "demo", "messages": conversation(), "kvroute_fault": fault})
+
+
 def test_a_lost_gpu_fails_requests_with_503_and_the_backend_exits_to_be_restarted(text_model, tmp_path):
     """After a CUDA error that leaves the GPU context unusable (an illegal memory
     access: every later step and allocation fails the same way), a backend answers
     what it holds with 503 (a proxy retries it elsewhere) and exits with status 70,
     for `kvroute serve` or systemd to start a fresh process. This CPU has no GPU to
     lose: the `device_lost` fault raises MLX's CUDA error from inside the decode step."""
-    from tests.harness.processes import BackendProcess
-
-    backend = BackendProcess(text_model, "demo", tmp_path, extra=["--enable-faults"])
-    backend.start()
-    try:
-        status, body = post_json(backend.url + "/v1/chat/completions",
-                                 {"model": "demo", "messages": conversation(),
-                                  "kvroute_fault": "device_lost:1"})
+    with faulty_backend(text_model, tmp_path) as backend:
+        status, body = faulted_chat(backend, "device_lost:1")
         assert status == 503, body
         assert body["error"]["type"] == "server_error" and "restarting" in body["error"]["message"]
         wait_until(lambda: backend.proc.poll() is not None, 60, what="the backend to exit")
         assert backend.proc.returncode == 70
         assert "the GPU failed for good" in backend.log()
-    finally:
-        backend.stop()
 
 
 def test_out_of_device_memory_fails_the_step_logs_what_the_backend_held_and_serves_on(
@@ -296,14 +308,8 @@ def test_out_of_device_memory_fails_the_step_logs_what_the_backend_held_and_serv
     its buffer cache and finished turns' copies go, and answers the next request. This
     CPU has no card to fill: the `out_of_memory` fault raises MLX's CUDA allocation
     error from inside the decode step."""
-    from tests.harness.processes import BackendProcess
-
-    backend = BackendProcess(text_model, "demo", tmp_path, extra=["--enable-faults"])
-    backend.start()
-    try:
-        status, body = post_json(backend.url + "/v1/chat/completions",
-                                 {"model": "demo", "messages": conversation(),
-                                  "kvroute_fault": "out_of_memory:1"})
+    with faulty_backend(text_model, tmp_path) as backend:
+        status, body = faulted_chat(backend, "out_of_memory:1")
         assert status == 500 and "out of memory" in body["error"]["message"], body
         log = backend.log()
         assert "out of device memory: active" in log and "prompt cache" in log, log[-2000:]
@@ -313,8 +319,6 @@ def test_out_of_device_memory_fails_the_step_logs_what_the_backend_held_and_serv
                                  {"model": "demo", "messages": conversation(), "max_tokens": 3})
         assert status == 200 and body["usage"]["completion_tokens"] == 3, body
         assert backend.proc.poll() is None
-    finally:
-        backend.stop()
 
 
 def test_a_gpu_lost_during_warm_up_exits_to_be_restarted(text_model, tmp_path, monkeypatch, caplog):
