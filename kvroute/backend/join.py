@@ -104,10 +104,9 @@ def works() -> bool:
 
 
 def join(parts: list[mx.array]) -> mx.array:
-    """`parts` concatenated along axis 2 (tokens): the run of same-shaped blocks by the
-    kernel where it works, what follows it (a hit's last, partial block) after it."""
-    if len(parts) == 1:
-        return parts[0]
+    """`parts` concatenated along axis 2 (tokens), as `mx.concatenate` would: the run
+    of same-shaped blocks by the kernel where it works, what follows it (a hit's last,
+    partial block) after it."""
     run = next((i for i, p in enumerate(parts) if p.shape != parts[0].shape), len(parts))
     if not _kernel.takes(parts[:run]):
         return mx.concatenate(parts, axis=2)
