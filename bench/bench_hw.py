@@ -15,7 +15,9 @@ Parts (each a fresh set of processes, one after the other; `--parts` picks them)
   1/8/32 streams (through the proxy, spread over the replicas, and on one backend as
   mlx-lm's server batches them in one process), the agent workload (8 agents x 4 turns,
   shared system prompts); then a conversation restored from disk after a restart of the
-  whole stack against the cold prefill of a prompt of its size.
+  whole stack against the cold prefill of a prompt of its size. The report ends with
+  each backend's memory after each phase (MLX's active, cache, peak and cap, the card's
+  free bytes, the prompt cache and the disk writers' queue), from its /health.
 - no-disk: the same stack with the disk tier off: cold TTFT at the largest size, turn 2,
   decode at 8 streams and the agent workload, for the disk tier's cost.
 - defaults: plain `kvroute serve --model M --replicas N` (no config: every default,
