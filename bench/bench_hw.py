@@ -427,8 +427,7 @@ class Stack:
         proxy's time before forwarding."""
         backends = [get(b + "/metrics", {"x-kvroute-token": TOKEN}).decode()
                     for b in self.backends()]
-        caches = [json.loads(get(b + "/health", {"x-kvroute-token": TOKEN}))["cache"]
-                  for b in self.backends()]
+        caches = [h["cache"] for h in self.healths()]
         proxy = get(self.url + "/metrics").decode()
         hit = {"cached": "true"}
         return {"engine_ttft": sum(metric_sum(t, "kvroute_backend_ttft_seconds_sum", **hit)
@@ -461,14 +460,14 @@ class Stack:
     def memory(self) -> list[dict]:
         """Each backend's memory now (its /health): MLX's active, cache, peak and cap,
         and the card's free bytes."""
-        out = []
-        for b in self.backends():
-            health = json.loads(get(b + "/health", {"x-kvroute-token": TOKEN}))
-            disk = health.get("disk") or {}
-            out.append({**health.get("memory", {}), "store": health["cache"]["bytes"],
-                        "hot": health["cache"].get("hot_bytes", 0),
-                        "queued": disk.get("write_queue_bytes", 0)})
-        return out
+        return [{**h.get("memory", {}), "store": h["cache"]["bytes"],
+                 "hot": h["cache"].get("hot_bytes", 0),
+                 "queued": (h.get("disk") or {}).get("write_queue_bytes", 0)}
+                for h in self.healths()]
+
+    def healths(self) -> list[dict]:
+        """Each backend's own /health."""
+        return [json.loads(get(b + "/health", {"x-kvroute-token": TOKEN})) for b in self.backends()]
 
     def stop(self) -> int | None:
         return self.proc.stop() if self.proc else None

@@ -38,18 +38,20 @@ class _Kernel:
         try:
             parts = [mx.random.normal((2, 3, 32, 8)).astype(mx.bfloat16) for _ in range(MIN_PARTS + 1)]
             ok = mx.array_equal(self.join(parts), mx.concatenate(parts, axis=2)).item()
+            why = "it gave other bytes than concatenating"
         except Exception as exc:
-            ok = False
-            log.warning("joining cache blocks by kernel failed (%r); concatenating them", exc)
+            ok, why = False, f"it failed ({exc!r})"
         self.failed, self.checked = not ok, True
         if not ok:
-            log.warning("joining cache blocks by kernel gave other bytes than concatenating; "
-                        "concatenating them")
+            log.warning("joining cache blocks by kernel: %s; concatenating them", why)
+
+    def works(self) -> bool:
+        return self.checked and not self.failed
 
     def takes(self, parts: list[mx.array]) -> bool:
         """Same-shaped 4-d parts [layers, heads, tokens, dims] whose rows are whole
         16-byte words, enough of them to be worth a launch."""
-        if self.failed or not self.checked or len(parts) < MIN_PARTS:
+        if not self.works() or len(parts) < MIN_PARTS:
             return False
         first = parts[0]
         return (first.ndim == 4 and (first.shape[3] * first.dtype.size) % WORD == 0
@@ -100,7 +102,7 @@ warm = _kernel.warm
 
 def works() -> bool:
     """Whether hits join their blocks by kernel here (CUDA, warmed, checked)."""
-    return _kernel.checked and not _kernel.failed
+    return _kernel.works()
 
 
 def join(parts: list[mx.array]) -> mx.array:

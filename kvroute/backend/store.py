@@ -365,7 +365,7 @@ class Store:
             copy.append(new)
         # The copy's own size: a working cache's buffers run past its tokens.
         nbytes = cache_nbytes(copy)
-        if self.nbytes + self.hot_bytes + self.pinned() + nbytes > self.budget_bytes:
+        if self._counted() + nbytes > self.budget_bytes:
             return False
         mx.async_eval([x for c in copy for x in (c.keys, c.values)])  # the copy runs behind
         self.hot[entry.id] = (copy, nbytes)
@@ -581,12 +581,16 @@ class Store:
             self.evictions += 1
         self._emit("evict", entry, self._release(entry.model, entry.chain), reason)
 
+    def _counted(self) -> int:
+        """What the budget counts: entries, hot copies, and what evicted entries still
+        hold elsewhere."""
+        return self.nbytes + self.hot_bytes + self.pinned()
+
     def _over(self) -> bool:
-        return (self.nbytes + self.hot_bytes + self.pinned() > self.budget_bytes
-                or len(self.entries) > self.max_entries)
+        return self._counted() > self.budget_bytes or len(self.entries) > self.max_entries
 
     def _enforce_budget(self, keep: int) -> None:
-        while self.hot and self.nbytes + self.hot_bytes + self.pinned() > self.budget_bytes:
+        while self.hot and self._counted() > self.budget_bytes:
             self._drop_hot(next(iter(self.hot)))  # copies go before any entry does
         while self._over() and len(self.entries) > 1:
             oldest = next(iter(self.entries.values()))

@@ -55,12 +55,10 @@ def cuda_memory() -> int:
     RAM as a CUDA device's `memory_size` (its allocator can use managed memory): on an
     80 GB H100 in a 128 GB host it said 125.8 GiB, and two replicas sized by it ran
     out of device memory mid-request. Asked of the CUDA runtime, else of nvidia-smi."""
-    import ctypes
-
     for runtime in cuda_runtimes():
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        if runtime.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) == 0 and total.value:
-            return int(total.value)
+        _, total = _mem_info(runtime)
+        if total:
+            return total
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
                               "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]],
@@ -68,6 +66,17 @@ def cuda_memory() -> int:
         return int(float(out.split()[0]) * (1 << 20))  # MiB
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return 0
+
+
+def _mem_info(runtime: Any) -> tuple[int, int]:
+    """The card's free and total bytes as `runtime` (a CUDA runtime library) counts
+    them; (0, 0) where it cannot say."""
+    import ctypes
+
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    if runtime.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
+        return 0, 0
+    return int(free.value), int(total.value)
 
 
 def detect() -> Accelerator:
@@ -121,17 +130,15 @@ def memory() -> dict[str, int]:
     start, its cap) and, on a CUDA card, the card's free and total bytes as the driver
     counts them (every process on it, and what MLX does not allocate: contexts,
     library workspaces). Cheap enough for every health check."""
-    import ctypes
-
     import mlx.core as mx
 
     out = {"active": int(mx.get_active_memory()), "cache": int(mx.get_cache_memory()),
            "peak": int(mx.get_peak_memory()), "limit": int(mx.get_memory_limit())}
     if mx.cuda.is_available():
         runtime = cuda_runtime()
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        if runtime is not None and runtime.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) == 0:
-            out["device_free"], out["device_total"] = int(free.value), int(total.value)
+        free, total = _mem_info(runtime) if runtime is not None else (0, 0)
+        if total:
+            out["device_free"], out["device_total"] = free, total
     return out
 
 
