@@ -49,10 +49,11 @@ def root_key(model: str, scope: str | None) -> int:
 
 def block_keys(root: int, tokens: np.ndarray, count: int) -> list[int]:
     """Keys of the first `count` full blocks of `tokens`: key_i = xxh3(key_{i-1} || block_i)."""
-    keys, parent = [], root
-    for i in range(count):
-        chunk = np.ascontiguousarray(tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS], dtype=np.int32)
-        parent = _H(parent.to_bytes(8, "little") + chunk.tobytes())
+    # One byte string sliced per block: a numpy slice per block cost 3x (~1 ms at 32k).
+    data = np.ascontiguousarray(tokens[:count * BLOCK_TOKENS], dtype=np.int32).tobytes()
+    step, keys, parent = BLOCK_TOKENS * 4, [], root
+    for at in range(0, count * step, step):
+        parent = _H(parent.to_bytes(8, "little") + data[at:at + step])
         keys.append(parent)
     return keys
 
