@@ -10,9 +10,12 @@ at the positions worth keeping (`Job.checkpoints`, always including the prompt's
 last token but one). The generator never processes across a segment boundary in
 one step and reports `end_of_segment` once the step that reached it is done; the
 sequence's cache then holds exactly the prompt up to there, and the engine
-copies it into the store. The last one lands before the step that feeds the
+copies it into the store. The last one is taken before the step that feeds the
 prompt's final token and samples from it, so no exit path — EOS, stop string,
 tool call, max tokens, disconnect, or an error in that very step — can lose it.
+It is committed once the first token has gone out (the commit's ~10 ms on a long
+conversation would otherwise come before it), before any other commit of that
+request, when the request ends, and before any admission looks the store up.
 
 Full-attention models need only that last checkpoint: their entries can be
 trimmed to any prefix. Models with layers that cannot be trimmed (a sliding
@@ -330,6 +333,8 @@ class Engine:
                 self._release_held()
                 if self._jobs:
                     self._step()
+                    self._flush()  # the first tokens out before the prompts behind them commit
+                    self._commit_taken(sent_only=True)
             except Exception as exc:
                 log.exception("engine loop error; failing active requests")
                 if device_lost(exc):
@@ -385,6 +390,7 @@ class Engine:
     def _uncached(self, job: Job) -> int:
         """Tokens of the prompt no stored entry holds (a read-only estimate, so
         that a cache hit with a short remainder is not held back)."""
+        self._commit_taken()
         prompt = np.asarray(job.prompt, dtype=np.int32)
         best = max((common_prefix(e.tokens, prompt) for e in list(self.store.entries.values())
                     if e.model == self.model_id and e.scope == job.scope), default=0)
@@ -473,6 +479,7 @@ class Engine:
             return
         if not job.readmitted and job.queued_at:
             self.metrics.l(self.metrics.queue).observe(time.perf_counter() - job.queued_at)
+        self._commit_taken()  # a prompt just prefilled may be this one's prefix
         hit = self.store.lookup(self.model_id, job.prompt, job.scope)
         hit, tier = self._disk_hit(job, hit)
         job.start = job.processed = hit.tokens
@@ -628,7 +635,7 @@ class Engine:
             elif r.end_of_segment and job.boundaries:
                 position = job.boundaries.pop(0)
                 if position not in job.aligned:
-                    self._checkpoint(job, position)
+                    self._checkpoint(job, position, take=position == len(job.prompt) - 1)
         for r in gen_responses:
             job = self._jobs.get(r.uid)
             if job is None or job.cancelled:
@@ -648,16 +655,38 @@ class Engine:
         if self._faults:
             faults.delay_prefill(self._jobs.values())
 
-    def _checkpoint(self, job: Job, position: int) -> None:
+    def _checkpoint(self, job: Job, position: int, take: bool = False) -> None:
         """The step that just ran ended a segment: the state holds the prompt up
-        to `position` exactly."""
+        to `position` exactly. `take`: keep it on the job for `_commit_taken`."""
         cache, tokens = self._gen.extract_cache([job.uid])[job.uid]
         if len(tokens) != position:
             log.error("not checkpointing: generator holds %d tokens, expected %d", len(tokens), position)
             return
-        self._commit(job, cache, tokens, "checkpoint")
+        if not take:
+            self._commit(job, cache, tokens, "checkpoint")
+            return
+        # Evaluated now: the extracted copy must not wait on the generator's next
+        # step, which writes into the arrays it was copied from.
+        mx.eval([c.state for c in cache])
+        job.taken = (cache, list(tokens))
+
+    def _commit_taken(self, job: Job | None = None, sent_only: bool = False) -> None:
+        """Commit prompts' states taken at their end: `job`'s, or every job's (with
+        `sent_only`, of those whose first token has gone out)."""
+        for j in [job] if job is not None else list(self._jobs.values()):
+            if j.taken is None or (sent_only and j.first_token_at is None):
+                continue
+            (cache, tokens), j.taken = j.taken, None
+            if self.lost:
+                continue  # nothing runs on the device any more
+            try:
+                self._commit(j, cache, tokens, "checkpoint")
+            except Exception:
+                log.exception("committing a prompt's state failed")
 
     def _commit(self, job: Job, cache: list, tokens: list[int], path: str) -> None:
+        if job.taken is not None and path != "checkpoint":
+            self._commit_taken(job)  # the prompt first: a finish then supersedes it
         tokens = np.array(tokens, dtype=np.int32)  # the generator keeps appending to its list
         mx.eval([c.state for c in cache])
         held = held_tokens(cache)
@@ -835,6 +864,7 @@ class Engine:
         }
 
     def _finish(self, job: Job, exit_path: str, stop: str | None = None) -> None:
+        self._commit_taken(job)
         self._jobs.pop(job.uid, None)
         job.phase = "done"
         self.metrics.l(self.metrics.finished, exit=exit_path).inc()
@@ -850,6 +880,7 @@ class Engine:
         job.emit(Finish(reason, exit_path, len(job.prompt), job.generated, job.cached_tokens, stop))
 
     def _fail(self, job: Job, message: str, status: int = 500) -> None:
+        self._commit_taken(job)  # taken before the failure: a whole state
         self._jobs.pop(job.uid, None)
         job.phase = "done"
         self.metrics.l(self.metrics.finished, exit="error").inc()

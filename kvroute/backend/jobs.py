@@ -67,6 +67,9 @@ class Job:
     start: int = 0  # where the generator's copy of the prompt begins (a cache hit)
     boundaries: list[int] = field(default_factory=list)  # segment ends still ahead
     aligned: set[int] = field(default_factory=set)  # of those, chunk alignments: no commit
+    # The prompt's state at its end (cache, tokens), taken there and committed once its
+    # first token has gone out, or when it ends before that (Engine._commit_taken).
+    taken: tuple[list, list[int]] | None = None
     readmitted: bool = False
     processed: int = 0
     generated: int = 0
