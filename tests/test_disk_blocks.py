@@ -6,6 +6,7 @@ conversations restore it, and a record whose blocks are damaged, missing or not
 its own is never used."""
 
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -731,4 +732,39 @@ def test_writes_waiting_for_evicted_entries_count_in_the_ram_budget(tmp_path):
                what="the rest once the engine rests")
     store.insert("m", talks[0], kv_of(talks[0]), "finish", chain=[0])
     assert len(store.entries) == 2  # nothing pinned now: the budget is RAM's again
+    tier.close()
+
+
+def test_a_waiting_write_of_an_entry_ram_cut_back_counts_what_was_cut(tmp_path):
+    """RAM cut an entry back (its tail blocks freed) while its write waited: the write
+    still holds the whole entry, so what was cut stays counted in the RAM budget until
+    the write is done (cutting it further frees nothing either: RAM lets it go), and
+    the file holds the whole entry."""
+    tier, _ = make_tier(tmp_path)
+    tier.busy = lambda: True  # an engine at work: writes of entries RAM holds wait
+    writing, go = threading.Event(), threading.Event()
+    write = tier._write
+    tier._write = lambda *a, **k: (writing.set(), go.wait(30), write(*a, **k))[-1]
+    long_ = [7000 + j for j in range(8 * BLOCK_TOKENS + 5)]
+    short = [3000 + j for j in range(3 * BLOCK_TOKENS + 5)]
+    sizes = Store(budget_bytes=1 << 30)
+    sizes.insert("m", long_, kv_of(long_), "finish", chain=[0])
+    sizes.insert("m", short, kv_of(short), "finish", chain=[1])
+    both = sizes.nbytes
+    store = Store(budget_bytes=both - 2 * (sizes.pool.nbytes // 11))  # a cut of ~2 blocks
+    store.listeners.append(tier.on_store_event)
+    store.overflow, store.pinned = tier.take, tier.pinned_bytes
+    reasons = []
+    store.listeners.append(lambda e: e.kind == "evict" and reasons.append(e.reason))
+    store.insert("m", long_, kv_of(long_), "finish", chain=[0])
+    store.insert("m", short, kv_of(short), "finish", chain=[1])
+    assert reasons[0] == "trimmed", reasons  # RAM first cut the long entry back
+    assert writing.wait(30)  # its write started at once, busy engine or not
+    # While it is written the long entry is all in memory: the budget counts it.
+    assert store.nbytes + store.hot_bytes + tier.pinned_bytes() >= both
+    go.set()
+    wait_until(lambda: tier.pinned_bytes() == 0 and len(tier.index) == 1, 30,
+               what="the cut entry's write")
+    (record,) = tier.index.values()
+    assert len(record.tokens) == len(long_)
     tier.close()

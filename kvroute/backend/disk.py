@@ -326,7 +326,10 @@ class DiskTier:
                 self.metrics.l(self.metrics.disk_writes, result="dropped").inc()
                 return
             self._queue.put(item)
-        elif event.kind == "evict" and event.reason != "trimmed":  # a cut entry's file stays whole
+        elif event.kind == "evict" and event.reason == "trimmed":  # a cut entry's file stays whole
+            with self.lock:  # its write still holds what RAM cut off
+                self._orphan(self._queued.get(entry.id), event.nbytes)
+        elif event.kind == "evict":
             # Gone from RAM: no more events for it (its file stays, unless superseded).
             self._seen.discard(entry.id)
             if event.reason == "superseded":
@@ -339,11 +342,17 @@ class DiskTier:
             else:
                 self._by_entry.pop(entry.id, None)
                 with self.lock:  # its write still holds its arrays
-                    item = self._queued.get(entry.id)
-                    if item is not None and item[1] is not None and not item[4]:
-                        item[4] = True
-                        self._orphaned_bytes += item[2]
+                    self._orphan(self._queued.get(entry.id))
         self._update_queue_gauge()
+
+    def _orphan(self, item: list | None, nbytes: int | None = None) -> None:
+        """RAM let go of `nbytes` (all) of what queued `item` holds: counted in the
+        RAM budget until written (tier lock held)."""
+        if item is None or item[1] is None:
+            return
+        more = item[2] - item[4] if nbytes is None else min(nbytes, item[2] - item[4])
+        item[4] += more
+        self._orphaned_bytes += more
 
     def pinned_bytes(self) -> int:
         """Bytes queued writes keep in memory for entries RAM has evicted (the store
@@ -390,14 +399,13 @@ class DiskTier:
             return None
         self._queued_keys.update(keys)
         self._pending_bytes += charge
-        return [kind, entry, charge, keys, False]  # False: RAM still holds the entry
+        return [kind, entry, charge, keys, 0]  # 0: of its bytes, none only it holds (_orphan)
 
     def _dequeue(self, item: list) -> None:
         """`item` leaves the queue: written, superseded or replaced (tier lock held)."""
         self._pending_bytes -= item[2]
-        if item[4]:
-            self._orphaned_bytes -= item[2]
-            item[4] = False
+        self._orphaned_bytes -= item[4]
+        item[4] = 0
         self._queued_keys.subtract(item[3])
         for key in item[3]:
             if self._queued_keys[key] <= 0:
@@ -481,9 +489,9 @@ class DiskTier:
     def _due(self, item: Any) -> bool:
         """Whether the oldest waiting item goes now: the engine has been idle
         `idle_wait` seconds, its entry waited `max_delay` since its commit, was
-        superseded meanwhile (nothing to write) or evicted from RAM (its write is all
-        that holds its memory, which the RAM budget counts until then), or the tier is
-        closing."""
+        superseded meanwhile (nothing to write) or evicted or cut back in RAM (its
+        write is all that holds that memory, which the RAM budget counts until then),
+        or the tier is closing."""
         if item[0] != "write" or item[1] is None or item[4] or self._closing:
             return True
         if time.time() - item[1].created >= self.max_delay:
@@ -500,14 +508,14 @@ class DiskTier:
             if entry is None:  # superseded while it waited
                 return
             self._queued.pop(entry.id, None)
-            evicted, item[4] = item[4], False  # its bytes stay counted until written
+            evicted, item[4] = item[4], 0  # its bytes stay counted until written
             self._dequeue(item)
         try:
-            self._write(entry, urgent=evicted)
+            self._write(entry, urgent=bool(evicted))
         finally:
             if evicted:
                 with self.lock:
-                    self._orphaned_bytes -= item[2]
+                    self._orphaned_bytes -= evicted
 
     def _write_whole(self, item: list) -> None:
         with self.lock:
