@@ -1,12 +1,14 @@
-"""A prompt's state is committed after its first token has gone out, never later
-than anything that could use it.
+"""Commits are made after the tokens of the step that called for them have gone out,
+never later than anything that could use them.
 
 The commit of a long conversation's state takes ~10 ms on a GPU (its new blocks, its
 keys, the store's bookkeeping); taken in the step that ends the prompt, it delayed
 every first token by that much. The engine now takes the state there and commits it
-once the first token has been handed to the event loop. An in-process engine with
-the demo model: the order of what it hands out and what it commits, and that a
-request admitted meanwhile (the second choice of n=2) still finds the prompt.
+once the first token has been handed to the event loop; a finished reply's commit
+likewise comes after its last token, and the request's end after that commit. An
+in-process engine with the demo model: the order of what it hands out and what it
+commits, and that a request admitted meanwhile (the second choice of n=2) still
+finds the prompt.
 """
 
 from __future__ import annotations
@@ -122,3 +124,23 @@ def test_a_second_choice_admitted_before_the_first_token_finds_the_prompt(engine
     assert finish2.cached_tokens == len(prompt) - 1, order
     assert text2 == text1
     assert [o for o in order if o[0] == "commit"][0] == ("commit", "checkpoint", len(prompt) - 1)
+
+
+def test_a_one_token_reply_goes_out_before_its_commits_and_ends_after_them(engine, monkeypatch):
+    prompt = [(5 * i) % 400 + 40 for i in range(33)]
+    order = _record(engine, monkeypatch)
+
+    async def go():
+        job = _job(prompt, 1, asyncio.get_running_loop())
+        engine.submit(job)
+        return await _answer(job)
+
+    _, finish = asyncio.run(go())
+    assert finish.completion_tokens == 1
+    token = next(i for i, o in enumerate(order) if o[0] == "sent" and "Delta" in o)
+    commits = [i for i, o in enumerate(order) if o[0] == "commit"]
+    end = next(i for i, o in enumerate(order) if o[0] == "sent" and "Finish" in o)
+    assert [order[i][1] for i in commits] == ["checkpoint", "finish"], order
+    assert token < commits[0] and commits[-1] < end, order
+    # The next turn, sent on the end, finds prompt and reply.
+    assert engine.store.depth("demo", prompt + [1, 2]) >= len(prompt)

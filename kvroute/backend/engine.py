@@ -132,6 +132,9 @@ class Engine:
         # Events of one loop turn, handed to the event loop in one call: one wake-up
         # per decode step instead of one per token of every sequence in the batch.
         self._outbox: list[tuple[Job, Any]] = []
+        # Sequences whose last token the step handed out: (job, cache, tokens, exit
+        # path, stop), committed and finished once it has gone (_after_sending).
+        self._endings: list[tuple[Job, list, list[int], str, str | None]] = []
         # Jobs in the inbox = submitted - taken; each counter has one writer
         # (the event loop and the engine thread), so neither update can be lost.
         self._submitted = 0
@@ -333,8 +336,8 @@ class Engine:
                 self._release_held()
                 if self._jobs:
                     self._step()
-                    self._flush()  # the first tokens out before the prompts behind them commit
-                    self._commit_taken(sent_only=True)
+                    self._flush()  # the step's tokens go out before its commits are made
+                    self._after_sending()
             except Exception as exc:
                 log.exception("engine loop error; failing active requests")
                 if device_lost(exc):
@@ -772,8 +775,7 @@ class Engine:
                 # The stop string came with the last token max_tokens allowed: the
                 # generator has already let the sequence go and hands its cache here.
                 cache, tokens = r.prompt_cache, r.all_tokens
-            self._commit(job, cache, tokens, "finish")
-            self._finish(job, "stop", stop=chunk.stop)
+            self._endings.append((job, cache, tokens, "stop", chunk.stop))
             return
         if r.finish_reason is None:
             self._emit_chunk(job, chunk)
@@ -783,16 +785,32 @@ class Engine:
         chunk.text += tail.text
         chunk.tool_calls += tail.tool_calls
         self._emit_chunk(job, chunk, end="finish")
-        # A normal finish: the entry grows by the reply, which the next turn
-        # of the conversation will send back as its prefix.
-        self._commit(job, r.prompt_cache, r.all_tokens, "finish")
         # Cut by max tokens is "length" even after whole calls: the reply may have
         # been about to call more, or to say more (as OpenAI reports it).
         if r.finish_reason == "length":
             exit_path = "length"
         else:
             exit_path = "tool_calls" if job.parser.n_tool_calls else "eos"
-        self._finish(job, exit_path)
+        self._endings.append((job, r.prompt_cache, r.all_tokens, exit_path, None))
+
+    def _after_sending(self) -> None:
+        """The commits the step's tokens did not wait for. Finished sequences: the
+        entry grows by the reply, which the next turn of the conversation sends back
+        as its prefix; the request's end goes out after it (a client that sends the
+        next turn on it finds it). Then prompts whose first token has gone out."""
+        endings, self._endings = self._endings, []
+        for job, cache, tokens, exit_path, stop in endings:
+            if job.phase == "done":  # failed meanwhile (an engine error)
+                continue
+            try:
+                self._commit(job, cache, tokens, "finish")
+            except Exception:  # the reply is whole and sent: the request still succeeds
+                log.exception("committing a finished reply failed")
+            self._finish(job, exit_path, stop=stop)
+        self._commit_taken(sent_only=True)
+        if endings:
+            self.decoding = sum(j.phase == "decode" for j in self._jobs.values())
+            self._update_gauges()
 
     def _place_logprob(self, job: Job, r: Any, start: int, ended_call: bool) -> None:
         """Queue the token's logprob with where its text lies in the text fed to the
