@@ -11,15 +11,12 @@ answer is the one a cold prefill gives.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from mlx_lm import load
+from tests.test_commit_order import run_turn
 
 from kvroute.backend.engine import Engine
-from kvroute.backend.jobs import Delta, Finish, Job
 from kvroute.backend.metrics import BackendMetrics
-from kvroute.backend.requests import SamplingParams
 from kvroute.backend.store import Store
 
 STEP = 16
@@ -36,39 +33,23 @@ def engine(text_model):
     e.stop()
 
 
-async def _run(e: Engine, prompt: list[int], max_tokens: int = 6) -> tuple[list[str], Finish]:
-    loop = asyncio.get_running_loop()
-    job = Job(prompt=prompt, params=SamplingParams(temperature=0.0), max_tokens=max_tokens,
-              tools=None, loop=loop, events=asyncio.Queue(),
-              checkpoints={len(prompt) - 1: [len(prompt)]})
-    e.submit(job)
-    text = []
-    while True:
-        event = await job.events.get()
-        if isinstance(event, Delta):
-            text.append(event.text)
-        else:
-            assert isinstance(event, Finish), event
-            return text, event
-
-
 def test_chunks_after_a_hit_are_aligned_and_answer_as_cold(engine, monkeypatch):
     prompt = [(13 * i) % 700 + 20 for i in range(70)]
-    asyncio.run(_run(engine, prompt[:37]))  # the store now holds these 37 (and a reply)
+    run_turn(engine, prompt[:37], 6)  # the store now holds these 37 (and a reply)
     segments, commits = [], []
     cut, commit = Engine._segments, Store.commit
     monkeypatch.setattr(Engine, "_segments", staticmethod(
         lambda *a: segments.append(cut(*a)) or segments[-1]))
     monkeypatch.setattr(Store, "commit", lambda self, model, tokens, *a, **k:
                         commits.append(len(tokens)) or commit(self, model, tokens, *a, **k))
-    text, finish = asyncio.run(_run(engine, prompt))
+    text, finish = run_turn(engine, prompt, 6)
     assert finish.cached_tokens == 37
     # From the hit to the next multiple of the step, then a segment the generator cuts
     # into chunks of 16 from 48 (48 -> 64 -> 69), then the last token alone.
     assert [len(s) for s in segments[0]] == [11, 21, 1]
     assert commits[0] == 69, commits  # the alignment cut at 48 committed nothing
     engine.store.clear()
-    assert asyncio.run(_run(engine, prompt))[0] == text  # a cold prefill answers alike
+    assert run_turn(engine, prompt, 6)[0] == text  # a cold prefill answers alike
 
 
 def test_cold_prompts_and_the_cpu_path_are_not_cut(engine, monkeypatch):

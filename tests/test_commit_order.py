@@ -52,6 +52,15 @@ async def _answer(job: Job) -> tuple[str, Finish]:
             return "".join(text), event
 
 
+def run_turn(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[str, Finish]:
+    """One request through `engine`, greedy: its text and its end."""
+    async def go():
+        job = _job(prompt, max_tokens, asyncio.get_running_loop())
+        engine.submit(job)
+        return await _answer(job)
+    return asyncio.run(go())
+
+
 def _record(engine: Engine, monkeypatch) -> list[tuple]:
     order: list[tuple] = []
     flush, commit = engine._flush, Store.commit
@@ -75,12 +84,7 @@ def test_the_prompt_is_committed_after_its_first_token_is_sent(engine, monkeypat
     prompt = [(7 * i) % 500 + 30 for i in range(45)]
     order = _record(engine, monkeypatch)
 
-    async def go():
-        job = _job(prompt, 4, asyncio.get_running_loop())
-        engine.submit(job)
-        return await _answer(job)
-
-    text, finish = asyncio.run(go())
+    text, finish = run_turn(engine, prompt, 4)
     assert finish.completion_tokens == 4
     commits = [o for o in order if o[0] == "commit"]
     assert commits[0] == ("commit", "checkpoint", len(prompt) - 1), order
@@ -130,12 +134,7 @@ def test_a_one_token_reply_goes_out_before_its_commits_and_ends_after_them(engin
     prompt = [(5 * i) % 400 + 40 for i in range(33)]
     order = _record(engine, monkeypatch)
 
-    async def go():
-        job = _job(prompt, 1, asyncio.get_running_loop())
-        engine.submit(job)
-        return await _answer(job)
-
-    _, finish = asyncio.run(go())
+    _, finish = run_turn(engine, prompt, 1)
     assert finish.completion_tokens == 1
     token = next(i for i, o in enumerate(order) if o[0] == "sent" and "Delta" in o)
     commits = [i for i, o in enumerate(order) if o[0] == "commit"]
