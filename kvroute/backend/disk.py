@@ -355,8 +355,8 @@ class DiskTier:
         self._orphaned_bytes += more
 
     def pinned_bytes(self) -> int:
-        """Bytes queued writes keep in memory for entries RAM has evicted (the store
-        counts them in its budget until they are written)."""
+        """Bytes queued writes keep in memory for entries RAM has evicted or cut back
+        (the store counts them in its budget until they are written)."""
         return self._orphaned_bytes
 
     def take(self, entry: Entry) -> str:

@@ -391,8 +391,8 @@ class Engine:
         return any(j.phase == "prefill" and self._long(j) for j in self._jobs.values())
 
     def _uncached(self, job: Job) -> int:
-        """Tokens of the prompt no stored entry holds (a read-only estimate, so
-        that a cache hit with a short remainder is not held back)."""
+        """Tokens of the prompt no stored entry holds (an estimate, so that a cache
+        hit with a short remainder is not held back), prompts just ended included."""
         self._commit_taken()
         prompt = np.asarray(job.prompt, dtype=np.int32)
         best = max((common_prefix(e.tokens, prompt) for e in list(self.store.entries.values())
