@@ -638,7 +638,7 @@ class Engine:
             elif r.end_of_segment and job.boundaries:
                 position = job.boundaries.pop(0)
                 if position not in job.aligned:
-                    self._checkpoint(job, position, take=position == len(job.prompt) - 1)
+                    self._checkpoint(job, position)
         for r in gen_responses:
             job = self._jobs.get(r.uid)
             if job is None or job.cancelled:
@@ -651,21 +651,22 @@ class Engine:
                 if job.uid in self._jobs:
                     self._gen.remove([job.uid])
                     self._fail(job, f"Generation failed: {exc}")
-        decoding = self.decoding = sum(j.phase == "decode" for j in self._jobs.values())
+        decoding = self.decoding = self._decoding_now()
         self.peak_batch = max(self.peak_batch, decoding)
         # Every change of who is in the batch shows at once; pure decoding, at a rate.
         self._update_gauges(force=bool(prompt_responses) or len(self._jobs) != self._gauged_jobs)
         if self._faults:
             faults.delay_prefill(self._jobs.values())
 
-    def _checkpoint(self, job: Job, position: int, take: bool = False) -> None:
+    def _checkpoint(self, job: Job, position: int) -> None:
         """The step that just ran ended a segment: the state holds the prompt up
-        to `position` exactly. `take`: keep it on the job for `_commit_taken`."""
+        to `position` exactly. At the prompt's end it is kept on the job for
+        `_commit_taken`."""
         cache, tokens = self._gen.extract_cache([job.uid])[job.uid]
         if len(tokens) != position:
             log.error("not checkpointing: generator holds %d tokens, expected %d", len(tokens), position)
             return
-        if not take:
+        if position != len(job.prompt) - 1:
             self._commit(job, cache, tokens, "checkpoint")
             return
         # Evaluated now: the extracted copy must not wait on the generator's next
@@ -809,8 +810,11 @@ class Engine:
             self._finish(job, exit_path, stop=stop)
         self._commit_taken(sent_only=True)
         if endings:
-            self.decoding = sum(j.phase == "decode" for j in self._jobs.values())
+            self.decoding = self._decoding_now()
             self._update_gauges()
+
+    def _decoding_now(self) -> int:
+        return sum(j.phase == "decode" for j in self._jobs.values())
 
     def _place_logprob(self, job: Job, r: Any, start: int, ended_call: bool) -> None:
         """Queue the token's logprob with where its text lies in the text fed to the
@@ -1001,7 +1005,7 @@ class Engine:
         m = self.metrics
         stats = self.store.stats()
         m.l(m.queue_depth).set(self.queue_depth)
-        m.l(m.batch_size).set(sum(j.phase == "decode" for j in self._jobs.values()))
+        m.l(m.batch_size).set(self._decoding_now())
         m.l(m.cache_bytes).set(stats["bytes"])
         m.l(m.cache_entries).set(stats["entries"])
         m.l(m.cache_unshared).set(stats["bytes_unshared"])
