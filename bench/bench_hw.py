@@ -18,8 +18,9 @@ Parts (each a fresh set of processes, one after the other; `--parts` picks them)
   whole stack against the cold prefill of a prompt of its size. The report ends with
   each backend's memory after each phase (MLX's active, cache, peak and cap, the card's
   free bytes, the prompt cache and the disk writers' queue), from its /health.
-- no-disk: the same stack with the disk tier off: cold TTFT at the largest size, turn 2,
-  decode at 8 streams and the agent workload, for the disk tier's cost.
+- no-disk: the same stack with the disk tier off, the same requests up to turn 2 (cold
+  TTFT at each size), then turn 2, decode at 8 streams and the agent workload, for the
+  disk tier's cost.
 - defaults: plain `kvroute serve --model M --replicas N` (no config: every default,
   its disk tier under a temporary cache folder): whether it starts, how long until the
   model answers, its memory check and disk budget lines, one answer, the exit code.
@@ -492,13 +493,15 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
     out: dict = {"exit_codes": []}
     try:
         out["ready_s"] = round(stack.start(), 1)
+        # Both parts run the same requests up to turn 2: the prompt cache (and, with the
+        # tier on, the writers' queue) then holds the same conversations, so the
+        # difference is the tier's. (A no-disk part that ran one cold size before turn 2
+        # had an emptier cache: its turn 2 was not the same turn.)
+        firsts = [run(completion_ttft(url, "m", text_of(tok, 2000 + i, 9000 + i)))
+                  for i in range(10)]
         if disk:
-            firsts = [run(completion_ttft(url, "m", text_of(tok, 2000 + i, 9000 + i)))
-                      for i in range(10)]
             out["first_vs_tenth"] = (firsts[0], firsts[-1])
-            out["cold"] = cold_ttfts(url, "m", tok, args.sizes, args.repeat, part)
-        else:
-            out["cold"] = cold_ttfts(url, "m", tok, args.sizes[-1:], args.repeat, part)
+        out["cold"] = cold_ttfts(url, "m", tok, args.sizes, args.repeat, part)
         out["turn2"] = turn2_ttft(url, "m", tok, args.turn2, args.turn2_repeat, part, stack.split)
         out["memory"] = {"turn2": stack.memory()}
         progress(out)
