@@ -303,6 +303,43 @@ def test_a_write_gives_way_between_block_files_while_the_engine_has_work(tmp_pat
     tier.close()
 
 
+def test_a_write_gives_way_while_a_restore_is_read(tmp_path):
+    """A restore is read before its request reaches the engine, which is idle then: the
+    writer still gives way to it (they would share the page cache, the bus and the
+    GIL), and writes once the restore is done and `idle_wait` has passed."""
+    tier, _ = make_tier(tmp_path)
+    tier.idle_wait = 0.2
+    store = Store(budget_bytes=1 << 30)
+    store.listeners.append(tier.on_store_event)
+    store.insert("m", conversation(0), kv_of(conversation(0)), "finish", chain=[0])
+    wait_until(lambda: tier.index, 30, what="the first conversation written")
+    written = set(block_files(tmp_path))
+    reading, release = threading.Event(), threading.Event()
+    real_load = tier._load
+
+    def slow_load(*args):
+        reading.set()
+        assert release.wait(30)
+        return real_load(*args)
+
+    tier._load = slow_load
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(restore(tier, conversation(0) + [1])))
+    reader.start()
+    assert reading.wait(30)
+    try:
+        store.insert("m", conversation(1), kv_of(conversation(1)), "finish", chain=[1])
+        with pytest.raises(TimeoutError):  # the engine is idle, but a restore is being read
+            wait_until(lambda: set(block_files(tmp_path)) - written, 1.0,
+                       what="a block file while a restore is read")
+    finally:
+        release.set()
+        reader.join(30)
+    assert got and got[0].tokens == len(conversation(0))
+    wait_until(lambda: len(tier.index) == 2, 30, what="the write once the restore is done")
+    tier.close()
+
+
 def test_a_write_gives_way_no_longer_than_max_delay_then_goes_at_a_pace(tmp_path):
     """Under load that never pauses, an entry is written once its max_delay is over,
     pausing between its block files (PACE times each file's time): the batch beside

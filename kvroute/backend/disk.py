@@ -123,6 +123,7 @@ class DiskTier:
         self.read_parallel = read_parallel
         self.fsync = fsync  # each write's file and folder (docs/SSD_TIER.md, Durability)
         self.busy: Callable[[], bool] = lambda: False  # the engine has work (set at boot)
+        self._restoring = 0  # restores being read (event loop; the writer reads it)
         # Sibling backends (their tiers share this one's parent folder): a write also
         # gives way while one of their engines works (busy.py). Set by open_disk_tier.
         self.board: BusyBoard | None = None
@@ -477,8 +478,12 @@ class DiskTier:
             self._writing = 0
 
     def _working(self) -> bool:
-        """This backend's engine or a sibling's has work."""
-        return self.busy() or (self.board is not None and self.board.others_busy())
+        """This backend's engine or a sibling's has work, or a restore is being read."""
+        return (self.busy() or self._restoring > 0
+                or (self.board is not None and self.board.others_busy()))
+
+    def _restored(self, _: Any) -> None:
+        self._restoring -= 1
 
     def _note_idle(self) -> None:
         if self._working():
@@ -715,7 +720,12 @@ class DiskTier:
         if fut is None:
             fut = asyncio.get_running_loop().run_in_executor(self._readers, self._load, record, blocks)
             self._reads[key] = fut
+            # A restore is the engine's work before it reaches the engine: the writer
+            # gives way to it as to a running request (the two shared the page cache,
+            # the bus and the GIL).
+            self._restoring += 1
             fut.add_done_callback(lambda _: self._reads.pop(key, None))
+            fut.add_done_callback(self._restored)
         state = await asyncio.shield(fut)  # one client leaving never cancels a shared read
         if state is None or state.tokens < n:
             return None
