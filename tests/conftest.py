@@ -15,10 +15,12 @@ from tests.harness import BackendProcess, Database, SharedRedis
 def no_pinned_memory(monkeypatch):
     """Tests that force the disk tier's CUDA path on this CPU never ask a CUDA runtime
     (one may be installed without a GPU) for pinned memory: their restores take MLX's
-    reader, and tests/test_pinned.py stands in for the pinned path."""
-    from kvroute.backend import pinned
+    reader and their writes device copies; tests/test_pinned.py and
+    tests/test_pinned_write.py stand in for the pinned paths."""
+    from kvroute.backend import pinned, pinned_write
 
     monkeypatch.setattr(pinned, "cuda_runtime", lambda: None)
+    monkeypatch.setattr(pinned_write, "cuda_runtime", lambda: None)
 
 
 @pytest.fixture(scope="session")

@@ -620,7 +620,7 @@ def test_on_cuda_a_restore_cut_by_shutdown_leaves_the_pinned_path_on(tmp_path, m
     with pytest.raises(pinned.ReadersClosed):
         again.blocks.load_all(record.blocks, lambda key, kv, size: kv, closed)
     assert again.blocks.staging.works()
-    assert not [r for r in caplog.records if "pinned memory failed" in r.getMessage()]
+    assert not [r for r in caplog.records if "restores through pinned memory failed" in r.getMessage()]
     again._closing = True  # as close() marks it before shutting its readers down
     again._block_readers.shutdown()
     assert again._load(record) is None and record.name in again.index
@@ -642,7 +642,7 @@ def test_on_cuda_when_pinned_memory_fails_restores_use_mlxs_reader(tmp_path, mon
     assert same_cache(restore(again, conversation(0) + [1]).cache, kv_of(conversation(0)))
     assert len(loads) == 1 + 10 and again.blocks.staging.failed
     assert same_cache(restore(again, conversation(1) + [1]).cache, kv_of(conversation(1)))
-    assert sum("pinned memory failed" in r.getMessage() for r in caplog.records) == 1
+    assert sum("restores through pinned memory failed" in r.getMessage() for r in caplog.records) == 1
     again.close()
 
 

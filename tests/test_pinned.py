@@ -242,4 +242,4 @@ def test_where_cuda_cannot_give_pinned_memory_the_staging_says_so_once(caplog):
     staging.warm()
     staging.warm()
     assert staging.failed
-    assert sum("pinned memory failed" in r.getMessage() for r in caplog.records) == 1
+    assert sum("restores through pinned memory failed" in r.getMessage() for r in caplog.records) == 1

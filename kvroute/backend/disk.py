@@ -196,6 +196,8 @@ class DiskTier:
             log.debug("disk cache: no block folder (%s)", exc)
         if diskfile.on_cuda():
             self.blocks.staging.warm()
+            if self.writable:
+                self.blocks.writer.warm()
         self._index_directory()
         orphans = self.blocks.drop_unlisted()
         if orphans:
@@ -562,7 +564,8 @@ class DiskTier:
             if shutil.disk_usage(self.directory).free < entry.nbytes:
                 raise OSError(errno.ENOSPC, "no space left on the device")
             held = self._write_blocks(entry.shared, 0.0 if urgent else entry.created + self.max_delay)
-            name, size = diskfile.write(self.directory, stem, entry.cache, meta, self.fsync)
+            name, size = diskfile.write(self.directory, stem, entry.cache, meta, self.fsync,
+                                        self.blocks.writer)
         except (OSError, RuntimeError) as exc:  # MLX reports a failed write as RuntimeError
             if held:
                 with self.lock:

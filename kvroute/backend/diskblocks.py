@@ -33,7 +33,7 @@ import xxhash
 
 from kvroute.core.accel import device_trouble
 
-from . import diskfile, pinned
+from . import diskfile, pinned, pinned_write
 from .diskfile import BadRecord
 
 log = logging.getLogger("kvroute.backend.disk")
@@ -82,6 +82,7 @@ class Blocks:
         # read again. Blocks are immutable, so a reader thread may take one.
         self.in_ram: Any = lambda key: None
         self.staging = pinned.Staging()  # CUDA restores' pinned buffer (made when the tier opens)
+        self.writer = pinned_write.Writer()  # CUDA writes' pinned buffer (the same)
 
     def open(self) -> None:
         """Index the folder by its file names (headers are checked when read)."""
@@ -149,7 +150,7 @@ class Blocks:
                 meta = {"version": VERSION, "fingerprint": self.fingerprint, "key": stem}
                 if sums[i]:  # a restore on CUDA checks the arrays where MLX loads them
                     meta["dsum"] = sums[i]
-                diskfile.save(tmp, arrays, {"kvroute_block": orjson.dumps(meta).decode()})
+                diskfile.save(tmp, arrays, {"kvroute_block": orjson.dumps(meta).decode()}, self.writer)
             if self.fsync:
                 with ThreadPoolExecutor(min(8, len(tmps))) as pool:
                     list(pool.map(_fsync_file, tmps))

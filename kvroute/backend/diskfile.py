@@ -114,16 +114,17 @@ def _step(name: str) -> None:
 
 
 def write(directory: Path, stem: str, cache: list[Any], meta: dict,
-          fsync: bool = True) -> tuple[str, int]:
+          fsync: bool = True, writer: Any = None) -> tuple[str, int]:
     """Write `cache` under a temporary name, fsync it, rename it into place and fsync
     the directory, so a reader (or a restart after a crash or a power loss) never sees
     half a record; fsync=False leaves both fsyncs to the kernel's write-back (a crash
     of the process loses nothing, a power loss may). The final name carries the
-    checksums (a header cannot hold the checksum of a file it starts). Returns the
+    checksums (a header cannot hold the checksum of a file it starts). On CUDA the
+    tier's `writer` (pinned_write.Writer) saves it where it can (`save`). Returns the
     file's name and size."""
     tmp = directory / (stem + TMP_SUFFIX)
     try:
-        save(tmp, *_flatten(cache, meta))
+        save(tmp, *_flatten(cache, meta), writer)
         _step("tmp_written")
         os.chmod(tmp, 0o600)
         with open(tmp, "rb") as f:  # just written: read back from the page cache
@@ -191,28 +192,26 @@ def sums_to_write(files: list[dict[str, Any]]) -> list[str | None]:
 STAGED_CLEAR = 64 << 20  # bytes of device copies past which a write empties MLX's buffer cache
 
 
-def save(path: Path, arrays: dict[str, Any], metadata: dict[str, str]) -> None:
-    """`mx.save_safetensors`, which reads the arrays on the host: on CUDA it reads
-    copies made on the device. There the first host read of an array moves its buffer
-    for good from device memory into managed memory (MLX's CUDA allocator), and the
-    GPU's next read pulls it back page by page (~1.3 GB/s on an H200 host): the next
-    turn of a conversation just written would wait longer for its cached blocks than
-    their prefill took. A copy takes the move instead; the store's arrays stay in
-    device memory.
-
-    The copies, managed memory once read, go back to MLX's buffer cache, which hands
-    a buffer to the next allocation of about its size: a block's copies (~2 MB for a
-    7B model) to the next block's, or to a block the store makes, which then pays the
-    one migration back. Copies of `STAGED_CLEAR` bytes or more (the record of an entry
-    over the RAM budget) would be handed to the next prefill's KV: MLX's cache is
-    emptied after such a write. Where the device has no room for the copies, the
-    arrays are written as they are (warned once). Elsewhere memory is one (a Mac) or
-    the CPU's: the arrays as they are."""
+def save(path: Path, arrays: dict[str, Any], metadata: dict[str, str], writer: Any = None) -> None:
+    """The arrays as a safetensors file: `mx.save_safetensors` where memory is one (a
+    Mac) or the CPU's. On CUDA the host must never read an MLX buffer: the first host
+    read moves it for good from device memory into managed memory (MLX's CUDA
+    allocator), and the GPU's next read pulls it back page by page (~1.3 GB/s on an
+    H200 host). So the bytes go through `writer`, the disk tier's page-locked buffer,
+    copied there by a kernel (pinned_write.py). Where that path does not work, through copies made
+    on the device, which take the move instead of the store's arrays: once read they
+    go back, managed memory, to MLX's buffer cache for the next allocation of about
+    their size (a block's copies to the next block's, or to a block the store makes,
+    which pays the migration back; after copies of `STAGED_CLEAR` bytes or more, which
+    would go to the next prefill's KV, MLX's cache is emptied). Where the device has
+    no room for the copies, the arrays are written as they are (warned once)."""
     import mlx.core as mx
 
     global _copy_failed
     if not on_cuda():
         mx.save_safetensors(str(path), arrays, metadata)
+        return
+    if writer is not None and writer.save(path, arrays, metadata):
         return
     try:
         copies = {name: mx.array(a) for name, a in arrays.items()}  # a copy, bit for bit
