@@ -37,11 +37,12 @@ assembly then one array; the concatenation of blocks already on the device (250,
 `written` (in process): what a write leaves for the GPU's next read of the arrays it
 wrote (a hit on a conversation just written): 32-token blocks made on the device,
 then written as the tier wrote them before (MLX's writer reading the store's own
-arrays: on CUDA the host's read moves each buffer into managed memory for good) or
-as it writes them now (from device copies), or not written; then the first and the
-second concatenation of those blocks (what a hit assembles), and new arrays of a
-block's size made on the device afterwards (whether freed copies, now managed
-memory in MLX's buffer cache, slow the allocations that reuse them).
+arrays: on CUDA the host's read moves each buffer into managed memory for good),
+from device copies (the tier until pinned writes), through the page-locked buffer
+and copy kernel (pinned_write.py: the tier now, on CUDA), or not written; then the
+first and the second concatenation of those blocks (what a hit assembles), and new
+arrays of a block's size made on the device afterwards (whether freed copies, now
+managed memory in MLX's buffer cache, slow the allocations that reuse them).
 
     python -m bench.bench_disk written --blocks 250
 
@@ -482,7 +483,7 @@ def paths_bench(args) -> None:
 def written_bench(args) -> None:
     import mlx.core as mx
 
-    from kvroute.backend import diskfile
+    from kvroute.backend import diskfile, pinned_write
 
     layers, heads, dim, b = 28, 4, 128, 32  # Qwen2.5-7B's KV shape, one block
     n = args.blocks
@@ -504,19 +505,28 @@ def written_bench(args) -> None:
         mx.synchronize()
         return time.perf_counter() - t0
 
-    def write(parts: list, stage: bool) -> None:
+    writer = pinned_write.Writer()
+    writer.warm()  # where CUDA cannot pin memory (a CPU, a Mac) its row is left out
+
+    def write(parts: list, mode: str) -> None:
         for i, x in enumerate(parts):
-            if stage:
-                diskfile.save(folder / f"{i}.safetensors", x, {})
+            path = folder / f"{i}.safetensors"
+            if mode == "pinned":
+                assert writer.save(path, x, {})
+            elif mode == "copies":
+                diskfile.save(path, x, {})
             else:
-                mx.save_safetensors(str(folder / f"{i}.safetensors"), x)
+                mx.save_safetensors(str(path), x)
 
     concat(make())  # the kernels' first run, apart
     table = Table(title="a write, then the GPU's next reads of what it wrote")
     for col in ("written", "write ms", "1st concat ms", "2nd concat ms", "new blocks ms"):
         table.add_column(col, justify="right")
-    for label, mode in (("not written", None), ("as they are (the tier before)", False),
-                        ("from device copies (the tier now)", True), ("not written, again", None)):
+    rows = [("not written", None), ("as they are (the tier at first)", "as is"),
+            ("from device copies (the tier before pinned writes)", "copies")]
+    if writer.works():
+        rows.append(("through pinned memory (the tier now)", "pinned"))
+    for label, mode in rows + [("not written, again", None)]:
         mx.clear_cache()  # no row starts from buffers an earlier row left (managed memory)
         parts = make()
         wrote = timed(lambda: write(parts, mode)) if mode is not None else 0.0

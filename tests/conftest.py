@@ -17,10 +17,9 @@ def no_pinned_memory(monkeypatch):
     (one may be installed without a GPU) for pinned memory: their restores take MLX's
     reader and their writes device copies; tests/test_pinned.py and
     tests/test_pinned_write.py stand in for the pinned paths."""
-    from kvroute.backend import pinned, pinned_write
+    from kvroute.backend import pinned
 
     monkeypatch.setattr(pinned, "cuda_runtime", lambda: None)
-    monkeypatch.setattr(pinned_write, "cuda_runtime", lambda: None)
 
 
 @pytest.fixture(scope="session")

@@ -188,6 +188,35 @@ def test_where_cuda_cannot_give_pinned_memory_the_writer_says_so_once_and_saves_
     assert not (tmp_path / "f.safetensors").exists()
 
 
+def test_a_copy_mlx_cannot_run_now_leaves_the_file_to_the_other_way(tmp_path):
+    """A launch that fails (MLX out of memory for it, say) fails this save only: the
+    caller saves the file another way, over what was written, and later saves still
+    go through the buffer."""
+    class Tight(HostWriter):
+        refuse = True
+
+        def kernel(self):
+            launch = super().kernel()
+
+            def maybe(**kw):
+                if Tight.refuse:
+                    raise RuntimeError("[malloc] Unable to allocate 4 bytes.")
+                return launch(**kw)
+            return maybe
+
+    w = Tight()
+    Tight.refuse = False
+    w.warm()
+    Tight.refuse = True
+    want = arrays()
+    path = tmp_path / "f.safetensors"
+    assert not w.save(path, want, {})
+    diskfile.save(path, want, {}, w)  # the other way (here: MLX's writer)
+    assert same_as_saved(path, want) and w.works()
+    Tight.refuse = False
+    assert w.save(path, want, {}) and same_as_saved(path, want)
+
+
 def test_a_copy_that_gives_other_bytes_fails_the_path_at_warm_up():
     class Broken(HostWriter):
         def kernel(self):
@@ -205,7 +234,7 @@ def test_a_copy_that_gives_other_bytes_fails_the_path_at_warm_up():
 def test_on_a_gpu_the_copy_kernel_writes_what_mlx_writes(tmp_path, monkeypatch):
     from kvroute.core import accel
 
-    monkeypatch.setattr(pinned_write, "cuda_runtime", accel.cuda_runtime)
+    monkeypatch.setattr(pinned, "cuda_runtime", accel.cuda_runtime)
     w = pinned_write.Writer(nbytes=1 << 12)  # in parts
     w.warm()
     assert w.works()

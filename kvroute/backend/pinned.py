@@ -102,6 +102,26 @@ def tensors(header: dict, base: int, nbytes: int) -> list[Tensor] | None:
     return out or None
 
 
+def mapped_buffer(nbytes: int) -> tuple[Any, int]:
+    """`nbytes` of page-locked host memory the device can address (kept for the
+    process's life): a NumPy view of it and its device address. RuntimeError where
+    CUDA cannot give it."""
+    import numpy as np
+
+    runtime = cuda_runtime()
+    if runtime is None:
+        raise RuntimeError("no CUDA runtime")
+    host, device = ctypes.c_void_p(), ctypes.c_void_p()
+    err = runtime.cudaHostAlloc(ctypes.byref(host), ctypes.c_size_t(nbytes),
+                                ctypes.c_uint(_HOST_ALLOC_MAPPED))
+    if err or not host.value:
+        raise RuntimeError(f"cudaHostAlloc failed ({err})")
+    if runtime.cudaHostGetDevicePointer(ctypes.byref(device), host, ctypes.c_uint(0)) or not device.value:
+        runtime.cudaFreeHost(host)
+        raise RuntimeError("no device address for pinned memory")
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(host.value)), device.value
+
+
 class ReadersClosed(Exception):
     """The reader threads were shut down (the tier is closing): not this path's failure."""
 
@@ -111,22 +131,46 @@ def _slot(size: int) -> int:
     return -(-(size + ALIGN) // ALIGN) * ALIGN
 
 
-class Staging:
-    """One backend's page-locked buffer and copy kernel (one restore at a time)."""
+class Pinned:
+    """A page-locked buffer of two halves (one copied through while the other fills)
+    and the kernel that copies through it, used by one thread at a time; made by
+    `_open` and, once it fails, failed for good (`failure` says so, once)."""
 
-    def __init__(self, nbytes: int = STAGING_BYTES):
+    failure = "disk cache: pinned memory failed (%r)"
+
+    def __init__(self, nbytes: int):
         self.nbytes = nbytes
         self.half = nbytes // 2 // ALIGN * ALIGN
         self._lock = threading.Lock()
         self._host: Any = None  # numpy view of the pinned buffer
         self._device = 0  # its address as the device sees it
         self._kernel: Any = None
-        self._header = 0  # where the last file's tensors started: the next likely the same
         self.failed = False
 
     def works(self) -> bool:
-        """Made (`warm`) and not failed: restores go this way."""
+        """Made (`warm`) and not failed: this path is taken."""
         return self._host is not None and not self.failed
+
+    def fail(self, exc: Exception) -> None:
+        """This path does not work here: the caller goes another way from now on."""
+        if not self.failed:
+            self.failed = True
+            log.warning(self.failure, exc)
+
+    def _open(self) -> None:
+        if self._host is None:
+            self._host, self._device = mapped_buffer(self.nbytes)
+
+
+class Staging(Pinned):
+    """One backend's page-locked buffer and copy kernel for restores (one at a time)."""
+
+    failure = ("disk cache: restores through pinned memory failed (%r); MLX's reader "
+               "loads block files instead")
+
+    def __init__(self, nbytes: int = STAGING_BYTES):
+        super().__init__(nbytes)
+        self._header = 0  # where the last file's tensors started: the next likely the same
 
     def fits(self, size: int) -> bool:
         return _slot(size) <= self.half
@@ -173,32 +217,6 @@ class Staging:
                 self._wait(words)
         except Exception as exc:  # whatever it is, restores fall back to MLX's reader
             self.fail(exc)
-
-    def fail(self, exc: Exception) -> None:
-        """This path does not work here: the caller loads every file another way."""
-        if not self.failed:
-            self.failed = True
-            log.warning("disk cache: restores through pinned memory failed (%r); MLX's reader "
-                        "loads block files instead", exc)
-
-    def _open(self) -> None:
-        if self._host is not None:
-            return
-        import numpy as np
-
-        runtime = cuda_runtime()
-        if runtime is None:
-            raise RuntimeError("no CUDA runtime")
-        host, device = ctypes.c_void_p(), ctypes.c_void_p()
-        err = runtime.cudaHostAlloc(ctypes.byref(host), ctypes.c_size_t(self.nbytes),
-                                    ctypes.c_uint(_HOST_ALLOC_MAPPED))
-        if err or not host.value:
-            raise RuntimeError(f"cudaHostAlloc failed ({err})")
-        if runtime.cudaHostGetDevicePointer(ctypes.byref(device), host, ctypes.c_uint(0)) or not device.value:
-            runtime.cudaFreeHost(host)
-            raise RuntimeError("no device address for pinned memory")
-        self._host = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(host.value))
-        self._device = device.value
 
     def _parts(self, files: list[File]) -> list[list[tuple[int, int]]]:
         """The files that fit a half, in runs that fill one: (position, offset in the half)."""

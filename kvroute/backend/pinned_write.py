@@ -24,26 +24,19 @@ bytes it was given) it fails once, and the caller saves the other way.
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import os
 import struct
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from ..core.accel import cuda_runtime
 from .diskfile import DTYPES
-from .pinned import ALIGN
-
-log = logging.getLogger("kvroute.backend.disk")
+from .pinned import ALIGN, Pinned
 
 WRITE_BYTES = 64 << 20  # page-locked host memory the writer keeps (two halves)
 PIECES = 16  # array pieces one kernel launch copies
-_HOST_ALLOC_MAPPED = 3  # cudaHostAllocPortable | cudaHostAllocMapped
 
 
 @dataclass
@@ -73,21 +66,13 @@ def header(arrays: dict[str, Any], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-class Writer:
+class Writer(Pinned):
     """The writer thread's page-locked buffer and copy kernel."""
 
-    def __init__(self, nbytes: int = WRITE_BYTES):
-        self.nbytes = nbytes
-        self.half = nbytes // 2 // ALIGN * ALIGN
-        self._lock = threading.Lock()
-        self._host: Any = None  # numpy view of the pinned buffer
-        self._device = 0  # its address as the device sees it
-        self._kernel: Any = None
-        self.failed = False
+    failure = "disk cache: writes through pinned memory failed (%r); copies of the arrays are saved instead"
 
-    def works(self) -> bool:
-        """Made (`warm`), checked and not failed: saves go this way."""
-        return self._host is not None and not self.failed
+    def __init__(self, nbytes: int = WRITE_BYTES):
+        super().__init__(nbytes)
 
     def warm(self) -> None:
         """The buffer and the kernel made now, and one copy checked byte for byte."""
@@ -109,16 +94,11 @@ class Writer:
         except Exception as exc:  # whatever it is, files are saved the other way
             self.fail(exc)
 
-    def fail(self, exc: Exception) -> None:
-        if not self.failed:
-            self.failed = True
-            log.warning("disk cache: writes through pinned memory failed (%r); copies of the "
-                        "arrays are saved instead", exc)
-
     def save(self, path: Path, arrays: dict[str, Any], metadata: dict[str, str]) -> bool:
         """`arrays` (evaluated) and `metadata` written to `path` as a safetensors file.
-        False where this path does not work here (nothing written: the caller saves
-        another way); raises OSError where the file cannot be written."""
+        False where this path does not work here, or MLX could not run a copy now (no
+        memory for it): the caller saves another way, over whatever was written.
+        Raises OSError where the file cannot be written."""
         if not self.works():
             return False
         import mlx.core as mx
@@ -142,11 +122,11 @@ class Writer:
                         self._flush(fd, *waiting.pop(0))
                 for item in waiting:
                     self._flush(fd, *item)
+            except RuntimeError:  # MLX's own failure (an allocation), not the file's
+                _settle()
+                return False
             except BaseException:
-                try:  # copies launched may still write the buffer
-                    mx.synchronize()
-                except Exception:
-                    pass
+                _settle()
                 raise
             finally:
                 os.close(fd)
@@ -195,25 +175,6 @@ class Writer:
         mx.async_eval(outs)
         return outs
 
-    def _open(self) -> None:
-        if self._host is not None:
-            return
-        import numpy as np
-
-        runtime = cuda_runtime()
-        if runtime is None:
-            raise RuntimeError("no CUDA runtime")
-        host, device = ctypes.c_void_p(), ctypes.c_void_p()
-        err = runtime.cudaHostAlloc(ctypes.byref(host), ctypes.c_size_t(self.nbytes),
-                                    ctypes.c_uint(_HOST_ALLOC_MAPPED))
-        if err or not host.value:
-            raise RuntimeError(f"cudaHostAlloc failed ({err})")
-        if runtime.cudaHostGetDevicePointer(ctypes.byref(device), host, ctypes.c_uint(0)) or not device.value:
-            runtime.cudaFreeHost(host)
-            raise RuntimeError("no device address for pinned memory")
-        self._host = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(host.value))
-        self._device = device.value
-
     def kernel(self) -> Any:
         if self._kernel is None:
             import mlx.core as mx
@@ -243,6 +204,16 @@ class Writer:
     }}
 """)
         return self._kernel
+
+
+def _settle() -> None:
+    """Until copies launched before a failure are over (they may still write the buffer)."""
+    import mlx.core as mx
+
+    try:
+        mx.synchronize()
+    except Exception:
+        pass
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
