@@ -52,6 +52,7 @@ import io
 import platform
 import pstats
 import time
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm import load
@@ -378,7 +379,7 @@ def restored_turns(args, engine: Engine, vocab: int) -> str:
                              read_parallel=restore_readers())
             assert again.open()
             t0 = time.perf_counter()
-            restored = asyncio.run(again.prefetch("bench", second, None, lambda: 0))
+            restored = _result(again.prefetch("bench", second, None, lambda: 0))
             read = time.perf_counter() - t0
             out.append(f"restore {i + 1}: {n} + {args.suffix} tokens, {restored.tokens} read "
                        f"back in {read * 1e3:.1f} ms")
@@ -394,6 +395,21 @@ def restored_turns(args, engine: Engine, vocab: int) -> str:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return "\n".join(out)
+
+
+def _result(coro) -> Any:
+    """`coro`'s result, run by asyncio.run without being its main task's result: when
+    it ends, Python 3.11's asyncio.run formats that task, result included, with repr()
+    (signal.getsignal's enum lookup; fixed in later Pythons), and a restored state's
+    repr reads every block on the host (on CUDA that moves each buffer to managed
+    memory, which the engine's next read pulls back page by page)."""
+    box: list = []
+
+    async def main() -> None:
+        box.append(await coro)
+
+    asyncio.run(main())
+    return box[0]
 
 
 def cold_rows(model, engine: Engine, vocab: int, n: int) -> list[tuple]:
