@@ -43,7 +43,7 @@ class HostWriter(pinned_write.Writer):
                 assert bytes(self._host[at:at + len(data)]) == data, "a half refilled before its write"
         self.copied = [c for c in self.copied if not start <= c[0] < start + nbytes]
         self.flushed += 1
-        super()._flush(fd, outs, start, nbytes)
+        return super()._flush(fd, outs, start, nbytes)
 
     def kernel(self):
         def launch(inputs, grid, threadgroup, output_shapes, output_dtypes):
@@ -105,13 +105,15 @@ def test_a_saved_file_reads_back_as_its_arrays_and_metadata(tmp_path):
 
 def test_a_file_larger_than_the_buffer_goes_through_it_in_parts(tmp_path):
     """Halves of 256 bytes: a tensor several halves long is cut across them, and no
-    half is refilled before its bytes are in the file (the stand-in checks)."""
+    half is refilled before its bytes are in the file (the stand-in checks). The
+    sums taken on the way are the file's (its final name carries them)."""
     want = {"big": mx.arange(1000, dtype=mx.float32), **arrays()}
     path = tmp_path / "f.safetensors"
     w = warmed(nbytes=512)
-    assert w.save(path, want, {"m": "1"})
+    done = w.save(path, want, {"m": "1"})
     assert w.flushed > 8
     assert same_as_saved(path, want)
+    assert done == diskfile.summed(path.read_bytes())
 
 
 def test_tensors_start_on_16_byte_boundaries_where_a_pinned_restore_takes_them(tmp_path):
@@ -241,5 +243,5 @@ def test_on_a_gpu_the_copy_kernel_writes_what_mlx_writes(tmp_path, monkeypatch):
     want = {"big": mx.random.normal((3, 1000)).astype(mx.bfloat16), **arrays()}
     mx.eval(list(want.values()))
     path = tmp_path / "f.safetensors"
-    assert w.save(path, want, {"m": "1"})
-    assert same_as_saved(path, want)
+    done = w.save(path, want, {"m": "1"})
+    assert same_as_saved(path, want) and done == diskfile.summed(path.read_bytes())

@@ -132,6 +132,7 @@ class Blocks:
         into place and the folder fsynced. `between()` runs before each file (the tier
         waits there while the engine has work). Returns the bytes written."""
         tmps: list[Path] = []
+        saved: list[diskfile.Saved | None] = []  # each file's sums, where its save took them
         files = [{f"{kind}{i}": a for i, pair in enumerate(block.kv) for kind, a in zip("kv", pair)}
                  for block in blocks]
         sums: list[str | None] = []
@@ -150,20 +151,21 @@ class Blocks:
                 meta = {"version": VERSION, "fingerprint": self.fingerprint, "key": stem}
                 if sums[i]:  # a restore on CUDA checks the arrays where MLX loads them
                     meta["dsum"] = sums[i]
-                diskfile.save(tmp, arrays, {"kvroute_block": orjson.dumps(meta).decode()}, self.writer)
+                saved.append(diskfile.save(tmp, arrays, {"kvroute_block": orjson.dumps(meta).decode()},
+                                           self.writer))
             if self.fsync:
                 with ThreadPoolExecutor(min(8, len(tmps))) as pool:
                     list(pool.map(_fsync_file, tmps))
             written = 0
-            for block, tmp in zip(blocks, tmps):
-                blob = tmp.read_bytes()  # just written: from the page cache
-                offset = 8 + struct.unpack("<Q", blob[:8])[0]
-                name = f"{block.key:016x}.{_digest(blob[:offset])}.{_digest(blob)}{SUFFIX}"
+            for block, tmp, done in zip(blocks, tmps, saved):
+                if done is None:  # just written: its sums from the page cache
+                    done = diskfile.summed(tmp.read_bytes())
+                name = f"{block.key:016x}.{done.head_sum}.{done.file_sum}{SUFFIX}"
                 os.replace(tmp, self.directory / name)
                 with self.lock:
-                    self.files[block.key] = BlockFile(name, len(blob))
-                    self.nbytes += len(blob)
-                written += len(blob)
+                    self.files[block.key] = BlockFile(name, done.size)
+                    self.nbytes += done.size
+                written += done.size
         except BaseException:
             for tmp in tmps:
                 _unlink(tmp)

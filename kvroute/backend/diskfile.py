@@ -124,22 +124,22 @@ def write(directory: Path, stem: str, cache: list[Any], meta: dict,
     file's name and size."""
     tmp = directory / (stem + TMP_SUFFIX)
     try:
-        save(tmp, *_flatten(cache, meta), writer)
+        done = save(tmp, *_flatten(cache, meta), writer)
         _step("tmp_written")
         os.chmod(tmp, 0o600)
-        with open(tmp, "rb") as f:  # just written: read back from the page cache
-            blob = f.read()
+        with open(tmp, "rb") as f:
+            if done is None:  # just written: its sums from the page cache
+                done = summed(f.read())
             if fsync:
                 os.fsync(f.fileno())
                 _step("tmp_synced")
-        offset = 8 + struct.unpack("<Q", blob[:8])[0]
-        name = f"{stem}.{_digest(blob[:offset])}.{_digest(blob)}{SUFFIX}"
+        name = f"{stem}.{done.head_sum}.{done.file_sum}{SUFFIX}"
         os.replace(tmp, directory / name)
         _step("renamed")
         if fsync:
             _fsync_dir(directory)
             _step("dir_synced")
-        return name, len(blob)
+        return name, done.size
     except BaseException:
         try:
             tmp.unlink(missing_ok=True)
@@ -192,7 +192,22 @@ def sums_to_write(files: list[dict[str, Any]]) -> list[str | None]:
 STAGED_CLEAR = 64 << 20  # bytes of device copies past which a write empties MLX's buffer cache
 
 
-def save(path: Path, arrays: dict[str, Any], metadata: dict[str, str], writer: Any = None) -> None:
+@dataclass
+class Saved:
+    """A file just written: its size and the xxh3 sums its final name carries."""
+
+    size: int
+    head_sum: str  # of its header: the length and the JSON
+    file_sum: str  # of the whole file
+
+
+def summed(blob: bytes) -> Saved:
+    """A safetensors file's `Saved`, from its bytes."""
+    offset = 8 + struct.unpack("<Q", blob[:8])[0]
+    return Saved(len(blob), _digest(blob[:offset]), _digest(blob))
+
+
+def save(path: Path, arrays: dict[str, Any], metadata: dict[str, str], writer: Any = None) -> Saved | None:
     """The arrays as a safetensors file: `mx.save_safetensors` where memory is one (a
     Mac) or the CPU's. On CUDA the host must never read an MLX buffer: the first host
     read moves it for good from device memory into managed memory (MLX's CUDA
@@ -204,15 +219,18 @@ def save(path: Path, arrays: dict[str, Any], metadata: dict[str, str], writer: A
     their size (a block's copies to the next block's, or to a block the store makes,
     which pays the migration back; after copies of `STAGED_CLEAR` bytes or more, which
     would go to the next prefill's KV, MLX's cache is emptied). Where the device has
-    no room for the copies, the arrays are written as they are (warned once)."""
+    no room for the copies, the arrays are written as they are (warned once). Returns
+    the file's sums where they were taken as it was written (the pinned path), else
+    None: the caller reads it back for them."""
     import mlx.core as mx
 
     global _copy_failed
     if not on_cuda():
         mx.save_safetensors(str(path), arrays, metadata)
-        return
-    if writer is not None and writer.save(path, arrays, metadata):
-        return
+        return None
+    done = writer.save(path, arrays, metadata) if writer is not None else None
+    if done is not None:
+        return done
     try:
         copies = {name: mx.array(a) for name, a in arrays.items()}  # a copy, bit for bit
         mx.eval(list(copies.values()))
@@ -222,7 +240,7 @@ def save(path: Path, arrays: dict[str, Any], metadata: dict[str, str], writer: A
             log.warning("disk cache: no device memory to copy a state before writing it (%s); "
                         "writing the arrays themselves, which moves them to managed memory", exc)
         mx.save_safetensors(str(path), arrays, metadata)
-        return
+        return None
     staged = sum(a.nbytes for a in copies.values())
     try:
         mx.save_safetensors(str(path), copies, metadata)
@@ -230,6 +248,7 @@ def save(path: Path, arrays: dict[str, Any], metadata: dict[str, str], writer: A
         del copies
         if staged >= STAGED_CLEAR:
             mx.clear_cache()
+    return None
 
 
 _copy_failed = False

@@ -13,7 +13,8 @@ into a page-locked, device-mapped buffer, and the file is written from there: th
 never reads an MLX buffer, none leaves the device, and there are no copies to
 allocate. The buffer (`WRITE_BYTES`) belongs to the disk tier's one writer thread. It is
 two halves: one half's bytes go to the file while the next part's copies fill the
-other, so a file of any size goes through it.
+other, so a file of any size goes through it. The xxh3 sums the file's final name
+carries are taken from the buffer on the way: the file is not read back for them.
 
 The file is what `mx.save_safetensors` writes (a JSON header, then the tensors in
 order, without gaps) with its header padded so that the tensors start on a 16-byte
@@ -31,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import xxhash
 
-from .diskfile import DTYPES
+from .diskfile import DTYPES, Saved
 from .pinned import ALIGN, Pinned
 
 WRITE_BYTES = 64 << 20  # page-locked host memory the writer keeps (two halves)
@@ -94,13 +96,14 @@ class Writer(Pinned):
         except Exception as exc:  # whatever it is, files are saved the other way
             self.fail(exc)
 
-    def save(self, path: Path, arrays: dict[str, Any], metadata: dict[str, str]) -> bool:
-        """`arrays` (evaluated) and `metadata` written to `path` as a safetensors file.
-        False where this path does not work here, or MLX could not run a copy now (no
-        memory for it): the caller saves another way, over whatever was written.
-        Raises OSError where the file cannot be written."""
+    def save(self, path: Path, arrays: dict[str, Any], metadata: dict[str, str]) -> Saved | None:
+        """`arrays` (evaluated) and `metadata` written to `path` as a safetensors file:
+        its size and sums, taken from the buffer as it goes to the file. None where this
+        path does not work here, or MLX could not run a copy now (no memory for it): the
+        caller saves another way, over whatever was written. Raises OSError where the
+        file cannot be written."""
         if not self.works():
-            return False
+            return None
         import mlx.core as mx
 
         head = header(arrays, metadata)
@@ -111,6 +114,7 @@ class Writer(Pinned):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 _write_all(fd, head)
+                whole = xxhash.xxh3_64(head)
                 waiting: list[tuple[list[Any], int, int]] = []  # launched parts: (outputs, start, bytes)
                 for n, part in enumerate(self._parts(flat)):
                     base = (n % 2) * self.half
@@ -119,18 +123,19 @@ class Writer(Pinned):
                     outs = self._launch(flat, part)
                     waiting.append((outs, base, sum(p.nbytes for p in part)))
                     if len(waiting) == 2:  # the other half: its copies done, then to the file
-                        self._flush(fd, *waiting.pop(0))
+                        whole.update(self._flush(fd, *waiting.pop(0)))
                 for item in waiting:
-                    self._flush(fd, *item)
+                    whole.update(self._flush(fd, *item))
             except RuntimeError:  # MLX's own failure (an allocation), not the file's
                 _settle()
-                return False
+                return None
             except BaseException:
                 _settle()
                 raise
             finally:
                 os.close(fd)
-        return True
+        return Saved(len(head) + sum(a.size for a in flat), xxhash.xxh3_64(head).hexdigest(),
+                     whole.hexdigest())
 
     def _parts(self, flat: list[Any]) -> list[list[Piece]]:
         """The arrays' bytes in order, cut into runs that fill a half each."""
@@ -148,11 +153,14 @@ class Writer(Pinned):
                 start += n
         return [p for p in parts if p]
 
-    def _flush(self, fd: int, outs: list[Any], start: int, nbytes: int) -> None:
+    def _flush(self, fd: int, outs: list[Any], start: int, nbytes: int) -> memoryview:
+        """A half's bytes to the file, once its copies are over; the bytes written."""
         import mlx.core as mx
 
-        mx.eval(outs)  # its copies are over: the half's bytes are the arrays'
-        _write_all(fd, memoryview(self._host[start:start + nbytes]))
+        mx.eval(outs)
+        view = memoryview(self._host[start:start + nbytes])
+        _write_all(fd, view)
+        return view
 
     def _launch(self, flat: list[Any], part: list[Piece]) -> list[Any]:
         """The copies of `part`, launched, not waited for: the outputs to wait for."""
