@@ -107,6 +107,7 @@ class Writer(Pinned):
         import mlx.core as mx
 
         head = header(arrays, metadata)
+        head_sum = xxhash.xxh3_64(head).hexdigest()
         # One dimension of bytes: what the kernel copies (a copy only of an array
         # that is not row-contiguous, as the kernel would have made).
         flat = [a.reshape(-1).view(mx.uint8) for a in arrays.values()]
@@ -134,8 +135,7 @@ class Writer(Pinned):
                 raise
             finally:
                 os.close(fd)
-        return Saved(len(head) + sum(a.size for a in flat), xxhash.xxh3_64(head).hexdigest(),
-                     whole.hexdigest())
+        return Saved(len(head) + sum(a.size for a in flat), head_sum, whole.hexdigest())
 
     def _parts(self, flat: list[Any]) -> list[list[Piece]]:
         """The arrays' bytes in order, cut into runs that fill a half each."""
