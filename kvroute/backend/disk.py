@@ -752,7 +752,7 @@ class DiskTier:
         try:
             if record.data_offset == 0:  # written by this process: read its header now
                 record = self._with_header(record, path)
-            state = self._state(record, path, len(record.blocks) if blocks is None else blocks)
+            state, phases = self._state(record, path, len(record.blocks) if blocks is None else blocks)
         except BadRecord as exc:
             self._remove(record.name, unlink=False)
             self._drop(path, exc.reason, str(exc))
@@ -770,6 +770,9 @@ class DiskTier:
         seconds = time.perf_counter() - t0
         read = record.size + self.blocks.read_bytes - blocks_read  # blocks held already: not read
         rate = read / max(seconds, 1e-6)
+        log.info("disk cache: restored %d tokens of %s: %.0f MB in %.1f ms (%.1f GB/s; %s)",
+                 state.tokens, record.name, read / 1e6, seconds * 1e3, rate / 1e9,
+                 ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()))
         self.restore_bps = rate if not self.restore_bps else 0.7 * self.restore_bps + 0.3 * rate
         # Tokens' worth of what was read (the proxies weigh a restore by its tokens).
         files = self._file_bytes(record, [b.key for b in state.blocks])
@@ -789,18 +792,22 @@ class DiskTier:
             pass
         return state
 
-    def _state(self, record: Record, path: Path, blocks: int) -> Paged:
+    def _state(self, record: Record, path: Path, blocks: int) -> tuple[Paged, dict[str, float]]:
         """A record's layers (its own file) and its first `blocks` shared blocks as one
         state (reader thread): all of them, or, for a hit that shares less of it, those
         that hold its tokens. Its block list must be the chain of its own tokens: a
         header that lists other blocks is as damaged as a flipped token id. Read whole,
         its own file loads on a block reader beside its blocks (an 8k-token 7B record:
         ~8 ms on an H100 that the blocks' load now hides)."""
+        # Where a restore's time went (its log line): an operator's first question
+        # when a restore is slower than the read rate says it should be.
+        phases: dict[str, float] = {}
+        t = time.perf_counter()
         root = paged.root_key(record.model, record.scope)
         if record.blocks != paged.block_keys(root, record.tokens, len(record.blocks)):
             raise BadRecord("corrupt", "its blocks are not the chain of its tokens")
         if blocks >= len(record.blocks) and record.blocks:
-            own = self._block_readers.submit(diskfile.load, path, record, self.read_parallel)
+            own = self._block_readers.submit(_timed, diskfile.load, path, record, self.read_parallel)
             try:
                 loaded = self._load_blocks(record.blocks)
             except BaseException:
@@ -808,12 +815,15 @@ class DiskTier:
                 # record listing it must go too, whatever its own file met.
                 wait([own])
                 raise
-            cache = own.result()
+            phases["blocks"] = time.perf_counter() - t
+            cache, phases["own file"] = own.result()
             head = False
         else:
-            cache = diskfile.load(path, record, self.read_parallel)
+            cache, phases["own file"] = _timed(diskfile.load, path, record, self.read_parallel)
             head = blocks < len(record.blocks) and not paged.keeps_whole(cache)
-            loaded = self._load_blocks(record.blocks[:blocks] if head else record.blocks)
+            loaded, phases["blocks"] = _timed(self._load_blocks,
+                                              record.blocks[:blocks] if head else record.blocks)
+        t = time.perf_counter()
         try:
             state = paged.from_disk(cache, loaded, len(record.tokens), head=head)
         except ValueError as exc:
@@ -821,7 +831,9 @@ class DiskTier:
         # Its tail is sliced here: evaluated on this thread, whose streams (on CUDA) the
         # engine thread cannot run.
         mx.eval([x for pair in state.tail for x in pair])
-        return state
+        phases["assembly"] = time.perf_counter() - t
+        phases |= self.blocks.staging.timing()
+        return state, phases
 
     def _load_blocks(self, keys: list[int]) -> list[Block]:
         return self.blocks.load_all(keys, lambda key, kv, size: Block(key, kv, size),
@@ -877,6 +889,11 @@ class DiskTier:
         m.l(m.disk_bytes).set(self.held_bytes)
         m.l(m.cache_blocks, tier="disk").set(len(self.blocks.files))
         m.l(m.disk_entries).set(len(self.index))
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    t = time.perf_counter()
+    return fn(*args), time.perf_counter() - t
 
 
 def _blocks_for(record: Record, n: int) -> int:
