@@ -560,9 +560,11 @@ def three_on_cuda(folder: Path, monkeypatch, staging: type) -> list:
 
 
 def test_on_cuda_a_restore_loads_its_blocks_through_pinned_memory(tmp_path, monkeypatch):
-    """On CUDA a restore's block files go onto the device through the pinned buffer
-    (pinned.py; its CUDA parts stood in for by test_pinned.HostStaging: no GPU here),
-    MLX's reader loading only the record, and answer as the conversation's own KV."""
+    """On CUDA a restore's block files and its record's own file go onto the device
+    through the pinned buffer (pinned.py; its CUDA parts stood in for by
+    test_pinned.HostStaging: no GPU here), MLX's reader loading none of them, and
+    answer as the conversation's own KV."""
+    from kvroute.backend import pinned
     from tests.test_pinned import HostStaging
 
     loads = three_on_cuda(tmp_path, monkeypatch, HostStaging)
@@ -570,17 +572,46 @@ def test_on_cuda_a_restore_loads_its_blocks_through_pinned_memory(tmp_path, monk
     again, _ = make_tier(tmp_path)
     found = restore(again, conversation(0) + [1])
     assert same_cache(found.cache, kv_of(conversation(0)))
-    assert len(loads) == 1 and not again.blocks.staging.failed  # the record alone
-    assert HostStaging.launches == 1 + 2  # the warm-up; ten blocks' 20 arrays, 16 a launch
+    assert loads == [] and not again.blocks.staging.failed
+    # The warm-up; the record's tail (its layers' keys and values: those in 16-byte
+    # words copied, 16 a launch, the others made on the host); ten blocks' 20 arrays.
+    name = next(n for n, r in again.index.items() if r.tokens.tolist() == conversation(0))
+    blob = (tmp_path / name).read_bytes()
+    offset = 8 + int.from_bytes(blob[:8], "little")
+    header = orjson.loads(blob[8:offset])
+    header.pop("__metadata__")
+    copied = [t for t in pinned.tensors(header, 0, len(blob) - offset) if not t.host]
+    assert HostStaging.launches == 1 + -(-len(copied) // pinned.BATCH) + 2
     again.close()
 
 
+def test_on_cuda_a_damaged_record_read_through_pinned_memory_is_dropped(tmp_path, monkeypatch):
+    """A record's own file read through the pinned buffer is checked against its
+    name's xxh3 where it lands: a flipped byte drops the record (its blocks stay for
+    the others), and the next conversation still restores."""
+    from tests.test_pinned import HostStaging
+
+    three_on_cuda(tmp_path, monkeypatch, HostStaging)
+    again, _ = make_tier(tmp_path)
+    name = next(n for n, r in again.index.items() if r.tokens.tolist() == conversation(0))
+    again.close()
+    path = tmp_path / name
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    third, _ = make_tier(tmp_path)
+    assert restore(third, conversation(0) + [1]) is None or name not in third.index
+    assert name not in third.index and not path.exists()
+    assert same_cache(restore(third, conversation(1) + [1]).cache, kv_of(conversation(1)))
+    assert not third.blocks.staging.failed
+    third.close()
+
+
 def test_on_cuda_with_pinned_memory_a_block_file_is_read_once_and_checked_as_it_lands(tmp_path, monkeypatch):
-    """Through pinned memory a block file is read whole, once, and checked on the host
-    against its name's xxh3 where the copy kernel takes it from: no header read
-    before, no device checksum after (the record alone, loaded by MLX's reader, is
-    summed there); so block files are written without one, records with one. Damaged
-    bytes are found, and every damaged file goes."""
+    """Through pinned memory a block file, and a record's own file, is read whole,
+    once, and checked on the host against its name's xxh3 where the copy kernel takes
+    it from: no header read before, no device checksum after; so files are written
+    without one. Damaged bytes are found, and every damaged file goes."""
     from kvroute.backend import devsum
     from tests.test_pinned import HostStaging
 
@@ -588,15 +619,14 @@ def test_on_cuda_with_pinned_memory_a_block_file_is_read_once_and_checked_as_it_
     for path in block_files(tmp_path) + records(tmp_path):
         meta = orjson.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])["__metadata__"]
         dsum = orjson.loads(meta.get("kvroute_block") or meta["0.kvroute"]).get("dsum")
-        assert bool(dsum) == path.name.endswith(diskfile.SUFFIX)
+        assert not dsum
     heads, summed = [], []
     real_head, real_sums = diskfile.read_head, devsum.checksums
     monkeypatch.setattr(diskfile, "read_head", lambda path, *a: heads.append(path) or real_head(path, *a))
     monkeypatch.setattr(devsum, "checksums", lambda files: summed.append(len(files)) or real_sums(files))
     again, _ = make_tier(tmp_path)
     assert same_cache(restore(again, conversation(0) + [1]).cache, kv_of(conversation(0)))
-    assert not [p for p in heads if p.name.endswith(diskblocks.SUFFIX)]
-    assert summed == [1] and again.stats()["block_reads"] == 10
+    assert heads == [] and summed == [] and again.stats()["block_reads"] == 10
     again.close()
 
     third = two_damaged_blocks_fail_a_restore(tmp_path, 0x01)

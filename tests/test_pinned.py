@@ -124,15 +124,35 @@ def test_a_restore_larger_than_a_half_of_the_buffer_goes_through_it_in_parts(tmp
     assert same_as_mlx_reader(paths, load(staging, paths))
 
 
-def test_files_it_cannot_copy_in_16_byte_words_are_left_to_the_caller(tmp_path):
+def test_small_tensors_not_in_16_byte_words_are_made_on_the_host(tmp_path):
+    """A record's scalars (3 and 20 bytes here), an empty tensor (a tail of no tokens)
+    and a bfloat16 tensor out of step with 16-byte words, beside tensors the kernel
+    copies: each file comes back as MLX's reader gives it, only the even tensors
+    launched."""
     odd = tmp_path / "odd.safetensors"
-    mx.save_safetensors(str(odd), {"a": mx.arange(3, dtype=mx.uint8), "b": mx.arange(5, dtype=mx.int32)})
+    mx.save_safetensors(str(odd), {"a": mx.arange(3, dtype=mx.uint8), "b": mx.arange(5, dtype=mx.int32),
+                                   "c": mx.random.normal((4, 16)).astype(mx.bfloat16),
+                                   "d": mx.random.normal((3, 3)).astype(mx.bfloat16)})
     empty = tmp_path / "empty.safetensors"
-    mx.save_safetensors(str(empty), {"a": mx.zeros((0, 4))})
+    mx.save_safetensors(str(empty), {"a": mx.zeros((0, 4)), "b": mx.zeros((1, 0, 8), dtype=mx.bfloat16)})
     even = write_files(tmp_path, 2)
-    got = load(HostStaging(), [even[0], odd, empty, even[1]])
-    assert got[1] is None and got[2] is None  # 3 and 20 bytes; nothing at all
-    assert same_as_mlx_reader([even[0], even[1]], [got[0], got[3]])
+    HostStaging.launches = 0
+    paths = [even[0], odd, empty, even[1]]
+    got = load(HostStaging(), paths)
+    assert same_as_mlx_reader(paths, got)
+    assert HostStaging.launches == 1  # even[0] 2, odd 1 ("c"), even[1] 2: one launch of 16
+
+
+def test_a_file_with_more_than_a_little_to_make_on_the_host_is_left_to_the_caller(tmp_path):
+    """Arrays made from host bytes land in managed memory on CUDA, which the GPU pulls
+    page by page: a file with more than `HOST_BYTES` of tensors the kernel cannot copy
+    is the caller's to load."""
+    big = tmp_path / "big.safetensors"
+    n = pinned.HOST_BYTES // 3 + 1  # three tensors of an odd number of bytes
+    mx.save_safetensors(str(big), {f"t{i}": mx.zeros((n,), dtype=mx.uint8) for i in range(3)})
+    even = write_files(tmp_path, 1)
+    got = load(HostStaging(), [big, even[0]])
+    assert got[0] is None and same_as_mlx_reader(even, got[1:])
 
 
 def with_header(path: Path, out: Path, change) -> Path:

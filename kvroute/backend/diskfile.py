@@ -114,17 +114,18 @@ def _step(name: str) -> None:
 
 
 def write(directory: Path, stem: str, cache: list[Any], meta: dict,
-          fsync: bool = True, writer: Any = None) -> tuple[str, int]:
+          fsync: bool = True, writer: Any = None, device_sum: bool = True) -> tuple[str, int]:
     """Write `cache` under a temporary name, fsync it, rename it into place and fsync
     the directory, so a reader (or a restart after a crash or a power loss) never sees
     half a record; fsync=False leaves both fsyncs to the kernel's write-back (a crash
     of the process loses nothing, a power loss may). The final name carries the
     checksums (a header cannot hold the checksum of a file it starts). On CUDA the
-    tier's `writer` (pinned_write.Writer) saves it where it can (`save`). Returns the
-    file's name and size."""
+    tier's `writer` (pinned_write.Writer) saves it where it can (`save`), and a
+    device checksum goes in unless `device_sum` is off (restores through pinned
+    memory check the xxh3 sums instead). Returns the file's name and size."""
     tmp = directory / (stem + TMP_SUFFIX)
     try:
-        done = save(tmp, *_flatten(cache, meta), writer)
+        done = save(tmp, *_flatten(cache, meta, device_sum), writer)
         _step("tmp_written")
         os.chmod(tmp, 0o600)
         with open(tmp, "rb") as f:
@@ -148,7 +149,7 @@ def write(directory: Path, stem: str, cache: list[Any], meta: dict,
         raise
 
 
-def _flatten(cache: list[Any], meta: dict) -> tuple[dict[str, Any], dict[str, str]]:
+def _flatten(cache: list[Any], meta: dict, device_sum: bool = True) -> tuple[dict[str, Any], dict[str, str]]:
     """The tensors and string metadata of a record, as mlx-lm's `save_prompt_cache`
     makes them (`_rebuild` reads them back): the layers' states flattened, scalars
     stored as arrays and listed, and our `kvroute` JSON first, with the tensors'
@@ -174,7 +175,7 @@ def _flatten(cache: list[Any], meta: dict) -> tuple[dict[str, Any], dict[str, st
         raise ValueError(f"Model state is not serializable: {data}")
 
     arrays = dict(map(as_array, tree_flatten([c.state for c in cache])))
-    (dsum,) = sums_to_write([arrays])
+    (dsum,) = sums_to_write([arrays]) if device_sum else (None,)
     if dsum:
         meta = {**meta, "dsum": dsum}
     classes = [type(c).__name__ for c in cache]
@@ -434,6 +435,48 @@ def _load_mlx(path: Path, record: Record) -> list[Any]:
             digest.update(memoryview(np.asarray(a)).cast("B"))
     if digest.hexdigest() != record.checksum:
         raise BadRecord("corrupt", "the file does not match its checksum")
+    return _rebuild(cache_mod, arrays, metadata, mx)
+
+
+def read_checked_into(path: Path, view: memoryview) -> tuple[dict, dict, int]:
+    """A record's whole file read into `view` (its size as the index knows it) and
+    checked there against the xxh3 sums its name carries: its tensor table, its
+    metadata, and where its tensors start. Its name must carry them (`has_sums`)."""
+    header_sum, file_sum = _name_digests(path.name)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise BadRecord("unreadable", str(exc))
+    try:
+        on_disk = os.fstat(fd).st_size
+        if on_disk != len(view):
+            raise BadRecord("truncated" if on_disk < len(view) else "corrupt",
+                            f"{on_disk} bytes on disk, expected {len(view)}")
+        pread_into(fd, view, 0)
+    except OSError as exc:
+        raise BadRecord("unreadable", str(exc))
+    finally:
+        os.close(fd)
+    offset = 8 + struct.unpack("<Q", view[:8])[0]
+    if offset > len(view) or _digest(view[:offset]) != header_sum or _digest(view) != file_sum:
+        raise BadRecord("corrupt", "the file does not match its checksums")
+    try:
+        header = orjson.loads(view[8:offset])
+    except orjson.JSONDecodeError:
+        raise BadRecord("corrupt", "its header is not JSON")
+    return header, header.pop("__metadata__", {}), offset
+
+
+def has_sums(name: str) -> bool:
+    """Whether a record's file name carries its xxh3 sums (`read_checked_into`)."""
+    return all(_name_digests(name))
+
+
+def from_arrays(arrays: dict[str, Any], metadata: dict) -> list[Any]:
+    """A record's layer caches from its tensors, loaded and checked by the caller."""
+    import mlx.core as mx
+    from mlx_lm.models import cache as cache_mod
+
     return _rebuild(cache_mod, arrays, metadata, mx)
 
 

@@ -12,8 +12,8 @@ kernel per batch of tensors copies them into device arrays, reading the host mem
 across the bus. The buffer (`STAGING_BYTES`) is made when the disk tier opens, with
 the kernel, and reused restore after restore. It is two halves: a restore larger than
 one goes through them in parts, the next part read into one half while the last
-part's copies read the other. A file it cannot take (a tensor whose size or place is
-not a multiple of 16 bytes, a dtype it does not know, a file larger than a half) comes
+part's copies read the other. A file it cannot take (a dtype it does not know, a file
+larger than a half, more than `HOST_BYTES` of tensors not in 16-byte words) comes
 back as None: the caller loads it another way. Where the path cannot work at all (no
 CUDA runtime to ask for pinned memory, a kernel MLX cannot build) it fails once and
 the caller loads every file another way.
@@ -40,6 +40,9 @@ log = logging.getLogger("kvroute.backend.disk")
 
 STAGING_BYTES = 256 << 20  # page-locked host memory a backend keeps for restores
 BATCH = 16  # tensors one kernel launch copies
+# A file's tensors made on the host (in managed memory on CUDA, which the GPU pulls
+# page by page: fine for a record's scalars, not for its layers).
+HOST_BYTES = 64 << 10
 ALIGN = 16  # the kernel moves 16-byte words
 _HOST_ALLOC_MAPPED = 3  # cudaHostAllocPortable | cudaHostAllocMapped
 
@@ -58,6 +61,7 @@ class Tensor:
     shape: list[int]
     at: int  # in the buffer
     nbytes: int
+    host: bool = False  # made from the buffer on the host: empty, or not in 16-byte words
 
 
 # Reads `file` into the view (exactly its size) and checks it; returns its tensor
@@ -80,10 +84,12 @@ def plain_fill(f: File, view: memoryview) -> tuple[dict, int]:
 
 def tensors(header: dict, base: int, nbytes: int) -> list[Tensor] | None:
     """A tensor table as the kernel copies it from `base` (where the `nbytes` bytes of
-    tensors start in the buffer), or None where it cannot: an empty tensor, a size or
-    place not a multiple of `ALIGN`, a dtype it does not know, a tensor whose bytes
-    are not where the table says (past the file's end, or not its shape's size: the
-    kernel would read past the file, or the arrays would not match)."""
+    tensors start in the buffer), or None where it cannot: a dtype it does not know, a
+    tensor whose bytes are not where the table says (past the file's end, or not its
+    shape's size: the kernel would read past the file, or the arrays would not match),
+    no tensor at all. An empty tensor, or one whose size or place
+    is not a multiple of `ALIGN` (a record's scalars: a cache's offset, say), is made
+    on the host; a file with more than `HOST_BYTES` of those is left to the caller."""
     import mlx.core as mx
 
     out = []
@@ -92,15 +98,18 @@ def tensors(header: dict, base: int, nbytes: int) -> list[Tensor] | None:
             (a, b), dtype, shape = t["data_offsets"], t["dtype"], [int(n) for n in t["shape"]]
         except (KeyError, TypeError, ValueError):
             return None
-        if dtype not in DTYPES or not 0 <= a < b <= nbytes or (base + a) % ALIGN or (b - a) % ALIGN:
+        if dtype not in DTYPES or not 0 <= a <= b <= nbytes:
             return None
         size = getattr(mx, DTYPES[dtype]).size
         for n in shape:
             size *= n
         if size != b - a:
             return None
-        out.append(Tensor(name, dtype, shape, base + a, b - a))
-    return out or None
+        host = a == b or bool((base + a) % ALIGN or (b - a) % ALIGN)
+        out.append(Tensor(name, dtype, shape, base + a, b - a, host))
+    if not out or sum(t.nbytes for t in out if t.host) > HOST_BYTES:
+        return None
+    return out
 
 
 def mapped_buffer(nbytes: int) -> tuple[Any, int]:
@@ -277,14 +286,21 @@ class Staging(Pinned):
         evaluated on this thread, whose stream made them), and each file's arrays."""
         import mlx.core as mx
 
+        copied = [(i, t) for i, t in tensors_ if not t.host]
         words: list[Any] = []
-        for i in range(0, len(tensors_), BATCH):
-            words += self._copy([t for _, t in tensors_[i:i + BATCH]])
+        for i in range(0, len(copied), BATCH):
+            words += self._copy([t for _, t in copied[i:i + BATCH]])
         made: dict[int, dict[str, Any]] = {}
         views = []
-        for (i, t), w in zip(tensors_, words):
+        for (i, t), w in zip(copied, words):
             views.append(w.view(getattr(mx, DTYPES[t.dtype])).reshape(t.shape))
             made.setdefault(i, {})[t.name] = views[-1]
+        for i, t in tensors_:
+            if t.host:  # its bytes copied out now: the buffer is refilled after
+                dtype = getattr(mx, DTYPES[t.dtype])
+                views.append(mx.zeros(t.shape, dtype) if not t.nbytes else
+                             mx.array(self._host[t.at:t.at + t.nbytes].copy()).view(dtype).reshape(t.shape))
+                made.setdefault(i, {})[t.name] = views[-1]
         mx.async_eval(views)
         return words + views, made
 
