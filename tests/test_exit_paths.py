@@ -303,14 +303,16 @@ def test_a_lost_gpu_fails_requests_with_503_and_the_backend_exits_to_be_restarte
 
 def test_out_of_device_memory_fails_the_step_logs_what_the_backend_held_and_serves_on(
         text_model, tmp_path):
-    """A step that finds the card full fails its requests (500) but not the process: the
+    """A step that finds the card full fails its requests (503, retry: the card's state,
+    not the request's fault; OpenAI's SDKs retry it) but not the process: the
     backend logs what it held (MLX's memory, the prompt cache) for the operator, lets
     its buffer cache and finished turns' copies go, and answers the next request. This
     CPU has no card to fill: the `out_of_memory` fault raises MLX's CUDA allocation
     error from inside the decode step."""
     with faulty_backend(text_model, tmp_path) as backend:
         status, body = faulted_chat(backend, "out_of_memory:1")
-        assert status == 500 and "out of memory" in body["error"]["message"], body
+        assert status == 503 and "out of memory" in body["error"]["message"], body
+        assert "retry" in body["error"]["message"] and body["error"]["type"] == "server_error"
         log = backend.log()
         assert "out of device memory: active" in log and "prompt cache" in log, log[-2000:]
         memory = backend.health()["memory"]

@@ -395,3 +395,51 @@ def test_the_cuda_warm_up_keeps_within_its_time(text_model, monkeypatch, caplog,
     else:
         assert "time is up" in said and "warmed up to" not in said
     assert e.prefill_tps > 0  # the warm rate the proxies see is measured either way
+
+
+def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model, monkeypatch, caplog):
+    """Replicas share one CUDA card, and MLX caps only its own memory: when the card's
+    free memory (the driver's count, every process's) falls under the reserve, a
+    backend lets its buffer cache go before its next step, counts it, and says so at
+    most once a minute; with room on the card it keeps the cache. There is no CUDA card
+    here: the in-process engine is told it is on CUDA and the driver's count is stood
+    in for; the buffer cache is MLX's own."""
+    import logging
+
+    from kvroute.backend import engine as engine_mod
+    from kvroute.backend.metrics import BackendMetrics
+    from kvroute.backend.store import Store
+
+    model, tokenizer = load(str(text_model))
+    metrics = BackendMetrics("demo", "t")
+    e = engine_mod.Engine(model, tokenizer, "demo", Store(64 << 20), metrics, prefill_step=64, max_batch=4)
+    e.on_cuda = True
+    caplog.set_level(logging.INFO, "kvroute.backend.engine")
+    free = {"bytes": 40 << 30}
+    monkeypatch.setattr(engine_mod, "card_free", lambda: free["bytes"])
+
+    def fill_cache() -> int:
+        a = mx.zeros((1 << 20,))
+        mx.eval(a)
+        del a
+        return mx.get_cache_memory()
+
+    def low() -> float:
+        return metrics.registry.get_sample_value("kvroute_backend_card_low_total",
+                                                 {"model": "demo", "backend": "t"})
+
+    assert fill_cache() > 0
+    e._mind_the_card()
+    assert mx.get_cache_memory() > 0 and low() == 0  # room on the card: kept
+    free["bytes"] = engine_mod.CARD_RESERVE - 1
+    e._mind_the_card()
+    assert mx.get_cache_memory() > 0  # looked at no more often than CARD_CHECK_S
+    e._card_checked -= engine_mod.CARD_CHECK_S
+    e._mind_the_card()
+    assert mx.get_cache_memory() == 0 and low() == 1
+    assert fill_cache() > 0
+    e._card_checked -= engine_mod.CARD_CHECK_S
+    e._mind_the_card()
+    assert mx.get_cache_memory() == 0 and low() == 2
+    said = [r.getMessage() for r in caplog.records if "gave back" in r.getMessage()]
+    assert len(said) == 1 and "of MLX's buffer cache" in said[0]

@@ -41,7 +41,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvroute.api.errors import APIError, overloaded, server_error
-from kvroute.core.accel import device_lost, device_trouble, keep_wired_limit, memory
+from kvroute.core.accel import card_free, device_lost, device_trouble, keep_wired_limit, memory
 from kvroute.core.hits import is_cache_hit
 from kvroute.core.sizes import format_bytes
 
@@ -65,6 +65,8 @@ GAUGE_PERIOD = 0.05  # seconds between gauge updates while only decoding
 WARM_CUDA_SECONDS = 30.0
 EXIT_DEVICE_LOST = 70  # the backend's exit status once its GPU context is lost (EX_SOFTWARE)
 LOST_MESSAGE = "The backend's GPU failed; it is restarting. Retry the request."
+CARD_CHECK_S = 0.25  # how often a CUDA backend looks at its card's free memory
+CARD_RESERVE = 2 << 30  # free card memory under which a backend gives its buffer cache back
 
 
 class Engine:
@@ -109,6 +111,7 @@ class Engine:
         # Whether entries need checkpoints: some layer cannot always be trimmed.
         self.checkpointing = not always_trimmable(make_prompt_cache(model))
         self.on_cuda = avoid_cudnn_plans(prefill_step)
+        self._card_checked = self._card_logged = float("-inf")  # _mind_the_card
         if self.on_cuda:
             log.info("CUDA: attention calls of new shapes skip cuDNN's per-shape plans")
             # Gated-delta layers (Qwen3-Next, Qwen3.5) prefill by chunks there, not by
@@ -335,6 +338,7 @@ class Engine:
                 self._reap_cancelled()
                 self._release_held()
                 if self._jobs:
+                    self._mind_the_card()
                     self._step()
                     self._flush()  # the step's tokens go out before its commits are made
                     self._after_sending()
@@ -616,8 +620,11 @@ class Engine:
             if device_lost(exc):
                 self._lose_device(exc)
                 return
-            if device_trouble(exc):
+            if device_trouble(exc):  # the card's state now, not the request's fault
                 self._out_of_memory()
+                self._recover(f"The backend ran out of device memory ({exc}); retry the request.",
+                              status=503)
+                return
             self._recover(f"Generation failed: {exc}")
             return
         if stats.prompt_tokens and stats.prompt_time > 0:
@@ -945,7 +952,7 @@ class Engine:
                 _, _, loop, fut = item
                 loop.call_soon_threadsafe(_settle, fut, None, RuntimeError(LOST_MESSAGE))
 
-    def _recover(self, message: str) -> None:
+    def _recover(self, message: str, status: int = 500) -> None:
         """After a failed step the generator's state is unknown. Sequences that
         were decoding, or completing their prompt in that step, fail (their
         prompts were committed at their last checkpoint). Those still in prefill
@@ -959,13 +966,36 @@ class Engine:
                 self._keep_partial(job, "recovered")
                 survivors.append(job)
             else:
-                self._fail(job, message)
+                self._fail(job, message, status)
         self._jobs.clear()
         self._gen = self._new_generator()
         for job in survivors:
             job.uid, job.phase, job.readmitted = None, "queued", True
             self._admit_or_fail(job)
         self._update_gauges()
+
+    def _mind_the_card(self) -> None:
+        """Replicas share one card, and MLX caps only its own arrays and buffer cache:
+        the card also holds each process's CUDA context, libraries' workspaces and
+        what its memory pool keeps. Two 7B replicas on an 80 GB H100, each within its
+        cap, left the card ~1 GB free and failed allocations while each kept ~3.5 GB
+        of freed buffers. When the card's free memory falls under `CARD_RESERVE`, this
+        backend gives its buffer cache back (the pool hands it to the driver at the
+        next synchronization), for its own next step or a sibling's."""
+        now = time.monotonic()
+        if not self.on_cuda or now < self._card_checked + CARD_CHECK_S:
+            return
+        self._card_checked = now
+        free = card_free()
+        if free is None or free >= CARD_RESERVE or not mx.get_cache_memory():
+            return
+        released = mx.get_cache_memory()
+        mx.clear_cache()
+        self.metrics.l(self.metrics.card_low).inc()
+        if now >= self._card_logged + 60:
+            self._card_logged = now
+            log.info("the card has %s free: gave back %s of MLX's buffer cache (said at most "
+                     "once a minute)", format_bytes(free), format_bytes(released))
 
     def _out_of_memory(self) -> None:
         """After a step found no device memory: say what this process held (the

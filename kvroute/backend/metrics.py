@@ -42,6 +42,10 @@ class BackendMetrics:
         self.commits = self._family(Counter, "kvroute_backend_commits",
                                     "Prompt-cache commits kept in RAM or on disk, by exit path",
                                     ("path",))
+        self.card_low = self._family(
+            Counter, "kvroute_backend_card_low",
+            "Times the CUDA card's free memory fell under the reserve and this backend gave "
+            "its buffer cache back")
         self.commits_refused = self._family(
             Counter, "kvroute_backend_commits_refused",
             "Commits kept nowhere: over the RAM budget with no prefix that fits, and no disk "

@@ -142,6 +142,16 @@ def memory() -> dict[str, int]:
     return out
 
 
+def card_free() -> int | None:
+    """The CUDA card's free bytes as the driver counts them (every process on it);
+    None where there is no CUDA card to ask. A call takes microseconds."""
+    runtime = cuda_runtime()
+    if runtime is None:
+        return None
+    free, total = _mem_info(runtime)
+    return free if total else None
+
+
 def apply_limits(memory_limit: int, cache_limit: int) -> dict[str, int]:
     """Cap this process's MLX memory (0: leave MLX's default) and the buffer cache
     it keeps for reuse (0: a tenth of the memory limit, when there is one).
