@@ -204,6 +204,12 @@ def test_two_models_supervision_and_clean_shutdown(tmp_path, model_cache, redis_
         assert "no connection could be made" in e.value.body["message"], e.value.body
         assert all("KVROUTE_API_KEYS" not in psutil.Process(pid).environ() for pid in pids[:-1])
         assert all(psutil.Process(pid).environ()["KVROUTE_SECRET"] == "test-secret" for pid in pids)
+        # Only backends load MLX: on a CUDA machine a process that loads it holds a
+        # context (~0.5 GiB) on the card its replicas share.
+        def loads_mlx(pid: int) -> bool:
+            return any("libmlx" in m.path for m in psutil.Process(pid).memory_maps())
+
+        assert not loads_mlx(proc.pid) and not loads_mlx(proxy_pid) and loads_mlx(pids[0])
     finally:
         elapsed = stop(proc)
     assert elapsed < 10, elapsed

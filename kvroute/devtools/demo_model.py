@@ -29,14 +29,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
-from mlx_lm.models import llama
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # Bump when the files ``build`` writes change, so ``ensure`` rebuilds its cache.
@@ -304,6 +307,8 @@ def successor_map(tokenizer: Tokenizer, variant: str,
 
 
 def _model_args(vocab_size: int, context: int = MAX_POSITIONS) -> llama.ModelArgs:
+    from mlx_lm.models import llama
+
     return llama.ModelArgs(
         model_type="llama",
         hidden_size=HIDDEN_SIZE,
@@ -326,6 +331,9 @@ def build_model(
 
     Seeds mlx's global random generator, which the layers' initializers use.
     """
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
     mx.random.seed(SEED)
     model = llama.Model(_model_args(vocab_size, context))
 
@@ -383,6 +391,8 @@ def logit_margins(
     model: llama.Model, tokens: mx.array
 ) -> tuple[mx.array, mx.array]:
     """Greedy next tokens and their top-1 minus top-2 logit, for a (B, L) batch."""
+    import mlx.core as mx
+
     logits = model(tokens).astype(mx.float32)
     top2 = mx.topk(logits, 2, axis=-1)
     margins = top2.max(axis=-1) - top2.min(axis=-1)
@@ -393,6 +403,8 @@ def _check_model(
     model: llama.Model, successors: dict[int, int], default: int, vocab_size: int
 ) -> None:
     """Check the bigram map and the margin for every token, in context."""
+    import mlx.core as mx
+
     expected = mx.array([successors.get(t, default) for t in range(vocab_size)])
     # Every token once as a one-token prompt, and once inside a 256-token
     # context of shuffled tokens, where attention mixes in other tokens.
@@ -456,6 +468,9 @@ def write_checkpoint(
     context: int = MAX_POSITIONS,
 ) -> None:
     """Write everything ``mlx_lm.load`` reads: weights, config and tokenizer."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(
         str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"}
@@ -553,7 +568,26 @@ def cached_build(
 
 def ensure(variant: str = "text", cache_dir: Path | None = None) -> Path:
     """Return the cached demo model of ``variant``, building it on first use."""
+    return cached_build(_name(variant), lambda path: build(path, variant), cache_dir)
+
+
+def ensure_apart(variant: str = "text") -> Path:
+    """`ensure` for a process that must not load MLX (`kvroute serve`'s launcher): a
+    process that does holds a context (~0.5 GiB) on a CUDA card its replicas share, so
+    a first build runs in a child process."""
+    target = default_cache_dir() / _name(variant)
+    if _is_complete(target):
+        return target
+    code = "import sys; from kvroute.devtools import demo_model; print(demo_model.ensure(sys.argv[1]))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code, variant], capture_output=True, text=True,
+                             check=True).stdout
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"building the demo model failed: {exc.stderr.strip()[-500:]}") from None
+    return Path(out.strip().splitlines()[-1])
+
+
+def _name(variant: str) -> str:
     if variant not in VARIANTS:
         raise ValueError(f"Unknown variant {variant!r}, expected one of {VARIANTS}")
-    name = f"demo-model-{variant}-v{VERSION}"
-    return cached_build(name, lambda path: build(path, variant), cache_dir)
+    return f"demo-model-{variant}-v{VERSION}"

@@ -54,7 +54,7 @@ def resolve_path(spec: ModelSpec, console: Console) -> str:
             capacity.check_model_path(spec.path)
         return spec.path
     with console.status(f"building the demo model ({spec.demo_variant}) ..."):
-        return str(demo_model.ensure(spec.demo_variant))
+        return str(demo_model.ensure_apart(spec.demo_variant))
 
 
 def replica_cost(spec: ModelSpec, path: str) -> capacity.Cost:
