@@ -400,7 +400,8 @@ def test_the_cuda_warm_up_keeps_within_its_time(text_model, monkeypatch, caplog,
 def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model, monkeypatch, caplog):
     """Replicas share one CUDA card, and MLX caps only its own memory: when the card's
     free memory (the driver's count, every process's) falls under the reserve, a
-    backend lets its buffer cache go before its next step, counts it, and says so at
+    backend lets its buffer cache (and CUDA's pool what it keeps unused) go before its
+    next step, counts it, and says so at
     most once a minute; with room on the card it keeps the cache. There is no CUDA card
     here: the in-process engine is told it is on CUDA and the driver's count is stood
     in for; the buffer cache is MLX's own."""
@@ -417,6 +418,8 @@ def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model,
     caplog.set_level(logging.INFO, "kvroute.backend.engine")
     free = {"bytes": 40 << 30}
     monkeypatch.setattr(engine_mod, "card_free", lambda: free["bytes"])
+    trims = []
+    monkeypatch.setattr(engine_mod, "release_pool", lambda: trims.append(1) or True)
 
     def fill_cache() -> int:
         a = mx.zeros((1 << 20,))
@@ -436,10 +439,57 @@ def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model,
     assert mx.get_cache_memory() > 0  # looked at no more often than CARD_CHECK_S
     e._card_checked -= engine_mod.CARD_CHECK_S
     e._mind_the_card()
-    assert mx.get_cache_memory() == 0 and low() == 1
+    assert mx.get_cache_memory() == 0 and low() == 1 and len(trims) == 1  # and CUDA's pool trimmed
     assert fill_cache() > 0
     e._card_checked -= engine_mod.CARD_CHECK_S
     e._mind_the_card()
     assert mx.get_cache_memory() == 0 and low() == 2
     said = [r.getMessage() for r in caplog.records if "gave back" in r.getMessage()]
     assert len(said) == 1 and "of MLX's buffer cache" in said[0]
+
+
+def test_out_of_device_memory_past_a_step_fails_its_requests_with_a_503_and_serves_on(text_model):
+    """A failed step's recovery (it re-admits what was in prefill), or a commit after
+    a step, can find the card full too: the error then reaches the engine loop, whose
+    requests fail with the same 503 to retry as a failed step's (not a 500 "Internal
+    engine error"), and the engine serves the next request. In process, the demo
+    model; there is no card here to fill: MLX's CUDA allocation error is raised where
+    the engine hands a step's results on."""
+    import asyncio
+
+    from kvroute.api.errors import APIError
+    from kvroute.backend import engine as engine_mod
+    from kvroute.backend.jobs import Delta, Finish, Job
+    from kvroute.backend.metrics import BackendMetrics
+    from kvroute.backend.requests import SamplingParams
+    from kvroute.backend.store import Store
+
+    model, tokenizer = load(str(text_model))
+    e = engine_mod.Engine(model, tokenizer, "demo", Store(64 << 20), BackendMetrics("demo", "t"),
+                          prefill_step=16, max_batch=4)
+    real, failures = e._after_sending, [RuntimeError("cudaMallocAsync(&data, size, stream) failed: "
+                                                     "out of memory")]
+
+    def after_sending():
+        if failures:
+            raise failures.pop()
+        real()
+
+    e._after_sending = after_sending
+    e.start()
+
+    async def turn():
+        job = Job(prompt=tokenizer.encode("hello there, how are you"), params=SamplingParams(temperature=0.0),
+                  max_tokens=6, tools=None, loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        e.submit(job)
+        while isinstance(event := await asyncio.wait_for(job.events.get(), 60), Delta):
+            pass
+        return event
+
+    try:
+        failed = asyncio.run(turn())
+        assert isinstance(failed, APIError) and failed.status == 503, failed
+        assert "out of device memory" in failed.message and "retry" in failed.message
+        assert isinstance(asyncio.run(turn()), Finish)
+    finally:
+        e.stop()

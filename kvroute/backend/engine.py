@@ -41,7 +41,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvroute.api.errors import APIError, overloaded, server_error
-from kvroute.core.accel import card_free, device_lost, device_trouble, keep_wired_limit, memory
+from kvroute.core.accel import (card_free, device_lost, device_trouble, keep_wired_limit, memory,
+                                 release_pool)
 from kvroute.core.hits import is_cache_hit
 from kvroute.core.sizes import format_bytes
 
@@ -65,6 +66,7 @@ GAUGE_PERIOD = 0.05  # seconds between gauge updates while only decoding
 WARM_CUDA_SECONDS = 30.0
 EXIT_DEVICE_LOST = 70  # the backend's exit status once its GPU context is lost (EX_SOFTWARE)
 LOST_MESSAGE = "The backend's GPU failed; it is restarting. Retry the request."
+OOM_MESSAGE = "The backend ran out of device memory ({}); retry the request."
 CARD_CHECK_S = 0.25  # how often a CUDA backend looks at its card's free memory
 CARD_RESERVE = 2 << 30  # free card memory under which a backend gives its buffer cache back
 
@@ -346,6 +348,10 @@ class Engine:
                 log.exception("engine loop error; failing active requests")
                 if device_lost(exc):
                     self._lose_device(exc)
+                elif device_trouble(exc):  # a failed step's recovery found the card full too
+                    self._out_of_memory()
+                    self._fail_all(OOM_MESSAGE.format(exc), status=503)
+                    self._gen = self._new_generator()
                 else:
                     self._fail_all("Internal engine error.")
                     self._gen = self._new_generator()
@@ -622,8 +628,7 @@ class Engine:
                 return
             if device_trouble(exc):  # the card's state now, not the request's fault
                 self._out_of_memory()
-                self._recover(f"The backend ran out of device memory ({exc}); retry the request.",
-                              status=503)
+                self._recover(OOM_MESSAGE.format(exc), status=503)
                 return
             self._recover(f"Generation failed: {exc}")
             return
@@ -980,8 +985,8 @@ class Engine:
         what its memory pool keeps. Two 7B replicas on an 80 GB H100, each within its
         cap, left the card ~1 GB free and failed allocations while each kept ~3.5 GB
         of freed buffers. When the card's free memory falls under `CARD_RESERVE`, this
-        backend gives its buffer cache back (the pool hands it to the driver at the
-        next synchronization), for its own next step or a sibling's."""
+        backend gives its buffer cache back, and CUDA's memory pool what it holds
+        unused, for its own next step or a sibling's."""
         now = time.monotonic()
         if not self.on_cuda or now < self._card_checked + CARD_CHECK_S:
             return
@@ -991,6 +996,7 @@ class Engine:
             return
         released = mx.get_cache_memory()
         mx.clear_cache()
+        release_pool()
         self.metrics.l(self.metrics.card_low).inc()
         if now >= self._card_logged + 60:
             self._card_logged = now
@@ -1009,6 +1015,7 @@ class Engine:
                   len(self._jobs), self.running_tokens)
         self.store.drop_hot()
         mx.clear_cache()
+        release_pool()
 
     def _in_generator(self) -> set[int]:
         # Sequences the generator still holds; one that was completing its prompt

@@ -152,6 +152,24 @@ def card_free() -> int | None:
     return free if total else None
 
 
+def release_pool() -> bool:
+    """Hand what CUDA's default memory pool holds unused back to the driver, after
+    this process's device work is done. MLX frees into that pool, which lets memory go
+    only at synchronizations and keeps what it can: a sibling replica's allocation
+    cannot use it. False where there is no CUDA runtime or it refused."""
+    import ctypes
+
+    runtime = cuda_runtime()
+    if runtime is None:
+        return False
+    device, pool = ctypes.c_int(), ctypes.c_void_p()
+    if runtime.cudaGetDevice(ctypes.byref(device)) or runtime.cudaDeviceSynchronize():
+        return False
+    if runtime.cudaDeviceGetDefaultMemPool(ctypes.byref(pool), device):
+        return False
+    return runtime.cudaMemPoolTrimTo(pool, ctypes.c_size_t(0)) == 0
+
+
 def apply_limits(memory_limit: int, cache_limit: int) -> dict[str, int]:
     """Cap this process's MLX memory (0: leave MLX's default) and the buffer cache
     it keeps for reuse (0: a tenth of the memory limit, when there is one).
