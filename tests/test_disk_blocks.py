@@ -573,15 +573,16 @@ def test_on_cuda_a_restore_loads_its_blocks_through_pinned_memory(tmp_path, monk
     found = restore(again, conversation(0) + [1])
     assert same_cache(found.cache, kv_of(conversation(0)))
     assert loads == [] and not again.blocks.staging.failed
-    # The warm-up; the record's tail (its layers' keys and values: those in 16-byte
-    # words copied, 16 a launch, the others made on the host); ten blocks' 20 arrays.
+    # The warm-ups (the blocks' buffer, the own files'); the record's tail (its layers'
+    # keys and values: those in 16-byte words copied, 16 a launch, the others made on
+    # the host); ten blocks' 20 arrays.
     name = next(n for n, r in again.index.items() if r.tokens.tolist() == conversation(0))
     blob = (tmp_path / name).read_bytes()
     offset = 8 + int.from_bytes(blob[:8], "little")
     header = orjson.loads(blob[8:offset])
     header.pop("__metadata__")
     copied = [t for t in pinned.tensors(header, 0, len(blob) - offset) if not t.host]
-    assert HostStaging.launches == 1 + -(-len(copied) // pinned.BATCH) + 2
+    assert HostStaging.launches == 2 + -(-len(copied) // pinned.BATCH) + 2
     again.close()
 
 
@@ -660,7 +661,8 @@ def test_on_cuda_a_restore_cut_by_shutdown_leaves_the_pinned_path_on(tmp_path, m
 
 def test_on_cuda_when_pinned_memory_fails_restores_use_mlxs_reader(tmp_path, monkeypatch, caplog):
     """Should the pinned path fail in a restore (a kernel MLX cannot build here, say),
-    that restore and every later one load through MLX's reader, said once."""
+    that restore and every later one load through MLX's reader, said once for the
+    block files and once for the records' own files (each has its buffer)."""
     from tests.test_pinned import HostStaging
 
     class Broken(HostStaging):
@@ -672,7 +674,9 @@ def test_on_cuda_when_pinned_memory_fails_restores_use_mlxs_reader(tmp_path, mon
     assert same_cache(restore(again, conversation(0) + [1]).cache, kv_of(conversation(0)))
     assert len(loads) == 1 + 10 and again.blocks.staging.failed
     assert same_cache(restore(again, conversation(1) + [1]).cache, kv_of(conversation(1)))
-    assert sum("restores through pinned memory failed" in r.getMessage() for r in caplog.records) == 1
+    said = [r.getMessage() for r in caplog.records if "restores through pinned memory failed" in r.getMessage()]
+    assert len(said) == 2 and "loads block files instead" in said[0] + said[1]
+    assert "loads records' own files instead" in said[0] + said[1]
     again.close()
 
 

@@ -164,6 +164,7 @@ class DiskTier:
         # streams belong to the thread that made them).
         self._block_readers = ThreadPoolExecutor(max(1, read_parallel),
                                                  thread_name_prefix="kvroute-disk-blocks")
+        self._own_staging = pinned.Staging(pinned.OWN_BYTES, "records' own files")  # (CUDA)
         self._writer = threading.Thread(target=self._write_loop, name="kvroute-disk-write", daemon=True)
         self._lock_fd: int | None = None
         self._names = itertools.count()
@@ -196,6 +197,7 @@ class DiskTier:
             log.debug("disk cache: no block folder (%s)", exc)
         if diskfile.on_cuda():
             self.blocks.staging.warm()
+            self._own_staging.warm()
             if self.writable:
                 self.blocks.writer.warm()
         self._index_directory()
@@ -808,9 +810,8 @@ class DiskTier:
         root = paged.root_key(record.model, record.scope)
         if record.blocks != paged.block_keys(root, record.tokens, len(record.blocks)):
             raise BadRecord("corrupt", "its blocks are not the chain of its tokens")
-        pinned_own, phases["own file"] = _timed(self._own_pinned, path, record)
-        if pinned_own is None and blocks >= len(record.blocks) and record.blocks:
-            own = self._block_readers.submit(_timed, diskfile.load, path, record, self.read_parallel)
+        if blocks >= len(record.blocks) and record.blocks:
+            own = self._block_readers.submit(_timed, self._own, path, record)
             try:
                 loaded = self._load_blocks(record.blocks)
             except BaseException:
@@ -822,9 +823,7 @@ class DiskTier:
             cache, phases["own file"] = own.result()
             head = False
         else:
-            cache = pinned_own
-            if cache is None:
-                cache, phases["own file"] = _timed(diskfile.load, path, record, self.read_parallel)
+            cache, phases["own file"] = _timed(self._own, path, record)
             head = blocks < len(record.blocks) and not paged.keeps_whole(cache)
             loaded, phases["blocks"] = _timed(self._load_blocks,
                                               record.blocks[:blocks] if head else record.blocks)
@@ -840,14 +839,20 @@ class DiskTier:
         phases |= self.blocks.staging.timing()
         return state, phases
 
+    def _own(self, path: Path, record: Record) -> list[Any]:
+        """A record's own file (its layers but the blocks), checked: through pinned
+        memory where it can go, else by `diskfile.load`."""
+        cache = self._own_pinned(path, record)
+        return cache if cache is not None else diskfile.load(path, record, self.read_parallel)
+
     def _own_pinned(self, path: Path, record: Record) -> list[Any] | None:
-        """A record's own file on CUDA through the restores' pinned buffer, as its
-        blocks go: read once, checked where it lands, copied by the staging kernel.
-        Through MLX's reader and a device checksum, an 8k-token 7B conversation's own
-        file (its last part-block: 56 arrays of 1 KB) took 34 ms on an H100, beside
-        its blocks' reads, whose Python work it held up. None where this path does not
-        work here or cannot take the file: the caller loads it another way."""
-        staging = self.blocks.staging
+        """A record's own file on CUDA through a pinned buffer of its own, beside the
+        blocks' (one restore's blocks hold theirs): read once on this thread, checked
+        where it lands, copied by the staging kernel. Through MLX's reader and a device
+        checksum, an 8k-token 7B conversation's own file (its last part-block: 56
+        arrays of 1 KB) took 34 ms on an H100. None where this path does not work here
+        or cannot take the file: the caller loads it another way."""
+        staging = self._own_staging
         if not (diskfile.on_cuda() and staging.works() and staging.fits(record.size)
                 and diskfile.has_sums(path.name)):
             return None
@@ -859,7 +864,7 @@ class DiskTier:
             return header, offset
 
         try:
-            (arrays,) = staging.load([pinned.File(path, record.size)], self._block_readers, fill)
+            (arrays,) = staging.load([pinned.File(path, record.size)], None, fill)
         except (RuntimeError, ValueError) as exc:
             if device_trouble(exc):
                 raise

@@ -39,6 +39,7 @@ from .diskfile import DTYPES, pread_into
 log = logging.getLogger("kvroute.backend.disk")
 
 STAGING_BYTES = 256 << 20  # page-locked host memory a backend keeps for restores
+OWN_BYTES = 32 << 20  # and for restores' own files (a record's last part-block, ...), beside
 BATCH = 16  # tensors one kernel launch copies
 # A file's tensors made on the host (in managed memory on CUDA, which the GPU pulls
 # page by page: fine for a record's scalars, not for its layers).
@@ -175,11 +176,10 @@ class Pinned:
 class Staging(Pinned):
     """One backend's page-locked buffer and copy kernel for restores (one at a time)."""
 
-    failure = ("disk cache: restores through pinned memory failed (%r); MLX's reader "
-               "loads block files instead")
-
-    def __init__(self, nbytes: int = STAGING_BYTES):
+    def __init__(self, nbytes: int = STAGING_BYTES, what: str = "block files"):
         super().__init__(nbytes)
+        self.failure = (f"disk cache: restores through pinned memory failed (%r); MLX's reader "
+                        f"loads {what} instead")
         self._header = 0  # where the last file's tensors started: the next likely the same
         self._timing = threading.local()
 
@@ -191,10 +191,11 @@ class Staging(Pinned):
     def fits(self, size: int) -> bool:
         return _slot(size) <= self.half
 
-    def load(self, files: list[File], readers: ThreadPoolExecutor, fill: Fill = plain_fill
+    def load(self, files: list[File], readers: ThreadPoolExecutor | None, fill: Fill = plain_fill
              ) -> list[dict[str, Any] | None]:
         """Each file's tensors as device arrays, in order; None for a file this path
-        cannot take. Raises what `fill` raises (after every read of its part is over),
+        cannot take. Files are read on `readers`, or on this thread where it is None.
+        Raises what `fill` raises (after every read of its part is over),
         ReadersClosed where `readers` are shut down, RuntimeError where this path does
         not work here."""
         import mlx.core as mx
@@ -255,8 +256,10 @@ class Staging(Pinned):
             at += _slot(f.size)
         return [p for p in parts if p]
 
-    def _read_part(self, part: list[tuple[File, int]], readers: ThreadPoolExecutor,
+    def _read_part(self, part: list[tuple[File, int]], readers: ThreadPoolExecutor | None,
                    fill: Fill) -> list[list[Tensor] | None]:
+        if readers is None:
+            return [self._read(f, at, fill) for f, at in part]
         reads = []
         try:
             for f, at in part:
