@@ -18,7 +18,7 @@ from tests.harness import wait_until
 from tests.test_disk import make_tier, metric, read_path, restore  # noqa: F401 (read_path: a fixture)
 from tests.test_paged import SYSTEM, kv_of, same_cache
 
-from kvroute.backend import diskblocks, diskfile
+from kvroute.backend import disk as disk_mod, diskblocks, diskfile
 from kvroute.backend.paged import BLOCK_TOKENS, block_keys, root_key
 from kvroute.backend.store import Store
 
@@ -583,6 +583,25 @@ def test_on_cuda_a_restore_loads_its_blocks_through_pinned_memory(tmp_path, monk
     header.pop("__metadata__")
     copied = [t for t in pinned.tensors(header, 0, len(blob) - offset) if not t.host]
     assert HostStaging.launches == 2 + -(-len(copied) // pinned.BATCH) + 2
+    again.close()
+
+
+def test_on_cuda_a_record_too_large_for_the_own_files_buffer_carries_a_device_checksum(tmp_path, monkeypatch):
+    """A record whose own file does not fit the pinned buffer for own files (a sliding
+    window's whole layers, say) is restored through MLX's reader: it is written with a
+    device checksum, checked once there, and answers as the conversation's KV."""
+    from kvroute.backend import pinned
+    from tests.test_pinned import HostStaging
+
+    monkeypatch.setattr(pinned, "OWN_BYTES", 512)  # halves of 256 bytes: no record fits
+    monkeypatch.setattr(disk_mod, "HEADER_ROOM", 256)
+    loads = three_on_cuda(tmp_path, monkeypatch, HostStaging)
+    for path in records(tmp_path):
+        meta = orjson.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])["__metadata__"]
+        assert orjson.loads(meta["0.kvroute"])["dsum"]
+    again, _ = make_tier(tmp_path)
+    assert same_cache(restore(again, conversation(0) + [1]).cache, kv_of(conversation(0)))
+    assert len(loads) == 1 and not again._own_staging.failed  # the record, by MLX's reader
     again.close()
 
 

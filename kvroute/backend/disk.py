@@ -77,6 +77,7 @@ MAX_DELAY = 30.0  # seconds an entry waits for idleness at most
 PACE = 3.0  # past MAX_DELAY under load: wait this many times a block file's time after it
 MAX_PACE_WAIT = 0.5  # seconds, at most, of one such wait
 POLL = 0.02
+HEADER_ROOM = 1 << 20  # a record's header and padding, at most, beside its tensors
 # Read rate a restore is assumed to reach before one is measured (after a restart):
 # a page-cache or NVMe read with its checksums (an H100 host measured 3.1 GB/s). With
 # 1 GiB/s a restarted GPU backend prefilled an 8k-token conversation (0.30 s) that
@@ -566,10 +567,8 @@ class DiskTier:
             if shutil.disk_usage(self.directory).free < entry.nbytes:
                 raise OSError(errno.ENOSPC, "no space left on the device")
             held = self._write_blocks(entry.shared, 0.0 if urgent else entry.created + self.max_delay)
-            # Restored through pinned memory (its xxh3 checked where it lands), a record
-            # needs no device checksum, as its blocks do not: none is made.
             name, size = diskfile.write(self.directory, stem, entry.cache, meta, self.fsync,
-                                        self.blocks.writer, not self.blocks.staging.works())
+                                        self.blocks.writer, self._needs_device_sum)
         except (OSError, RuntimeError) as exc:  # MLX reports a failed write as RuntimeError
             if held:
                 with self.lock:
@@ -838,6 +837,12 @@ class DiskTier:
         phases["assembly"] = time.perf_counter() - t
         phases |= self.blocks.staging.timing()
         return state, phases
+
+    def _needs_device_sum(self, nbytes: int) -> bool:
+        """Whether a record of `nbytes` of tensors needs a device checksum: not where
+        its restore goes through pinned memory (its xxh3 checked where it lands), as
+        block files do not; a file larger than that buffer's half goes by MLX's reader."""
+        return not (self._own_staging.works() and self._own_staging.fits(nbytes + HEADER_ROOM))
 
     def _own(self, path: Path, record: Record) -> list[Any]:
         """A record's own file (its layers but the blocks), checked: through pinned

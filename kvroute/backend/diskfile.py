@@ -114,15 +114,17 @@ def _step(name: str) -> None:
 
 
 def write(directory: Path, stem: str, cache: list[Any], meta: dict,
-          fsync: bool = True, writer: Any = None, device_sum: bool = True) -> tuple[str, int]:
+          fsync: bool = True, writer: Any = None,
+          device_sum: Callable[[int], bool] | None = None) -> tuple[str, int]:
     """Write `cache` under a temporary name, fsync it, rename it into place and fsync
     the directory, so a reader (or a restart after a crash or a power loss) never sees
     half a record; fsync=False leaves both fsyncs to the kernel's write-back (a crash
     of the process loses nothing, a power loss may). The final name carries the
     checksums (a header cannot hold the checksum of a file it starts). On CUDA the
     tier's `writer` (pinned_write.Writer) saves it where it can (`save`), and a
-    device checksum goes in unless `device_sum` is off (restores through pinned
-    memory check the xxh3 sums instead). Returns the file's name and size."""
+    device checksum goes in unless `device_sum`, asked with the tensors' bytes, says
+    none is needed (a file restored through pinned memory is checked by its xxh3
+    sums). Returns the file's name and size."""
     tmp = directory / (stem + TMP_SUFFIX)
     try:
         done = save(tmp, *_flatten(cache, meta, device_sum), writer)
@@ -149,7 +151,8 @@ def write(directory: Path, stem: str, cache: list[Any], meta: dict,
         raise
 
 
-def _flatten(cache: list[Any], meta: dict, device_sum: bool = True) -> tuple[dict[str, Any], dict[str, str]]:
+def _flatten(cache: list[Any], meta: dict,
+             device_sum: Callable[[int], bool] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """The tensors and string metadata of a record, as mlx-lm's `save_prompt_cache`
     makes them (`_rebuild` reads them back): the layers' states flattened, scalars
     stored as arrays and listed, and our `kvroute` JSON first, with the tensors'
@@ -175,7 +178,8 @@ def _flatten(cache: list[Any], meta: dict, device_sum: bool = True) -> tuple[dic
         raise ValueError(f"Model state is not serializable: {data}")
 
     arrays = dict(map(as_array, tree_flatten([c.state for c in cache])))
-    (dsum,) = sums_to_write([arrays]) if device_sum else (None,)
+    wanted = device_sum is None or device_sum(sum(a.nbytes for a in arrays.values()))
+    (dsum,) = sums_to_write([arrays]) if wanted else (None,)
     if dsum:
         meta = {**meta, "dsum": dsum}
     classes = [type(c).__name__ for c in cache]
