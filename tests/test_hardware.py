@@ -493,3 +493,35 @@ def test_out_of_device_memory_past_a_step_fails_its_requests_with_a_503_and_serv
         assert isinstance(asyncio.run(turn()), Finish)
     finally:
         e.stop()
+
+
+def test_releasing_cudas_pool_asks_the_runtime_in_order_and_never_raises(monkeypatch):
+    """`release_pool` waits for this process's device work, then trims the current
+    device's default memory pool to nothing; a runtime that refuses a call, or has no
+    memory pools, gives False. There is no CUDA runtime here: a stand-in records the
+    calls (the GPU run's card guard calls the real one)."""
+    from kvroute.core import accel
+
+    class Runtime:
+        def __init__(self, fail: str = ""):
+            self.calls, self.fail = [], fail
+
+        def __getattr__(self, name):
+            if name == self.fail == "cudaMemPoolTrimTo":
+                raise AttributeError(name)
+
+            def call(*args):
+                self.calls.append(name)
+                return 1 if name == self.fail else 0
+            return call
+
+    ok = Runtime()
+    monkeypatch.setattr(accel, "cuda_runtime", lambda: ok)
+    assert accel.release_pool() is True
+    assert ok.calls == ["cudaGetDevice", "cudaDeviceSynchronize", "cudaDeviceGetDefaultMemPool",
+                        "cudaMemPoolTrimTo"]
+    for fail in ("cudaDeviceSynchronize", "cudaDeviceGetDefaultMemPool", "cudaMemPoolTrimTo"):
+        monkeypatch.setattr(accel, "cuda_runtime", lambda r=Runtime(fail): r)
+        assert accel.release_pool() is False
+    monkeypatch.setattr(accel, "cuda_runtime", lambda: None)
+    assert accel.release_pool() is False

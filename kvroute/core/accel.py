@@ -163,11 +163,14 @@ def release_pool() -> bool:
     if runtime is None:
         return False
     device, pool = ctypes.c_int(), ctypes.c_void_p()
-    if runtime.cudaGetDevice(ctypes.byref(device)) or runtime.cudaDeviceSynchronize():
+    try:
+        if runtime.cudaGetDevice(ctypes.byref(device)) or runtime.cudaDeviceSynchronize():
+            return False
+        if runtime.cudaDeviceGetDefaultMemPool(ctypes.byref(pool), device):
+            return False
+        return runtime.cudaMemPoolTrimTo(pool, ctypes.c_size_t(0)) == 0
+    except AttributeError:  # a runtime without memory pools (before CUDA 11.2)
         return False
-    if runtime.cudaDeviceGetDefaultMemPool(ctypes.byref(pool), device):
-        return False
-    return runtime.cudaMemPoolTrimTo(pool, ctypes.c_size_t(0)) == 0
 
 
 def apply_limits(memory_limit: int, cache_limit: int) -> dict[str, int]:
