@@ -460,10 +460,13 @@ class Stack:
 
     def memory(self) -> list[dict]:
         """Each backend's memory now (its /health): MLX's active, cache, peak and cap,
-        and the card's free bytes."""
+        the card's free bytes, and what its process holds on the card as nvidia-smi
+        counts it (MLX's arrays and cache, and what MLX does not count)."""
+        on_card = card_use()
         return [{**h.get("memory", {}), "store": h["cache"]["bytes"],
                  "hot": h["cache"].get("hot_bytes", 0),
-                 "queued": (h.get("disk") or {}).get("write_queue_bytes", 0)}
+                 "queued": (h.get("disk") or {}).get("write_queue_bytes", 0),
+                 **({"process": on_card[h["pid"]]} if h.get("pid") in on_card else {})}
                 for h in self.healths()]
 
     def healths(self) -> list[dict]:
@@ -617,20 +620,41 @@ def progress(out: dict) -> None:
 # -- report -------------------------------------------------------------------------------
 
 
+def card_use() -> dict[int, int]:
+    """Each process's memory on the GPU as nvidia-smi counts it (bytes, by pid); empty
+    where there is no nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    use = {}
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        try:
+            use[int(pid)] = int(float(mib) * (1 << 20))
+        except ValueError:
+            continue
+    return use
+
+
 def memory_table(phases: dict[str, list[dict]]) -> str:
     """Each backend's MLX memory after each phase (active, buffer cache, peak, cap),
-    the card's free memory then, and what the prompt cache and the disk writers' queue
+    its process's memory on the card (nvidia-smi: with what MLX does not count), the
+    card's free memory then, and what the prompt cache and the disk writers' queue
     held of it."""
     if not phases:
         return ""
     b = format_bytes
-    text = ("\n| memory after | backend | active | buffer cache | peak | cap | card free "
-            "| prompt cache + hot copies | disk write queue |\n|---|---|---|---|---|---|---|---|---|\n")
+    text = ("\n| memory after | backend | active | buffer cache | peak | cap | process on the card "
+            "| card free | prompt cache + hot copies | disk write queue |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
     for phase, backends in phases.items():
         for i, m in enumerate(backends):
             if m:
                 text += (f"| {phase} | {i + 1} | {b(m['active'])} | {b(m['cache'])} | {b(m['peak'])} "
-                         f"| {b(m.get('limit', 0))} "
+                         f"| {b(m.get('limit', 0))} | {b(m['process']) if 'process' in m else '-'} "
                          f"| {b(m['device_free']) if 'device_free' in m else '-'} "
                          f"| {b(m.get('store', 0))} + {b(m.get('hot', 0))} | {b(m.get('queued', 0))} |\n")
     return text
