@@ -273,9 +273,13 @@ def test_a_host_killed_mid_traffic_loses_only_its_requests_in_flight(fleet):
               f"{resumed.ended - killed_at:.2f}s after the kill, {resumed.turn.cached}/"
               f"{resumed.turn.prompt} cached; lost {[s for s in lost if s.conversation == c.index]}")
         if host_of(before[c.index]) == "hosta":
-            # Moved: answered within seconds, prefilled on its new backend.
+            # Moved: answered within seconds, prefilled on its new backend; unless the
+            # request A's proxy lost had reached that backend before A died (A's proxy
+            # routes to B's backends too): its prefill was committed there, as on any
+            # client that leaves, and the retry finds it (seen: 523 of 693 cached).
             assert resumed.ended - killed_at < 10, resumed
-            assert resumed.turn.cached < 0.5 * resumed.turn.prompt, resumed
+            if not [s for s in lost if s.conversation == c.index]:
+                assert resumed.turn.cached < 0.5 * resumed.turn.prompt, resumed
         else:
             assert resumed.turn.backend == before[c.index], (c.index, resumed)
         assert len(later) >= 2
