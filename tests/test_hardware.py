@@ -399,7 +399,8 @@ def test_the_cuda_warm_up_keeps_within_its_time(text_model, monkeypatch, caplog,
 
 def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model, monkeypatch, caplog):
     """Replicas share one CUDA card, and MLX caps only its own memory: when the card's
-    free memory (the driver's count, every process's) falls under the reserve, a
+    free memory (the driver's count, every process's) falls under the reserve (6% of
+    the card, 2 GiB at least), a
     backend lets its buffer cache (and CUDA's pool what it keeps unused) go before its
     next step, counts it, and says so at
     most once a minute; with room on the card it keeps the cache. There is no CUDA card
@@ -411,13 +412,16 @@ def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model,
     from kvroute.backend.metrics import BackendMetrics
     from kvroute.backend.store import Store
 
+    import time
+
     model, tokenizer = load(str(text_model))
     metrics = BackendMetrics("demo", "t")
     e = engine_mod.Engine(model, tokenizer, "demo", Store(64 << 20), metrics, prefill_step=64, max_batch=4)
     e.on_cuda = True
     caplog.set_level(logging.INFO, "kvroute.backend.engine")
+    total = 80 << 30
     free = {"bytes": 40 << 30}
-    monkeypatch.setattr(engine_mod, "card_free", lambda: free["bytes"])
+    monkeypatch.setattr(engine_mod, "card_memory", lambda: (free["bytes"], total))
     trims = []
     monkeypatch.setattr(engine_mod, "release_pool", lambda: trims.append(1) or True)
 
@@ -434,7 +438,12 @@ def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model,
     assert fill_cache() > 0
     e._mind_the_card()
     assert mx.get_cache_memory() > 0 and low() == 0  # room on the card: kept
-    free["bytes"] = engine_mod.CARD_RESERVE - 1
+    free["bytes"] = int(engine_mod.CARD_RESERVE * total) + 1  # above the reserve: kept
+    e._card_checked -= engine_mod.CARD_CHECK_S
+    e._mind_the_card()
+    assert mx.get_cache_memory() > 0 and low() == 0
+    free["bytes"] = int(engine_mod.CARD_RESERVE * total) - 1
+    e._card_checked = time.monotonic()
     e._mind_the_card()
     assert mx.get_cache_memory() > 0  # looked at no more often than CARD_CHECK_S
     e._card_checked -= engine_mod.CARD_CHECK_S
@@ -444,6 +453,12 @@ def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model,
     e._card_checked -= engine_mod.CARD_CHECK_S
     e._mind_the_card()
     assert mx.get_cache_memory() == 0 and low() == 2
+    total = 16 << 30  # a small card: the reserve is CARD_RESERVE_MIN, not 6% of it
+    free["bytes"] = engine_mod.CARD_RESERVE_MIN - 1
+    assert fill_cache() > 0
+    e._card_checked -= engine_mod.CARD_CHECK_S
+    e._mind_the_card()
+    assert mx.get_cache_memory() == 0 and low() == 3
     said = [r.getMessage() for r in caplog.records if "gave back" in r.getMessage()]
     assert len(said) == 1 and "of MLX's buffer cache" in said[0]
 

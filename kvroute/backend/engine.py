@@ -41,7 +41,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvroute.api.errors import APIError, overloaded, server_error
-from kvroute.core.accel import (card_free, device_lost, device_trouble, keep_wired_limit, memory,
+from kvroute.core.accel import (card_memory, device_lost, device_trouble, keep_wired_limit, memory,
                                  release_pool)
 from kvroute.core.hits import is_cache_hit
 from kvroute.core.sizes import format_bytes
@@ -68,7 +68,10 @@ EXIT_DEVICE_LOST = 70  # the backend's exit status once its GPU context is lost 
 LOST_MESSAGE = "The backend's GPU failed; it is restarting. Retry the request."
 OOM_MESSAGE = "The backend ran out of device memory ({}); retry the request."
 CARD_CHECK_S = 0.25  # how often a CUDA backend looks at its card's free memory
-CARD_RESERVE = 2 << 30  # free card memory under which a backend gives its buffer cache back
+# Free card memory under which a backend gives its buffer cache back: a step's transient
+# arrays (a batched prefill's) can take several GB, and at 2 GiB a step still failed.
+CARD_RESERVE = 0.06  # of the card's memory
+CARD_RESERVE_MIN = 2 << 30
 
 
 class Engine:
@@ -984,15 +987,18 @@ class Engine:
         the card also holds each process's CUDA context, libraries' workspaces and
         what its memory pool keeps. Two 7B replicas on an 80 GB H100, each within its
         cap, left the card ~1 GB free and failed allocations while each kept ~3.5 GB
-        of freed buffers. When the card's free memory falls under `CARD_RESERVE`, this
-        backend gives its buffer cache back, and CUDA's memory pool what it holds
-        unused, for its own next step or a sibling's."""
+        of freed buffers. When the card's free memory falls under `CARD_RESERVE` of it
+        (`CARD_RESERVE_MIN` at least), this backend gives its buffer cache back, and
+        CUDA's memory pool what it holds unused, for its own next step or a sibling's."""
         now = time.monotonic()
         if not self.on_cuda or now < self._card_checked + CARD_CHECK_S:
             return
         self._card_checked = now
-        free = card_free()
-        if free is None or free >= CARD_RESERVE or not mx.get_cache_memory():
+        card = card_memory()
+        if card is None or not mx.get_cache_memory():
+            return
+        free, total = card
+        if free >= max(CARD_RESERVE * total, CARD_RESERVE_MIN):
             return
         released = mx.get_cache_memory()
         mx.clear_cache()

@@ -142,14 +142,14 @@ def memory() -> dict[str, int]:
     return out
 
 
-def card_free() -> int | None:
-    """The CUDA card's free bytes as the driver counts them (every process on it);
-    None where there is no CUDA card to ask. A call takes microseconds."""
+def card_memory() -> tuple[int, int] | None:
+    """The CUDA card's free and total bytes as the driver counts them (every process
+    on it); None where there is no CUDA card to ask. A call takes microseconds."""
     runtime = cuda_runtime()
     if runtime is None:
         return None
     free, total = _mem_info(runtime)
-    return free if total else None
+    return (free, total) if total else None
 
 
 def release_pool() -> bool:
