@@ -868,13 +868,7 @@ class DiskTier:
             metadata.update(meta)
             return header, offset
 
-        try:
-            (arrays,) = staging.load([pinned.File(path, record.size)], None, fill)
-        except (RuntimeError, ValueError) as exc:
-            if device_trouble(exc):
-                raise
-            staging.fail(exc)
-            return None
+        (arrays,) = staging.load_or_none([pinned.File(path, record.size)], None, fill) or [None]
         return None if arrays is None else diskfile.from_arrays(arrays, metadata)
 
     def _load_blocks(self, keys: list[int]) -> list[Block]:

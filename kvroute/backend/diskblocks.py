@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import weakref
 from contextlib import contextmanager
@@ -29,9 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import orjson
-import xxhash
 
-from kvroute.core.accel import device_trouble
 
 from . import diskfile, pinned, pinned_write
 from .diskfile import BadRecord
@@ -208,12 +205,8 @@ class Blocks:
         path cannot take, or for all where it fails here."""
         files = [pinned.File(self.directory / f.name, f.size, (k, f))
                  for k, f in ((k, self._file(k)) for k in keys)]
-        try:
-            loaded = self.staging.load(files, readers, self._fill)
-        except (RuntimeError, ValueError) as exc:
-            if device_trouble(exc):  # out of memory now: this restore fails, files kept
-                raise
-            self.staging.fail(exc)
+        loaded = self.staging.load_or_none(files, readers, self._fill)
+        if loaded is None:
             return [None] * len(keys)
         return [None if arrays is None else self._register(f.owner[0], _pairs(arrays), f.size, make)
                 for f, arrays in zip(files, loaded)]
@@ -222,16 +215,7 @@ class Blocks:
         """A block file read into `view` (pinned memory) and checked (reader thread)."""
         key, file = f.owner
         with self._forgetting(key, file):
-            try:
-                fd = os.open(f.path, os.O_RDONLY)
-            except OSError as exc:
-                raise BadRecord("unreadable", str(exc))
-            try:
-                diskfile.pread_into(fd, view, 0)
-            except OSError as exc:
-                raise BadRecord("unreadable", str(exc))
-            finally:
-                os.close(fd)
+            diskfile.read_into(f.path, view)
             return self._checked(key, view, file.name)
 
     def _on_device(self, keys: list[int], make: Any, readers: ThreadPoolExecutor) -> list[Any]:
@@ -341,16 +325,7 @@ class Blocks:
     def _checked(self, key: int, view: memoryview, name: str) -> tuple[dict, int]:
         """A whole block file's bytes checked against the xxh3 sums its name carries:
         its tensor table (its metadata checked and taken out) and where tensors start."""
-        header_sum, file_sum = _digests(name)
-        if len(view) < 8:
-            raise BadRecord("truncated", "block shorter than a header")
-        offset = 8 + struct.unpack("<Q", view[:8])[0]
-        if offset > len(view) or _digest(view[:offset]) != header_sum or _digest(view) != file_sum:
-            raise BadRecord("corrupt", f"block {key:016x} does not match its checksums")
-        try:
-            header = orjson.loads(view[8:offset])
-        except orjson.JSONDecodeError:
-            raise BadRecord("corrupt", f"block {key:016x}: its header is not JSON")
+        header, offset = diskfile.checked_view(view, *_digests(name), f"block {key:016x}")
         self._meta(key, header)
         return header, offset
 
@@ -383,10 +358,6 @@ def _pairs(arrays: dict[str, Any]) -> list[tuple[Any, Any]]:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _digest(data: bytes | memoryview) -> str:
-    return xxhash.xxh3_64(data).hexdigest()
 
 
 def _digests(name: str) -> tuple[str, str]:

@@ -442,32 +442,48 @@ def _load_mlx(path: Path, record: Record) -> list[Any]:
     return _rebuild(cache_mod, arrays, metadata, mx)
 
 
-def read_checked_into(path: Path, view: memoryview) -> tuple[dict, dict, int]:
-    """A record's whole file read into `view` (its size as the index knows it) and
-    checked there against the xxh3 sums its name carries: its tensor table, its
-    metadata, and where its tensors start. Its name must carry them (`has_sums`)."""
-    header_sum, file_sum = _name_digests(path.name)
+def read_into(path: Path, view: memoryview) -> None:
+    """A whole file read into `view`, exactly its size as the index knows it."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
         raise BadRecord("unreadable", str(exc))
     try:
-        on_disk = os.fstat(fd).st_size
-        if on_disk != len(view):
-            raise BadRecord("truncated" if on_disk < len(view) else "corrupt",
-                            f"{on_disk} bytes on disk, expected {len(view)}")
         pread_into(fd, view, 0)
     except OSError as exc:
         raise BadRecord("unreadable", str(exc))
     finally:
         os.close(fd)
+
+
+def checked_view(view: memoryview, header_sum: str, file_sum: str, what: str) -> tuple[dict, int]:
+    """A whole safetensors file's bytes checked against its xxh3 sums (its header's
+    and its own, as its name carries them): its tensor table, metadata included, and
+    where its tensors start."""
+    if len(view) < 8:
+        raise BadRecord("truncated", f"{what} is shorter than a header")
     offset = 8 + struct.unpack("<Q", view[:8])[0]
     if offset > len(view) or _digest(view[:offset]) != header_sum or _digest(view) != file_sum:
-        raise BadRecord("corrupt", "the file does not match its checksums")
+        raise BadRecord("corrupt", f"{what} does not match its checksums")
     try:
-        header = orjson.loads(view[8:offset])
+        return orjson.loads(view[8:offset]), offset
     except orjson.JSONDecodeError:
-        raise BadRecord("corrupt", "its header is not JSON")
+        raise BadRecord("corrupt", f"{what}: its header is not JSON")
+
+
+def read_checked_into(path: Path, view: memoryview) -> tuple[dict, dict, int]:
+    """A record's whole file read into `view` (its size as the index knows it) and
+    checked there against the xxh3 sums its name carries: its tensor table, its
+    metadata, and where its tensors start. Its name must carry them (`has_sums`)."""
+    try:
+        on_disk = os.stat(path).st_size
+    except OSError as exc:
+        raise BadRecord("unreadable", str(exc))
+    if on_disk != len(view):
+        raise BadRecord("truncated" if on_disk < len(view) else "corrupt",
+                        f"{on_disk} bytes on disk, expected {len(view)}")
+    read_into(path, view)
+    header, offset = checked_view(view, *_name_digests(path.name), "the file")
     return header, header.pop("__metadata__", {}), offset
 
 

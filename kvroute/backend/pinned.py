@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import orjson
 
-from ..core.accel import cuda_runtime
+from ..core.accel import cuda_runtime, device_trouble
 from .diskfile import DTYPES, pread_into
 
 log = logging.getLogger("kvroute.backend.disk")
@@ -133,6 +133,17 @@ def mapped_buffer(nbytes: int) -> tuple[Any, int]:
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(host.value)), device.value
 
 
+def settle() -> None:
+    """Until this process's launched copies are over (after a failure: they may still
+    read or write a pinned buffer about to be reused)."""
+    import mlx.core as mx
+
+    try:
+        mx.synchronize()
+    except Exception:
+        pass
+
+
 class ReadersClosed(Exception):
     """The reader threads were shut down (the tier is closing): not this path's failure."""
 
@@ -198,8 +209,6 @@ class Staging(Pinned):
         Raises what `fill` raises (after every read of its part is over),
         ReadersClosed where `readers` are shut down, RuntimeError where this path does
         not work here."""
-        import mlx.core as mx
-
         timing = self._timing.last = {"pinned reads": 0.0, "copies waited": 0.0}
         with self._lock:
             self._open()
@@ -224,12 +233,22 @@ class Staging(Pinned):
                 self._wait([w for ws in copying[-2:] for w in ws])
                 timing["copies waited"] += time.perf_counter() - t0
             except BaseException:
-                try:  # copies launched before the failure may still read the buffer
-                    mx.synchronize()
-                except Exception:
-                    pass
+                settle()  # copies launched before the failure may still read the buffer
                 raise
             return out
+
+    def load_or_none(self, files: list[File], readers: ThreadPoolExecutor | None,
+                     fill: Fill = plain_fill) -> list[dict[str, Any] | None] | None:
+        """`load`, or None where this path turns out not to work here (it fails for
+        good, said once: the caller loads these files and every later one another
+        way). No device memory now is raised: the restore fails, the path stays."""
+        try:
+            return self.load(files, readers, fill)
+        except (RuntimeError, ValueError) as exc:
+            if device_trouble(exc):
+                raise
+            self.fail(exc)
+            return None
 
     def warm(self) -> None:
         """The buffer and the copy kernel made now, not in the first restore's time

@@ -35,7 +35,7 @@ import orjson
 import xxhash
 
 from .diskfile import DTYPES, Saved
-from .pinned import ALIGN, Pinned
+from .pinned import ALIGN, Pinned, settle
 
 WRITE_BYTES = 64 << 20  # page-locked host memory the writer keeps (two halves)
 PIECES = 16  # array pieces one kernel launch copies
@@ -107,7 +107,8 @@ class Writer(Pinned):
         import mlx.core as mx
 
         head = header(arrays, metadata)
-        head_sum = xxhash.xxh3_64(head).hexdigest()
+        whole = xxhash.xxh3_64(head)  # the file's sum, from its header on
+        head_sum = whole.hexdigest()
         # One dimension of bytes: what the kernel copies (a copy only of an array
         # that is not row-contiguous, as the kernel would have made).
         flat = [a.reshape(-1).view(mx.uint8) for a in arrays.values()]
@@ -115,7 +116,6 @@ class Writer(Pinned):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 _write_all(fd, head)
-                whole = xxhash.xxh3_64(head)
                 waiting: list[tuple[list[Any], int, int]] = []  # launched parts: (outputs, start, bytes)
                 for n, part in enumerate(self._parts(flat)):
                     base = (n % 2) * self.half
@@ -128,10 +128,10 @@ class Writer(Pinned):
                 for item in waiting:
                     whole.update(self._flush(fd, *item))
             except RuntimeError:  # MLX's own failure (an allocation), not the file's
-                _settle()
+                settle()
                 return None
             except BaseException:
-                _settle()
+                settle()
                 raise
             finally:
                 os.close(fd)
@@ -212,16 +212,6 @@ class Writer(Pinned):
     }}
 """)
         return self._kernel
-
-
-def _settle() -> None:
-    """Until copies launched before a failure are over (they may still write the buffer)."""
-    import mlx.core as mx
-
-    try:
-        mx.synchronize()
-    except Exception:
-        pass
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
