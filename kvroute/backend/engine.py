@@ -351,13 +351,13 @@ class Engine:
                 log.exception("engine loop error; failing active requests")
                 if device_lost(exc):
                     self._lose_device(exc)
-                elif device_trouble(exc):  # a failed step's recovery found the card full too
+                    continue
+                if device_trouble(exc):  # a failed step's recovery found the card full too
                     self._out_of_memory()
                     self._fail_all(OOM_MESSAGE.format(exc), status=503)
-                    self._gen = self._new_generator()
                 else:
                     self._fail_all("Internal engine error.")
-                    self._gen = self._new_generator()
+                self._gen = self._new_generator()
             finally:
                 self._flush()
         self._fail_all("The backend is shutting down.", status=503)

@@ -134,11 +134,9 @@ def memory() -> dict[str, int]:
 
     out = {"active": int(mx.get_active_memory()), "cache": int(mx.get_cache_memory()),
            "peak": int(mx.get_peak_memory()), "limit": int(mx.get_memory_limit())}
-    if mx.cuda.is_available():
-        runtime = cuda_runtime()
-        free, total = _mem_info(runtime) if runtime is not None else (0, 0)
-        if total:
-            out["device_free"], out["device_total"] = free, total
+    card = card_memory() if mx.cuda.is_available() else None
+    if card is not None:
+        out["device_free"], out["device_total"] = card
     return out
 
 
