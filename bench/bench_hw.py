@@ -641,20 +641,24 @@ def card_use() -> dict[int, int]:
 
 def memory_table(phases: dict[str, list[dict]]) -> str:
     """Each backend's MLX memory after each phase (active, buffer cache, peak, cap),
-    its process's memory on the card (nvidia-smi: with what MLX does not count), the
-    card's free memory then, and what the prompt cache and the disk writers' queue
+    its process's memory on the card (nvidia-smi: with what MLX does not count), what
+    CUDA's memory pool held for it and of that in use, the card's free memory then, and what the prompt cache and the disk writers' queue
     held of it."""
     if not phases:
         return ""
     b = format_bytes
+
+    def pool(m: dict) -> str:
+        return f"{b(m['pool_reserved'])} / {b(m['pool_used'])}" if "pool_reserved" in m else "-"
     text = ("\n| memory after | backend | active | buffer cache | peak | cap | process on the card "
-            "| card free | prompt cache + hot copies | disk write queue |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n")
+            "| CUDA pool held / in use | card free | prompt cache + hot copies | disk write queue |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
     for phase, backends in phases.items():
         for i, m in enumerate(backends):
             if m:
                 text += (f"| {phase} | {i + 1} | {b(m['active'])} | {b(m['cache'])} | {b(m['peak'])} "
                          f"| {b(m.get('limit', 0))} | {b(m['process']) if 'process' in m else '-'} "
+                         f"| {pool(m)} "
                          f"| {b(m['device_free']) if 'device_free' in m else '-'} "
                          f"| {b(m.get('store', 0))} + {b(m.get('hot', 0))} | {b(m.get('queued', 0))} |\n")
     return text

@@ -463,6 +463,120 @@ def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model,
     assert len(said) == 1 and "of MLX's buffer cache" in said[0]
 
 
+def test_what_cudas_pool_keeps_unused_goes_back_to_the_card(text_model, monkeypatch):
+    """MLX frees into CUDA's memory pool what its buffer cache does not keep, and the
+    pool keeps it for this process (two replicas on an 80 GB card: each held near its
+    peak while the other's allocations failed). Past POOL_IDLE_MAX unused, a backend
+    trims the pool to what is in use, without waiting for the device, at its card
+    checks and when it goes idle, and counts the bytes given back. There is no CUDA
+    card here: the pool's figures and its trim are stood in for."""
+    import asyncio
+
+    from kvroute.backend import engine as engine_mod
+    from kvroute.backend.jobs import Finish, Job
+    from kvroute.backend.metrics import BackendMetrics
+    from kvroute.backend.requests import SamplingParams
+    from kvroute.backend.store import Store
+
+    model, tokenizer = load(str(text_model))
+    metrics = BackendMetrics("demo", "t")
+    e = engine_mod.Engine(model, tokenizer, "demo", Store(64 << 20), metrics, prefill_step=64, max_batch=4)
+    e.on_cuda = True
+    pool = {"reserved": 10 << 30, "used": 9 << 30}
+    monkeypatch.setattr(engine_mod, "pool_memory", lambda: (pool["reserved"], pool["used"]))
+    trims = []
+
+    def release(keep=0, wait=True):
+        trims.append((keep, wait))
+        pool["reserved"] = keep
+        return True
+
+    monkeypatch.setattr(engine_mod, "release_pool", release)
+    monkeypatch.setattr(engine_mod, "card_memory", lambda: (40 << 30, 80 << 30))
+
+    def given_back() -> float:
+        return metrics.registry.get_sample_value("kvroute_backend_pool_released_bytes_total",
+                                                 {"model": "demo", "backend": "t"}) or 0
+
+    e._mind_the_card()
+    assert trims == [] and given_back() == 0  # 1 GiB unused: kept for reuse
+    pool["reserved"] = 12 << 30
+    e._card_checked -= engine_mod.CARD_CHECK_S
+    e._mind_the_card()
+    assert trims == [(9 << 30, False)] and given_back() == 3 << 30
+    e._update_gauges()
+    held = metrics.registry.get_sample_value("kvroute_backend_memory_bytes",
+                                             {"model": "demo", "backend": "t", "kind": "pool_reserved"})
+    assert held == 9 << 30
+
+    e._card_checked = float("inf")  # no card checks now: a trim below is the idle one
+    pool["reserved"] = 14 << 30
+    e.start()
+
+    async def turn():
+        job = Job(prompt=tokenizer.encode("hello there"), params=SamplingParams(temperature=0.0),
+                  max_tokens=3, tools=None, loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        e.submit(job)
+        while not isinstance(event := await asyncio.wait_for(job.events.get(), 60), (Finish, Exception)):
+            pass
+        return event
+
+    try:
+        assert isinstance(asyncio.run(turn()), Finish)
+        assert wait_until(lambda: len(trims) == 2, timeout=10)
+        assert trims[1] == (9 << 30, False) and given_back() == 8 << 30
+    finally:
+        e.stop()
+
+
+def test_cudas_pool_figures_and_trim_ask_the_runtime_and_never_raise(monkeypatch):
+    """`pool_memory` reads the default pool's reserved and used bytes; `release_pool`
+    without waiting trims it to what it is told to keep, and with waiting synchronises
+    first. A runtime that refuses, or has no pools, gives None or False. There is no
+    CUDA runtime here: a stand-in answers as the real one does."""
+    import ctypes
+
+    from kvroute.core import accel
+
+    class Runtime:
+        def __init__(self, refuse: str = ""):
+            self.calls, self.refuse = [], refuse
+
+        def cudaGetDevice(self, device):
+            self.calls.append("cudaGetDevice")
+            return 0
+
+        def cudaDeviceGetDefaultMemPool(self, pool, device):
+            self.calls.append("cudaDeviceGetDefaultMemPool")
+            return int(self.refuse == "pool")
+
+        def cudaMemPoolGetAttribute(self, pool, attr, value):
+            self.calls.append(f"attr {attr.value}")
+            ctypes.cast(value, ctypes.POINTER(ctypes.c_uint64))[0] = {5: 7 << 30, 7: 5 << 30}[attr.value]
+            return int(self.refuse == "attr")
+
+        def cudaDeviceSynchronize(self):
+            self.calls.append("cudaDeviceSynchronize")
+            return 0
+
+        def cudaMemPoolTrimTo(self, pool, keep):
+            self.calls.append(f"trim {keep.value}")
+            return 0
+
+    r = Runtime()
+    monkeypatch.setattr(accel, "cuda_runtime", lambda: r)
+    assert accel.pool_memory() == (7 << 30, 5 << 30)
+    assert r.calls[-2:] == ["attr 5", "attr 7"]
+    r.calls.clear()
+    assert accel.release_pool(keep=5 << 30, wait=False) is True
+    assert r.calls == ["cudaGetDevice", "cudaDeviceGetDefaultMemPool", f"trim {5 << 30}"]
+    for refuse in ("pool", "attr"):
+        monkeypatch.setattr(accel, "cuda_runtime", lambda r=Runtime(refuse): r)
+        assert accel.pool_memory() is None
+    monkeypatch.setattr(accel, "cuda_runtime", lambda: None)
+    assert accel.pool_memory() is None
+
+
 def test_out_of_device_memory_past_a_step_fails_its_requests_with_a_503_and_serves_on(text_model):
     """A failed step's recovery (it re-admits what was in prefill), or a commit after
     a step, can find the card full too: the error then reaches the engine loop, whose
@@ -533,7 +647,7 @@ def test_releasing_cudas_pool_asks_the_runtime_in_order_and_never_raises(monkeyp
     ok = Runtime()
     monkeypatch.setattr(accel, "cuda_runtime", lambda: ok)
     assert accel.release_pool() is True
-    assert ok.calls == ["cudaGetDevice", "cudaDeviceSynchronize", "cudaDeviceGetDefaultMemPool",
+    assert ok.calls == ["cudaDeviceSynchronize", "cudaGetDevice", "cudaDeviceGetDefaultMemPool",
                         "cudaMemPoolTrimTo"]
     for fail in ("cudaDeviceSynchronize", "cudaDeviceGetDefaultMemPool", "cudaMemPoolTrimTo"):
         monkeypatch.setattr(accel, "cuda_runtime", lambda r=Runtime(fail): r)

@@ -46,6 +46,9 @@ class BackendMetrics:
             Counter, "kvroute_backend_card_low",
             "Times the CUDA card's free memory fell under the reserve and this backend gave "
             "its buffer cache back")
+        self.pool_released = self._family(
+            Counter, "kvroute_backend_pool_released_bytes",
+            "Bytes CUDA's memory pool held unused for this backend and gave back to the card")
         self.commits_refused = self._family(
             Counter, "kvroute_backend_commits_refused",
             "Commits kept nowhere: over the RAM budget with no prefix that fits, and no disk "
@@ -86,7 +89,8 @@ class BackendMetrics:
         self.memory = self._family(
             Gauge, "kvroute_backend_memory_bytes",
             "MLX memory of this process: arrays in use (active), its buffer cache (cache), the "
-            "most in use at once since start (peak)", ("kind",))
+            "most in use at once since start (peak); on CUDA, what the device's memory pool "
+            "holds for it (pool_reserved) and of that in allocations (pool_used)", ("kind",))
         self.queue_depth = self._family(Gauge, "kvroute_backend_queue_depth",
                                         "Requests admitted but not finished")
         self.batch_size = self._family(Gauge, "kvroute_backend_batch_size",

@@ -129,7 +129,8 @@ def memory() -> dict[str, int]:
     """This process's MLX memory (arrays in use, its buffer cache, the peak since
     start, its cap) and, on a CUDA card, the card's free and total bytes as the driver
     counts them (every process on it, and what MLX does not allocate: contexts,
-    library workspaces). Cheap enough for every health check."""
+    library workspaces), with what CUDA's memory pool holds for this process
+    (`pool_memory`). Cheap enough for every health check."""
     import mlx.core as mx
 
     out = {"active": int(mx.get_active_memory()), "cache": int(mx.get_cache_memory()),
@@ -137,6 +138,9 @@ def memory() -> dict[str, int]:
     card = card_memory() if mx.cuda.is_available() else None
     if card is not None:
         out["device_free"], out["device_total"] = card
+        pool = pool_memory()
+        if pool is not None:
+            out["pool_reserved"], out["pool_used"] = pool
     return out
 
 
@@ -150,23 +154,60 @@ def card_memory() -> tuple[int, int] | None:
     return (free, total) if total else None
 
 
-def release_pool() -> bool:
-    """Hand what CUDA's default memory pool holds unused back to the driver, after
-    this process's device work is done. MLX frees into that pool, which lets memory go
-    only at synchronizations and keeps what it can: a sibling replica's allocation
-    cannot use it. False where there is no CUDA runtime or it refused."""
+# cudaMemPoolAttr: bytes a pool holds from the driver, and of them in allocations now.
+_POOL_RESERVED, _POOL_USED = 5, 7
+
+
+def _default_pool(runtime: Any) -> Any:
+    """This thread's device's default memory pool (a ctypes pointer), or None."""
+    import ctypes
+
+    device, pool = ctypes.c_int(), ctypes.c_void_p()
+    try:
+        if runtime.cudaGetDevice(ctypes.byref(device)) or \
+                runtime.cudaDeviceGetDefaultMemPool(ctypes.byref(pool), device):
+            return None
+    except AttributeError:  # a runtime without memory pools (before CUDA 11.2)
+        return None
+    return pool
+
+
+def pool_memory() -> tuple[int, int] | None:
+    """CUDA's default memory pool on this process's device: the bytes it holds from
+    the driver and, of them, those in allocations not yet freed. MLX frees into this
+    pool; what it holds beyond the second figure is on the card for this process only.
+    None where there is no CUDA runtime to ask."""
+    import ctypes
+
+    runtime = cuda_runtime()
+    pool = _default_pool(runtime) if runtime is not None else None
+    if pool is None:
+        return None
+    got = []
+    for attr in (_POOL_RESERVED, _POOL_USED):
+        value = ctypes.c_uint64()
+        if runtime.cudaMemPoolGetAttribute(pool, ctypes.c_int(attr), ctypes.byref(value)):
+            return None
+        got.append(value.value)
+    return got[0], got[1]
+
+
+def release_pool(keep: int = 0, wait: bool = True) -> bool:
+    """Hand what CUDA's default memory pool holds unused back to the driver, down to
+    `keep` bytes held in all, after this process's device work is done (`wait`; without
+    it, what frees still in flight hold stays). MLX frees into that pool, which lets
+    memory go only at synchronizations and keeps what it can: a sibling replica's
+    allocation cannot use it. False where there is no CUDA runtime or it refused."""
     import ctypes
 
     runtime = cuda_runtime()
     if runtime is None:
         return False
-    device, pool = ctypes.c_int(), ctypes.c_void_p()
     try:
-        if runtime.cudaGetDevice(ctypes.byref(device)) or runtime.cudaDeviceSynchronize():
+        if wait and runtime.cudaDeviceSynchronize():
             return False
-        if runtime.cudaDeviceGetDefaultMemPool(ctypes.byref(pool), device):
-            return False
-        return runtime.cudaMemPoolTrimTo(pool, ctypes.c_size_t(0)) == 0
+        pool = _default_pool(runtime)
+        return pool is not None and runtime.cudaMemPoolTrimTo(pool, ctypes.c_size_t(keep)) == 0
     except AttributeError:  # a runtime without memory pools (before CUDA 11.2)
         return False
 
