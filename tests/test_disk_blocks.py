@@ -685,7 +685,7 @@ def test_on_cuda_when_pinned_memory_fails_restores_use_mlxs_reader(tmp_path, mon
     from tests.test_pinned import HostStaging
 
     class Broken(HostStaging):
-        def _read_part(self, part, readers, fill):
+        def _start_part(self, *args):
             raise RuntimeError("no kernel here")
 
     loads = three_on_cuda(tmp_path, monkeypatch, Broken)
@@ -735,10 +735,10 @@ def test_a_restore_that_finds_no_device_memory_keeps_its_files(tmp_path, monkeyp
     class Full(HostStaging):
         full = True
 
-        def _read_part(self, part, readers, fill):
+        def _start_part(self, *args):
             if Full.full:
                 raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
-            return super()._read_part(part, readers, fill)
+            return super()._start_part(*args)
 
     monkeypatch.setattr(diskfile, "on_cuda", lambda: True)
     monkeypatch.setattr(pinned, "Staging", Full)

@@ -529,6 +529,30 @@ def test_what_cudas_pool_keeps_unused_goes_back_to_the_card(text_model, monkeypa
         e.stop()
 
 
+@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()),
+                    reason="needs a CUDA GPU (CUDA's memory pool)")
+def test_on_a_gpu_what_mlx_frees_goes_back_to_the_card_when_the_pool_is_trimmed():
+    """On a real card: 2 GiB MLX allocated and then freed (its buffer cache emptied)
+    is what the pool may keep for this process; trimming it to what is in use gives
+    it back, as the driver's free count shows."""
+    from kvroute.core import accel
+
+    a = mx.zeros((2 << 30,), dtype=mx.uint8)
+    mx.eval(a)
+    del a
+    mx.clear_cache()
+    mx.synchronize()
+    reserved, used = accel.pool_memory()
+    free_before, _ = accel.card_memory()
+    print(f"pool after a 2 GiB array was freed: {reserved} held, {used} in use; card free {free_before}")
+    assert accel.release_pool(keep=used, wait=False)
+    reserved2, used2 = accel.pool_memory()
+    free_after, _ = accel.card_memory()
+    print(f"after the trim: {reserved2} held, {used2} in use; card free {free_after}")
+    assert reserved2 - used2 < 64 << 20
+    assert free_after >= free_before + (reserved - used) - (64 << 20)
+
+
 def test_cudas_pool_figures_and_trim_ask_the_runtime_and_never_raise(monkeypatch):
     """`pool_memory` reads the default pool's reserved and used bytes; `release_pool`
     without waiting trims it to what it is told to keep, and with waiting synchronises

@@ -12,7 +12,7 @@ kernel per batch of tensors copies them into device arrays, reading the host mem
 across the bus. The buffer (`STAGING_BYTES`) is made when the disk tier opens, with
 the kernel, and reused restore after restore. It is two halves: a restore larger than
 one goes through them in parts, the next part read into one half while the last
-part's copies read the other. A file it cannot take (a dtype it does not know, a file
+part's copies are launched and read the other. A file it cannot take (a dtype it does not know, a file
 larger than a half, more than `HOST_BYTES` of tensors not in 16-byte words) comes
 back as None: the caller loads it another way. Where the path cannot work at all (no
 CUDA runtime to ask for pinned memory, a kernel MLX cannot build) it fails once and
@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -213,18 +213,25 @@ class Staging(Pinned):
         with self._lock:
             self._open()
             out: list[dict[str, Any] | None] = [None] * len(files)
+            parts = self._parts(files)
             copying: list[list[Any]] = []  # each part's copies (kernel outputs, views), in order
+            reads: list[Any] = []  # the part being read: futures, or its tables when read inline
             try:
-                for n, part in enumerate(self._parts(files)):
+                if parts:
+                    reads = self._start_part(files, parts[0], 0, readers, fill)
+                for n in range(len(parts)):
                     t0 = time.perf_counter()
-                    if n >= 2:  # this half's last copies must be over before it is refilled
-                        self._wait(copying[n - 2])
-                    base = (n % 2) * self.half
+                    planned, reads = self._finish_part(reads), []
                     t1 = time.perf_counter()
-                    planned = self._read_part([(files[i], base + at) for i, at in part], readers, fill)
-                    timing["pinned reads"] += time.perf_counter() - t1
-                    timing["copies waited"] += t1 - t0
-                    words, made = self._launch([(i, t) for (i, _), ts in zip(part, planned) if ts
+                    timing["pinned reads"] += t1 - t0
+                    if n + 1 < len(parts):
+                        # The next part's reads run while this part's copies are
+                        # launched; its half must be done with part n-1's copies first.
+                        if n >= 1:
+                            self._wait(copying[n - 1])
+                        timing["copies waited"] += time.perf_counter() - t1
+                        reads = self._start_part(files, parts[n + 1], n + 1, readers, fill)
+                    words, made = self._launch([(i, t) for (i, _), ts in zip(parts[n], planned) if ts
                                                 for t in ts])
                     copying.append(words)
                     for i, arrays in made.items():
@@ -233,6 +240,7 @@ class Staging(Pinned):
                 self._wait([w for ws in copying[-2:] for w in ws])
                 timing["copies waited"] += time.perf_counter() - t0
             except BaseException:
+                wait([r for r in reads if isinstance(r, Future)])
                 settle()  # copies launched before the failure may still read the buffer
                 raise
             return out
@@ -275,18 +283,30 @@ class Staging(Pinned):
             at += _slot(f.size)
         return [p for p in parts if p]
 
-    def _read_part(self, part: list[tuple[File, int]], readers: ThreadPoolExecutor | None,
-                   fill: Fill) -> list[list[Tensor] | None]:
+    def _start_part(self, files: list[File], part: list[tuple[int, int]], n: int,
+                    readers: ThreadPoolExecutor | None, fill: Fill) -> list[Any]:
+        """Part `n`'s files read into their half: on `readers` (futures, for
+        `_finish_part`), or here, now, where it is None (their tensor tables)."""
+        base = (n % 2) * self.half
         if readers is None:
-            return [self._read(f, at, fill) for f, at in part]
-        reads = []
+            return [self._read(files[i], base + at, fill) for i, at in part]
+        reads: list[Any] = []
         try:
-            for f, at in part:
-                reads.append(readers.submit(self._read, f, at, fill))
+            for i, at in part:
+                reads.append(readers.submit(self._read, files[i], base + at, fill))
         except RuntimeError as exc:  # "cannot schedule new futures after shutdown"
             wait(reads)
             raise ReadersClosed(str(exc))
-        wait(reads)  # every read is over before one's failure lets the buffer go
+        return reads
+
+    @staticmethod
+    def _finish_part(reads: list[Any]) -> list[list[Tensor] | None]:
+        """A part's tensor tables once every read of it is over (one's failure must not
+        let the buffer go while others still write into it)."""
+        futures = [r for r in reads if isinstance(r, Future)]
+        if not futures:
+            return reads
+        wait(futures)
         return [r.result() for r in reads]
 
     def _read(self, f: File, at: int, fill: Fill) -> list[Tensor] | None:
