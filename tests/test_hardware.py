@@ -400,10 +400,8 @@ def test_the_cuda_warm_up_keeps_within_its_time(text_model, monkeypatch, caplog,
 def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model, monkeypatch, caplog):
     """Replicas share one CUDA card, and MLX caps only its own memory: when the card's
     free memory (the driver's count, every process's) falls under the reserve (6% of
-    the card, 2 GiB at least), a
-    backend lets its buffer cache (and CUDA's pool what it keeps unused) go before its
-    next step, counts it, and says so at
-    most once a minute; with room on the card it keeps the cache. There is no CUDA card
+    the card, 2 GiB at least), a backend lets its buffer cache go before its next step,
+    counts it, and says so at most once a minute; with room on the card it keeps the cache. There is no CUDA card
     here: the in-process engine is told it is on CUDA and the driver's count is stood
     in for; the buffer cache is MLX's own."""
     import logging
@@ -422,8 +420,6 @@ def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model,
     total = 80 << 30
     free = {"bytes": 40 << 30}
     monkeypatch.setattr(engine_mod, "card_memory", lambda: (free["bytes"], total))
-    trims = []
-    monkeypatch.setattr(engine_mod, "release_pool", lambda: trims.append(1) or True)
 
     def fill_cache() -> int:
         a = mx.zeros((1 << 20,))
@@ -448,7 +444,7 @@ def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model,
     assert mx.get_cache_memory() > 0  # looked at no more often than CARD_CHECK_S
     e._card_checked -= engine_mod.CARD_CHECK_S
     e._mind_the_card()
-    assert mx.get_cache_memory() == 0 and low() == 1 and len(trims) == 1  # and CUDA's pool trimmed
+    assert mx.get_cache_memory() == 0 and low() == 1
     assert fill_cache() > 0
     e._card_checked -= engine_mod.CARD_CHECK_S
     e._mind_the_card()
@@ -463,101 +459,34 @@ def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model,
     assert len(said) == 1 and "of MLX's buffer cache" in said[0]
 
 
-def test_what_cudas_pool_keeps_unused_goes_back_to_the_card(text_model, monkeypatch):
-    """MLX frees into CUDA's memory pool what its buffer cache does not keep, and the
-    pool keeps it for this process (two replicas on an 80 GB card: each held near its
-    peak while the other's allocations failed). Past POOL_IDLE_MAX unused, a backend
-    trims the pool to what is in use, without waiting for the device, at its card
-    checks and when it goes idle, and counts the bytes given back. There is no CUDA
-    card here: the pool's figures and its trim are stood in for."""
-    import asyncio
-
-    from kvroute.backend import engine as engine_mod
-    from kvroute.backend.jobs import Finish, Job
-    from kvroute.backend.metrics import BackendMetrics
-    from kvroute.backend.requests import SamplingParams
-    from kvroute.backend.store import Store
-
-    model, tokenizer = load(str(text_model))
-    metrics = BackendMetrics("demo", "t")
-    e = engine_mod.Engine(model, tokenizer, "demo", Store(64 << 20), metrics, prefill_step=64, max_batch=4)
-    e.on_cuda = True
-    pool = {"reserved": 10 << 30, "used": 9 << 30}
-    monkeypatch.setattr(engine_mod, "pool_memory", lambda: (pool["reserved"], pool["used"]))
-    trims = []
-
-    def release(keep=0, wait=True):
-        trims.append((keep, wait))
-        pool["reserved"] = keep
-        return True
-
-    monkeypatch.setattr(engine_mod, "release_pool", release)
-    monkeypatch.setattr(engine_mod, "card_memory", lambda: (40 << 30, 80 << 30))
-
-    def given_back() -> float:
-        return metrics.registry.get_sample_value("kvroute_backend_pool_released_bytes_total",
-                                                 {"model": "demo", "backend": "t"}) or 0
-
-    e._mind_the_card()
-    assert trims == [] and given_back() == 0  # 1 GiB unused: kept for reuse
-    pool["reserved"] = 12 << 30
-    e._card_checked -= engine_mod.CARD_CHECK_S
-    e._mind_the_card()
-    assert trims == [(9 << 30, False)] and given_back() == 3 << 30
-    e._update_gauges()
-    held = metrics.registry.get_sample_value("kvroute_backend_memory_bytes",
-                                             {"model": "demo", "backend": "t", "kind": "pool_reserved"})
-    assert held == 9 << 30
-
-    e._card_checked = float("inf")  # no card checks now: a trim below is the idle one
-    pool["reserved"] = 14 << 30
-    e.start()
-
-    async def turn():
-        job = Job(prompt=tokenizer.encode("hello there"), params=SamplingParams(temperature=0.0),
-                  max_tokens=3, tools=None, loop=asyncio.get_running_loop(), events=asyncio.Queue())
-        e.submit(job)
-        while not isinstance(event := await asyncio.wait_for(job.events.get(), 60), (Finish, Exception)):
-            pass
-        return event
-
-    try:
-        assert isinstance(asyncio.run(turn()), Finish)
-        assert wait_until(lambda: len(trims) == 2, timeout=10)
-        assert trims[1] == (9 << 30, False) and given_back() == 8 << 30
-    finally:
-        e.stop()
-
-
 @pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()),
                     reason="needs a CUDA GPU (CUDA's memory pool)")
-def test_on_a_gpu_what_mlx_frees_goes_back_to_the_card_when_the_pool_is_trimmed():
-    """On a real card: 2 GiB MLX allocated and then freed (its buffer cache emptied)
-    is what the pool may keep for this process; trimming it to what is in use gives
-    it back, as the driver's free count shows."""
+def test_on_a_gpu_the_pool_figures_follow_what_mlx_holds():
+    """On a real card: the pool's "in use" grows by what MLX allocates, and what MLX
+    frees in whole (its buffer cache emptied) goes back to the card at once, without a
+    trim; what a pool keeps beyond "in use" is holes between live arrays."""
     from kvroute.core import accel
 
-    a = mx.zeros((2 << 30,), dtype=mx.uint8)
+    mx.synchronize()
+    held0, used0 = accel.pool_memory()
+    a = [mx.zeros((1 << 26,), dtype=mx.float32) for _ in range(8)]  # 2 GiB
     mx.eval(a)
+    held1, used1 = accel.pool_memory()
+    assert used1 - used0 >= 2 << 30 and held1 >= used1
+    free1, _ = accel.card_memory()
     del a
     mx.clear_cache()
     mx.synchronize()
-    reserved, used = accel.pool_memory()
-    free_before, _ = accel.card_memory()
-    print(f"pool after a 2 GiB array was freed: {reserved} held, {used} in use; card free {free_before}")
-    assert accel.release_pool(keep=used, wait=False)
-    reserved2, used2 = accel.pool_memory()
-    free_after, _ = accel.card_memory()
-    print(f"after the trim: {reserved2} held, {used2} in use; card free {free_after}")
-    assert reserved2 - used2 < 64 << 20
-    assert free_after >= free_before + (reserved - used) - (64 << 20)
+    held2, used2 = accel.pool_memory()
+    free2, _ = accel.card_memory()
+    assert used1 - used2 >= 2 << 30 and held1 - held2 >= (2 << 30) - (64 << 20)
+    assert free2 - free1 >= (2 << 30) - (64 << 20)
 
 
-def test_cudas_pool_figures_and_trim_ask_the_runtime_and_never_raise(monkeypatch):
-    """`pool_memory` reads the default pool's reserved and used bytes; `release_pool`
-    without waiting trims it to what it is told to keep, and with waiting synchronises
-    first. A runtime that refuses, or has no pools, gives None or False. There is no
-    CUDA runtime here: a stand-in answers as the real one does."""
+def test_cudas_pool_figures_ask_the_runtime_and_never_raise(monkeypatch):
+    """`pool_memory` reads the default pool's reserved and used bytes (/health and
+    kvroute_backend_memory_bytes show them); a runtime that refuses gives None. There
+    is no CUDA runtime here: a stand-in answers as the real one does."""
     import ctypes
 
     from kvroute.core import accel
@@ -579,21 +508,10 @@ def test_cudas_pool_figures_and_trim_ask_the_runtime_and_never_raise(monkeypatch
             ctypes.cast(value, ctypes.POINTER(ctypes.c_uint64))[0] = {5: 7 << 30, 7: 5 << 30}[attr.value]
             return int(self.refuse == "attr")
 
-        def cudaDeviceSynchronize(self):
-            self.calls.append("cudaDeviceSynchronize")
-            return 0
-
-        def cudaMemPoolTrimTo(self, pool, keep):
-            self.calls.append(f"trim {keep.value}")
-            return 0
-
     r = Runtime()
     monkeypatch.setattr(accel, "cuda_runtime", lambda: r)
     assert accel.pool_memory() == (7 << 30, 5 << 30)
-    assert r.calls[-2:] == ["attr 5", "attr 7"]
-    r.calls.clear()
-    assert accel.release_pool(keep=5 << 30, wait=False) is True
-    assert r.calls == ["cudaGetDevice", "cudaDeviceGetDefaultMemPool", f"trim {5 << 30}"]
+    assert r.calls == ["cudaGetDevice", "cudaDeviceGetDefaultMemPool", "attr 5", "attr 7"]
     for refuse in ("pool", "attr"):
         monkeypatch.setattr(accel, "cuda_runtime", lambda r=Runtime(refuse): r)
         assert accel.pool_memory() is None
@@ -648,33 +566,3 @@ def test_out_of_device_memory_past_a_step_fails_its_requests_with_a_503_and_serv
         e.stop()
 
 
-def test_releasing_cudas_pool_asks_the_runtime_in_order_and_never_raises(monkeypatch):
-    """`release_pool` waits for this process's device work, then trims the current
-    device's default memory pool to nothing; a runtime that refuses a call, or has no
-    memory pools, gives False. There is no CUDA runtime here: a stand-in records the
-    calls (the GPU run's card guard calls the real one)."""
-    from kvroute.core import accel
-
-    class Runtime:
-        def __init__(self, fail: str = ""):
-            self.calls, self.fail = [], fail
-
-        def __getattr__(self, name):
-            if name == self.fail == "cudaMemPoolTrimTo":
-                raise AttributeError(name)
-
-            def call(*args):
-                self.calls.append(name)
-                return 1 if name == self.fail else 0
-            return call
-
-    ok = Runtime()
-    monkeypatch.setattr(accel, "cuda_runtime", lambda: ok)
-    assert accel.release_pool() is True
-    assert ok.calls == ["cudaDeviceSynchronize", "cudaGetDevice", "cudaDeviceGetDefaultMemPool",
-                        "cudaMemPoolTrimTo"]
-    for fail in ("cudaDeviceSynchronize", "cudaDeviceGetDefaultMemPool", "cudaMemPoolTrimTo"):
-        monkeypatch.setattr(accel, "cuda_runtime", lambda r=Runtime(fail): r)
-        assert accel.release_pool() is False
-    monkeypatch.setattr(accel, "cuda_runtime", lambda: None)
-    assert accel.release_pool() is False

@@ -42,8 +42,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvroute.api.errors import APIError, overloaded, server_error
 from kvroute.core.accel import (card_memory, device_lost, device_trouble, keep_wired_limit, memory,
-                                pool_memory,
-                                 release_pool)
+                                 pool_memory)
 from kvroute.core.hits import is_cache_hit
 from kvroute.core.sizes import format_bytes
 
@@ -73,8 +72,6 @@ CARD_CHECK_S = 0.25  # how often a CUDA backend looks at its card's free memory
 # arrays (a batched prefill's) can take several GB, and at 2 GiB a step still failed.
 CARD_RESERVE = 0.06  # of the card's memory
 CARD_RESERVE_MIN = 2 << 30
-# Freed memory CUDA's pool may keep for this process before it goes back to the card.
-POOL_IDLE_MAX = 1 << 30
 
 
 class Engine:
@@ -342,10 +339,7 @@ class Engine:
         while not self._stopping:
             try:
                 self._release_held()
-                idle = not (self._jobs or self._held or self._followers)
-                if idle:
-                    self._trim_pool()  # what the last requests freed is the card's while idle
-                self._drain_inbox(block=idle)
+                self._drain_inbox(block=not (self._jobs or self._held or self._followers))
                 self._reap_cancelled()
                 self._release_held()
                 if self._jobs:
@@ -994,13 +988,14 @@ class Engine:
         what its memory pool keeps. Two 7B replicas on an 80 GB H100, each within its
         cap, left the card ~1 GB free and failed allocations while each kept ~3.5 GB
         of freed buffers. When the card's free memory falls under `CARD_RESERVE` of it
-        (`CARD_RESERVE_MIN` at least), this backend gives its buffer cache back, and
-        CUDA's memory pool what it holds unused, for its own next step or a sibling's."""
+        (`CARD_RESERVE_MIN` at least), this backend gives its buffer cache back, for its
+        own next step or a sibling's. (CUDA's pool gives back at once what MLX frees in
+        whole; what it keeps are holes between live arrays, which no trim releases:
+        measured on an H100, BENCHMARKS.md.)"""
         now = time.monotonic()
         if not self.on_cuda or now < self._card_checked + CARD_CHECK_S:
             return
         self._card_checked = now
-        self._trim_pool()
         card = card_memory()
         if card is None or not mx.get_cache_memory():
             return
@@ -1009,28 +1004,11 @@ class Engine:
             return
         released = mx.get_cache_memory()
         mx.clear_cache()
-        release_pool()
         self.metrics.l(self.metrics.card_low).inc()
         if now >= self._card_logged + 60:
             self._card_logged = now
             log.info("the card has %s free: gave back %s of MLX's buffer cache (said at most "
                      "once a minute)", format_bytes(free), format_bytes(released))
-
-    def _trim_pool(self) -> None:
-        """MLX frees into CUDA's memory pool what its buffer cache does not keep, and
-        the pool keeps it for this process: a replica past a long prefill went on
-        holding its peak while a sibling's allocations failed. Past `POOL_IDLE_MAX`
-        of it, it goes back to the card (no wait for the device: what frees still in
-        flight hold stays, for the next look)."""
-        if not self.on_cuda:
-            return
-        pool = pool_memory()
-        if pool is None or pool[0] - pool[1] <= POOL_IDLE_MAX:
-            return
-        if release_pool(keep=pool[1], wait=False):
-            after = pool_memory()
-            if after is not None and after[0] < pool[0]:
-                self.metrics.l(self.metrics.pool_released).inc(pool[0] - after[0])
 
     def _out_of_memory(self) -> None:
         """After a step found no device memory: say what this process held (the
@@ -1044,7 +1022,6 @@ class Engine:
                   len(self._jobs), self.running_tokens)
         self.store.drop_hot()
         mx.clear_cache()
-        release_pool()
 
     def _in_generator(self) -> set[int]:
         # Sequences the generator still holds; one that was completing its prompt

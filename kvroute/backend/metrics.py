@@ -46,9 +46,6 @@ class BackendMetrics:
             Counter, "kvroute_backend_card_low",
             "Times the CUDA card's free memory fell under the reserve and this backend gave "
             "its buffer cache back")
-        self.pool_released = self._family(
-            Counter, "kvroute_backend_pool_released_bytes",
-            "Bytes CUDA's memory pool held unused for this backend and gave back to the card")
         self.commits_refused = self._family(
             Counter, "kvroute_backend_commits_refused",
             "Commits kept nowhere: over the RAM budget with no prefix that fits, and no disk "

@@ -192,26 +192,6 @@ def pool_memory() -> tuple[int, int] | None:
     return got[0], got[1]
 
 
-def release_pool(keep: int = 0, wait: bool = True) -> bool:
-    """Hand what CUDA's default memory pool holds unused back to the driver, down to
-    `keep` bytes held in all, after this process's device work is done (`wait`; without
-    it, what frees still in flight hold stays). MLX frees into that pool, which lets
-    memory go only at synchronizations and keeps what it can: a sibling replica's
-    allocation cannot use it. False where there is no CUDA runtime or it refused."""
-    import ctypes
-
-    runtime = cuda_runtime()
-    if runtime is None:
-        return False
-    try:
-        if wait and runtime.cudaDeviceSynchronize():
-            return False
-        pool = _default_pool(runtime)
-        return pool is not None and runtime.cudaMemPoolTrimTo(pool, ctypes.c_size_t(keep)) == 0
-    except AttributeError:  # a runtime without memory pools (before CUDA 11.2)
-        return False
-
-
 def apply_limits(memory_limit: int, cache_limit: int) -> dict[str, int]:
     """Cap this process's MLX memory (0: leave MLX's default) and the buffer cache
     it keeps for reuse (0: a tenth of the memory limit, when there is one).
