@@ -290,6 +290,8 @@ def turn2_ttft(url: str, model: str, tok, size: int, repeat: int, part: int,
             out[name] = split[name] / repeat
     if "hot_hits" in split:
         out["hot_hits"], out["repeat"] = split["hot_hits"], repeat
+    if "card_low" in split:
+        out["card_low"] = split["card_low"]
     return out
 
 
@@ -452,6 +454,9 @@ class Stack:
                                   for t in backends),
                 "disk_queue": sum(metric_sum(t, "kvroute_backend_disk_write_queue")
                                   for t in backends),
+                # Times a backend's card guard emptied its buffer cache (its next
+                # steps allocate anew: slower).
+                "card_low": sum(metric_sum(t, "kvroute_backend_card_low_total") for t in backends),
                 # Hits that started from a finished turn's contiguous copy, not its blocks.
                 "hot_hits": sum(c.get("hot_hits", 0) for c in caches),
                 # The disk restores' own time (files read and checked).
@@ -711,7 +716,9 @@ def report(args, got: dict) -> str:
                             if "hot_hits" in t2 else "")
                          + (f"; the disk writers: {t2['disk_queue']:.1f} items queued before it, "
                             f"{t2['disk_writes']:.1f} writes ended and {t2['disk_paced']:.3f} s "
-                            f"paced during it" if "disk_queue" in t2 else ""),
+                            f"paced during it" if "disk_queue" in t2 else "")
+                         + (f"; the card guard emptied a buffer cache {t2['card_low']:.0f} times "
+                            f"during them" if t2.get("card_low") else ""),
                          "", "", ""))
         if "restore" in kv and kv["restore"]["cached_tokens"] < kv["restore"]["prompt_tokens"] // 2:
             r = kv["restore"]
