@@ -12,9 +12,9 @@ kernel per batch of tensors copies them into device arrays, reading the host mem
 across the bus. The buffer (`STAGING_BYTES`) is made when the disk tier opens, with
 the kernel, and reused restore after restore. It is two halves: a restore larger than
 one goes through them in parts, the next part read into one half while the last
-part's copies are launched and read the other. A file it cannot take (a dtype it does not know, a file
-larger than a half, more than `HOST_BYTES` of tensors not in 16-byte words) comes
-back as None: the caller loads it another way. Where the path cannot work at all (no
+part's copies are launched and read the other. A file it cannot take (a dtype it does
+not know, a file larger than a half, more than `HOST_BYTES` of tensors not in 16-byte
+words) comes back as None: the caller loads it another way. Where the path cannot work at all (no
 CUDA runtime to ask for pinned memory, a kernel MLX cannot build) it fails once and
 the caller loads every file another way.
 """
