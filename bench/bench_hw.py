@@ -465,14 +465,17 @@ class Stack:
 
     def memory(self) -> list[dict]:
         """Each backend's memory now (its /health): MLX's active, cache, peak and cap,
-        the card's free bytes, and what its process holds on the card as nvidia-smi
-        counts it (MLX's arrays and cache, and what MLX does not count)."""
+        the card's free bytes, what its process holds on the card as nvidia-smi counts
+        it (MLX's arrays and cache, and what MLX does not count), and its card guard's
+        count (its /metrics)."""
         on_card = card_use()
+        guard = [metric_sum(get(b + "/metrics", {"x-kvroute-token": TOKEN}).decode(),
+                            "kvroute_backend_card_low_total") for b in self.backends()]
         return [{**h.get("memory", {}), "store": h["cache"]["bytes"],
                  "hot": h["cache"].get("hot_bytes", 0),
-                 "queued": (h.get("disk") or {}).get("write_queue_bytes", 0),
+                 "queued": (h.get("disk") or {}).get("write_queue_bytes", 0), "card_low": low,
                  **({"process": on_card[h["pid"]]} if h.get("pid") in on_card else {})}
-                for h in self.healths()]
+                for h, low in zip(self.healths(), guard)]
 
     def healths(self) -> list[dict]:
         """Each backend's own /health."""
@@ -647,8 +650,9 @@ def card_use() -> dict[int, int]:
 def memory_table(phases: dict[str, list[dict]]) -> str:
     """Each backend's MLX memory after each phase (active, buffer cache, peak, cap),
     its process's memory on the card (nvidia-smi: with what MLX does not count), what
-    CUDA's memory pool held for it and of that in use, the card's free memory then, and what the prompt cache and the disk writers' queue
-    held of it."""
+    CUDA's memory pool held for it and of that in use, the card's free memory then,
+    what the prompt cache and the disk writers' queue held of it, and how often its
+    card guard had emptied its buffer cache so far."""
     if not phases:
         return ""
     b = format_bytes
@@ -656,8 +660,9 @@ def memory_table(phases: dict[str, list[dict]]) -> str:
     def pool(m: dict) -> str:
         return f"{b(m['pool_reserved'])} / {b(m['pool_used'])}" if "pool_reserved" in m else "-"
     text = ("\n| memory after | backend | active | buffer cache | peak | cap | process on the card "
-            "| CUDA pool held / in use | card free | prompt cache + hot copies | disk write queue |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| CUDA pool held / in use | card free | prompt cache + hot copies | disk write queue "
+            "| card guard so far |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     for phase, backends in phases.items():
         for i, m in enumerate(backends):
             if m:
@@ -665,7 +670,8 @@ def memory_table(phases: dict[str, list[dict]]) -> str:
                          f"| {b(m.get('limit', 0))} | {b(m['process']) if 'process' in m else '-'} "
                          f"| {pool(m)} "
                          f"| {b(m['device_free']) if 'device_free' in m else '-'} "
-                         f"| {b(m.get('store', 0))} + {b(m.get('hot', 0))} | {b(m.get('queued', 0))} |\n")
+                         f"| {b(m.get('store', 0))} + {b(m.get('hot', 0))} | {b(m.get('queued', 0))} "
+                         f"| {m.get('card_low', 0):.0f} |\n")
     return text
 
 
