@@ -256,7 +256,7 @@ class Blocks:
         f = self._file(key)
         path = self.directory / f.name
         with self._forgetting(key, f):
-            header, _ = diskfile.read_head(path, f.size, _digests(f.name)[0])
+            header, _ = diskfile.read_head(path, f.size, diskfile.name_digests(f.name, SUFFIX)[0])
             dsum = self._meta(key, header).get("dsum")
             if not dsum:
                 return self._register(key, *self._read(key, path, f.size), make)
@@ -325,7 +325,8 @@ class Blocks:
     def _checked(self, key: int, view: memoryview, name: str) -> tuple[dict, int]:
         """A whole block file's bytes checked against the xxh3 sums its name carries:
         its tensor table (its metadata checked and taken out) and where tensors start."""
-        header, offset = diskfile.checked_view(view, *_digests(name), f"block {key:016x}")
+        header, offset = diskfile.checked_view(view, *diskfile.name_digests(name, SUFFIX),
+                                               f"block {key:016x}")
         self._meta(key, header)
         return header, offset
 
@@ -358,11 +359,6 @@ def _pairs(arrays: dict[str, Any]) -> list[tuple[Any, Any]]:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _digests(name: str) -> tuple[str, str]:
-    parts = name.removesuffix(SUFFIX).split(".")
-    return (parts[1], parts[2]) if len(parts) == 3 else ("", "")
 
 
 def _key_of(name: str) -> int | None:

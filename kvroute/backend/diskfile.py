@@ -289,9 +289,11 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _name_digests(name: str) -> tuple[str, str]:
-    """(header checksum, file checksum) from a record's file name; empty if absent."""
-    parts = name.removesuffix(SUFFIX).split(".")
+def name_digests(name: str, suffix: str = SUFFIX) -> tuple[str, str]:
+    """(header checksum, file checksum) from the name of a file written with them, a
+    record's or (with its suffix) a block's: `<stem>.<header xxh3>.<file xxh3><suffix>`;
+    empty if absent."""
+    parts = name.removesuffix(suffix).split(".")
     return (parts[1], parts[2]) if len(parts) == 3 else ("", "")
 
 
@@ -341,7 +343,7 @@ def read_header(path: Path, expect_fingerprint: str) -> Record:
         raise BadRecord("truncated", f"{size} bytes on disk, the header describes {8 + n + end}")
     if meta.get("version") != FORMAT_VERSION:
         raise BadRecord("version", f"format version {meta.get('version')}, expected {FORMAT_VERSION}")
-    header_sum, checksum = _name_digests(path.name)
+    header_sum, checksum = name_digests(path.name)
     if _digest(head + raw) != header_sum:
         raise BadRecord("corrupt", "header does not match its checksum")
     if meta.get("fingerprint") != expect_fingerprint:
@@ -483,13 +485,13 @@ def read_checked_into(path: Path, view: memoryview) -> tuple[dict, dict, int]:
         raise BadRecord("truncated" if on_disk < len(view) else "corrupt",
                         f"{on_disk} bytes on disk, expected {len(view)}")
     read_into(path, view)
-    header, offset = checked_view(view, *_name_digests(path.name), "the file")
+    header, offset = checked_view(view, *name_digests(path.name), "the file")
     return header, header.pop("__metadata__", {}), offset
 
 
 def has_sums(name: str) -> bool:
     """Whether a record's file name carries its xxh3 sums (`read_checked_into`)."""
-    return all(_name_digests(name))
+    return all(name_digests(name))
 
 
 def from_arrays(arrays: dict[str, Any], metadata: dict) -> list[Any]:
@@ -519,7 +521,7 @@ def load_checked(path: Path, record: Record, parallel: int = 4) -> list[Any]:
     from mlx_lm.models import cache as cache_mod
 
     if record.dsum:
-        header, _ = read_head(path, record.size, _name_digests(path.name)[0])
+        header, _ = read_head(path, record.size, name_digests(path.name)[0])
         metadata = header.pop("__metadata__", {})
         arrays = load_on_device(path, header, record.dsum, "the file")
         if arrays is not None:

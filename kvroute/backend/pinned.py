@@ -14,9 +14,9 @@ the kernel, and reused restore after restore. It is two halves: a restore larger
 one goes through them in parts, the next part read into one half while the last
 part's copies are launched and read the other. A file it cannot take (a dtype it does
 not know, a file larger than a half, more than `HOST_BYTES` of tensors not in 16-byte
-words) comes back as None: the caller loads it another way. Where the path cannot work at all (no
-CUDA runtime to ask for pinned memory, a kernel MLX cannot build) it fails once and
-the caller loads every file another way.
+words) comes back as None: the caller loads it another way. Where the path cannot work
+at all (no CUDA runtime to ask for pinned memory, a kernel MLX cannot build) it fails
+once and the caller loads every file another way.
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ def tensors(header: dict, base: int, nbytes: int) -> list[Tensor] | None:
     tensors start in the buffer), or None where it cannot: a dtype it does not know, a
     tensor whose bytes are not where the table says (past the file's end, or not its
     shape's size: the kernel would read past the file, or the arrays would not match),
-    no tensor at all. An empty tensor, or one whose size or place
-    is not a multiple of `ALIGN` (a record's scalars: a cache's offset, say), is made
-    on the host; a file with more than `HOST_BYTES` of those is left to the caller."""
+    no tensor at all. An empty tensor, or one whose size or place is not a multiple of
+    `ALIGN` (a record's scalars: a cache's offset, say), is made on the host; a file
+    with more than `HOST_BYTES` of those is left to the caller."""
     import mlx.core as mx
 
     out = []
