@@ -798,10 +798,10 @@ def test_on_a_gpu_a_restore_through_pinned_memory_answers_as_the_conversations_k
 
 def test_writes_waiting_for_evicted_entries_count_in_the_ram_budget(tmp_path):
     """An entry evicted while its write waits for an idle engine stays in memory (the
-    write holds its arrays): the store counts those bytes in its budget, and such a
-    write goes at once, busy engine or not, since it is all that holds them. So the
-    cache holds no more than its budget says (beyond the one entry it always keeps),
-    however far the disk writers were behind."""
+    write holds its arrays): such a write goes at once, busy engine or not, since it
+    is all that holds them, and the store counts those bytes in its budget until it is
+    done. So once the writes of what RAM let go are done, the cache holds no more than
+    its budget says, however far the disk writers were behind."""
     tier, _ = make_tier(tmp_path)
     tier.busy = lambda: True  # an engine at work: writes of entries RAM holds wait
     talks = [[9000 + 1000 * i + j for j in range(4 * BLOCK_TOKENS + 3)] for i in range(5)]
@@ -812,18 +812,58 @@ def test_writes_waiting_for_evicted_entries_count_in_the_ram_budget(tmp_path):
     store.overflow, store.pinned = tier.take, tier.pinned_bytes
     for i, talk in enumerate(talks):
         store.insert("m", talk, kv_of(talk), "finish", chain=[i])
-        assert (store.nbytes + store.hot_bytes + tier.pinned_bytes() <= store.budget_bytes
-                or len(store.entries) == 1)
-    # The evicted entries' writes went; those of the entries RAM holds still wait.
-    wait_until(lambda: tier.pinned_bytes() == 0 and len(tier.index) == 5 - len(store.entries),
-               30, what="the evicted entries written")
-    assert tier.stats()["write_queue"] == len(store.entries) >= 1
+        wait_until(lambda: tier.pinned_bytes() == 0, 30, what="the evicted entries' writes")
+        assert store.nbytes + store.hot_bytes <= store.budget_bytes
+        assert len(store.entries) >= min(i + 1, 2)  # RAM holds what it fits
+    # What RAM let go of (whole or in part) is on disk; what RAM holds whole waits.
+    def kept(talk: list[int]) -> tuple[bool, bool]:
+        prompt = np.asarray(talk + [1], dtype=np.int32)
+        return (store.depth("m", prompt) == len(talk),
+                tier.best("m", prompt, None)[0] == len(talk))
+    wait_until(lambda: all(ram != disk for ram, disk in map(kept, talks)), 30,
+               what="the evicted entries written")
+    whole_in_ram = sum(ram for ram, _ in map(kept, talks))
+    assert tier.stats()["write_queue"] == whole_in_ram >= 1
     assert tier.stats()["write_queue_evicted_bytes"] == 0
     tier.busy = lambda: False
     wait_until(lambda: tier.stats()["write_queue"] == 0 and len(tier.index) == 5, 60,
                what="the rest once the engine rests")
     store.insert("m", talks[0], kv_of(talks[0]), "finish", chain=[0])
-    assert len(store.entries) == 2  # nothing pinned now: the budget is RAM's again
+    # Nothing pinned now: the budget is RAM's again (two whole entries and part of one).
+    assert store.nbytes + store.hot_bytes <= store.budget_bytes
+    assert sum(ram for ram, _ in map(kept, talks)) == 2
+    tier.close()
+
+
+def test_a_commit_over_the_budget_evicts_what_it_needs_while_writes_wait(tmp_path):
+    """Evicting an entry whose write still waits frees nothing until that write is
+    done. A commit over the budget while the writers are behind therefore evicts what
+    it needs, not every entry RAM holds (it did: each eviction moved bytes from RAM's
+    count to the writers', so the budget never looked met): the conversations RAM
+    still fits stay hits. What waited for the writers before the commit still counts
+    in the budget; the commit's own excess lasts until its writes are done."""
+    tier, _ = make_tier(tmp_path)
+    tier.busy = lambda: True  # an engine at work: writes of entries RAM holds wait
+    go = threading.Event()
+    write = tier._write
+    tier._write = lambda *a, **k: (go.wait(30), write(*a, **k))[-1]  # the writers are behind
+    talks = [[9000 + 1000 * i + j for j in range(4 * BLOCK_TOKENS + 3)] for i in range(4)]
+    one = Store(budget_bytes=1 << 30)
+    one.insert("m", talks[0], kv_of(talks[0]), "finish", chain=[0])
+    store = Store(budget_bytes=int(3.5 * one.nbytes))  # three entries fit
+    store.listeners.append(tier.on_store_event)
+    store.overflow, store.pinned = tier.take, tier.pinned_bytes
+    for i, talk in enumerate(talks):
+        waited = tier.pinned_bytes()
+        store.insert("m", talk, kv_of(talk), "finish", chain=[i])
+        assert store.nbytes + store.hot_bytes + waited <= store.budget_bytes
+    assert tier.pinned_bytes() > 0  # the fourth commit's excess, held by its writes
+    assert len(store.entries) >= 3
+    for talk in talks[1:]:  # whole hits, as before the fourth commit
+        assert store.depth("m", talk + [1]) == len(talk)
+    go.set()
+    wait_until(lambda: tier.pinned_bytes() == 0, 30, what="the evicted part's write")
+    assert store.nbytes + store.hot_bytes <= store.budget_bytes
     tier.close()
 
 

@@ -581,25 +581,33 @@ class Store:
             self.evictions += 1
         self._emit("evict", entry, self._release(entry.model, entry.chain), reason)
 
-    def _counted(self) -> int:
+    def _counted(self, elsewhere: int | None = None) -> int:
         """What the budget counts: entries, hot copies, and what evicted entries still
-        hold elsewhere."""
-        return self.nbytes + self.hot_bytes + self.pinned()
+        hold elsewhere (`elsewhere`, when given, in place of what they hold now)."""
+        return self.nbytes + self.hot_bytes + (self.pinned() if elsewhere is None else elsewhere)
 
-    def _over(self) -> bool:
-        return self._counted() > self.budget_bytes or len(self.entries) > self.max_entries
+    def _over(self, elsewhere: int | None = None) -> bool:
+        return (self._counted(elsewhere) > self.budget_bytes
+                or len(self.entries) > self.max_entries)
 
     def _enforce_budget(self, keep: int) -> None:
-        while self.hot and self._counted() > self.budget_bytes:
+        # An entry evicted while its disk write waits frees nothing until that write,
+        # which then goes at once, is done: its bytes move from RAM's count to the
+        # writer's. Counting them again here made one commit evict every entry RAM
+        # held (a busy engine's writes all wait), for no memory back. So RAM fits what
+        # waited elsewhere before this commit; what this eviction hands the writers is
+        # the budget's only excess, and only until they have written it.
+        elsewhere = self.pinned()
+        while self.hot and self._counted(elsewhere) > self.budget_bytes:
             self._drop_hot(next(iter(self.hot)))  # copies go before any entry does
-        while self._over() and len(self.entries) > 1:
+        while self._over(elsewhere) and len(self.entries) > 1:
             oldest = next(iter(self.entries.values()))
             if oldest.id == keep:
                 break
-            if len(self.entries) > self.max_entries or not self._cut_back(oldest):
+            if len(self.entries) > self.max_entries or not self._cut_back(oldest, elsewhere):
                 self._remove(oldest, "evicted")
 
-    def _cut_back(self, entry: Entry) -> bool:
+    def _cut_back(self, entry: Entry, elsewhere: int | None = None) -> bool:
         """Free `entry`'s own tokens from its tail inward, a block at a time, until the
         budget holds or it reaches a block another entry uses (then that entry covers
         what is left). False when it should go whole (nothing of it stays useful, or its
@@ -608,7 +616,7 @@ class Store:
         if state is None or state.whole or not entry.trimmable or not state.slots:
             return False
         before = dataclasses.replace(entry, chain=list(entry.chain))
-        while self._over() and state.tokens:
+        while self._over(elsewhere) and state.tokens:
             if state.tokens > len(state.blocks) * BLOCK_TOKENS:
                 self.own_bytes -= state.drop_tail()
             elif state.blocks[-1].refs == 1:
