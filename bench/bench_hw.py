@@ -401,6 +401,7 @@ class Stack:
             + disk
             + (f"prefill_step = {args.prefill_step}\n" if args.prefill_step else ""))
         self.args, self.logs, self.name, self.runs = args, logs, name, 0
+        self.disk_dir = disk_dir
         self.proc: Proc | None = None
 
     def start(self) -> float:
@@ -483,6 +484,34 @@ class Stack:
 
     def stop(self) -> int | None:
         return self.proc.stop() if self.proc else None
+
+
+def page_cache_share(folder: str) -> float | None:
+    """The share of `folder`'s bytes in the OS page cache (mincore; None where it cannot
+    tell): a restore reads from memory or from the drive, two different rates."""
+    try:
+        import ctypes
+        import mmap
+
+        import numpy as np
+        libc = ctypes.CDLL(None, use_errno=True)
+        held = total = 0
+        for path in Path(folder).rglob("*"):
+            if not path.is_file() or not path.stat().st_size:
+                continue
+            size = path.stat().st_size
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+                pages = np.zeros((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE, np.uint8)
+                view = np.frombuffer(m, np.uint8)
+                if libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size),
+                                ctypes.c_void_p(pages.ctypes.data)):
+                    return None
+                del view
+            held += min(int((pages & 1).sum()) * mmap.PAGESIZE, size)
+            total += size
+        return held / total if total else None
+    except (OSError, AttributeError, ValueError):
+        return None
 
 
 def settle_disk(stack: Stack, timeout: float = 300.0) -> None:
@@ -600,6 +629,7 @@ def restore(stack: Stack, tok, args) -> dict:
     cold = statistics.median(run(chat(stack.url, "m", conversation(tok, fresh(size, r, 6), 600 + r)[0],
                                       1))[0] for r in range(args.repeat))
     skipped = stack.metric("kvroute_backend_disk_restores_skipped_total")
+    in_memory = page_cache_share(stack.disk_dir)
     turns, splits = [], []
     for (messages, follow), (_, _, reply) in zip(convs, turns1):
         messages = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": follow}]
@@ -617,7 +647,8 @@ def restore(stack: Stack, tok, args) -> dict:
             **{k: statistics.median(sp[k] for sp in splits) for k in splits[0]},
             "writes_dropped": dropped, "skipped": skipped,
             "cached_tokens": cached_tokens(usage), "prompt_tokens": usage.get("prompt_tokens"),
-            "restart_ready_s": round(ready, 1), "repeat": len(turns)}
+            "restart_ready_s": round(ready, 1), "repeat": len(turns),
+            "page_cache_share": in_memory}
 
 
 def progress(out: dict) -> None:
@@ -750,7 +781,10 @@ def report(args, got: dict) -> str:
                              f"backend {secs(r['engine_ttft'])} (before its engine "
                              f"{secs(r['backend_prepare'])}, of it the restore "
                              f"{secs(r['restore_read'])}), the rest "
-                             f"{secs(r['restored_ttft'] - r['engine_ttft'])}", "", "", ""))
+                             f"{secs(r['restored_ttft'] - r['engine_ttft'])}"
+                             + (f"; the disk tier's files {100 * r['page_cache_share']:.0f}% "
+                                "in the page cache before it" if r.get("page_cache_share") is not None
+                                else ""), "", "", ""))
         if nd:
             big = args.sizes[-1]
             add(f"disk tier on: cold TTFT ~{big} (off)", kv["cold"].get(str(big), kv["cold"].get(big)),
