@@ -143,3 +143,30 @@ def test_a_one_token_reply_goes_out_before_its_commits_and_ends_after_them(engin
     assert token < commits[0] and commits[-1] < end, order
     # The next turn, sent on the end, finds prompt and reply.
     assert engine.store.depth("demo", prompt + [1, 2]) >= len(prompt)
+
+
+def test_the_engine_says_whether_a_request_waits_for_its_first_token(engine):
+    """What the disk writer asks before a paced write's next file: true while a request
+    is queued or its prompt prefilled, false once its first token is out (decoding) and
+    when the engine is idle."""
+    prompt = [(3 * i) % 300 + 50 for i in range(40)]
+
+    async def go() -> list[bool]:
+        loop = asyncio.get_running_loop()
+        seen = [engine.prefilling]
+        release = asyncio.Event()
+        held = asyncio.ensure_future(engine.call(lambda: asyncio.run_coroutine_threadsafe(
+            release.wait(), loop).result(30)))  # the engine thread busy with something else
+        job = _job(prompt, 8, loop)
+        engine.submit(job)
+        seen.append(engine.prefilling)  # queued behind it
+        release.set()
+        await held
+        first = await job.events.get()
+        assert isinstance(first, Delta)
+        seen.append(engine.prefilling)  # its first token is out: decoding
+        await _answer(job)
+        seen.append(engine.prefilling)
+        return seen
+
+    assert asyncio.run(go()) == [False, True, False, False]

@@ -867,6 +867,39 @@ def test_a_commit_over_the_budget_evicts_what_it_needs_while_writes_wait(tmp_pat
     tier.close()
 
 
+def test_a_write_ram_let_go_starts_no_file_while_a_prompt_is_prefilled(tmp_path, monkeypatch):
+    """A write RAM let go of goes on under load, paced, but starts no block file while
+    its backend has a prompt to prefill (what a user waits on): the files took the
+    device, the bus and the GIL from the cached second turn beside them. Once the
+    prompt's first token is out, the write goes on, and the memory it held is freed."""
+    monkeypatch.setattr(disk_mod, "PREFILL_HOLD", 60.0)
+    tier, metrics = make_tier(tmp_path)
+    tier.busy = lambda: True  # an engine at work: writes of entries RAM holds wait
+    asked = []
+    prompt = threading.Event()
+    prompt.set()
+    tier.prefilling = lambda: asked.append(1) or prompt.is_set()
+    written = []
+    write = tier.blocks.write
+    tier.blocks.write = lambda blocks, *a: (written.append(len(blocks)), write(blocks, *a))[-1]
+    talks = [[9000 + 1000 * i + j for j in range(4 * BLOCK_TOKENS + 3)] for i in range(2)]
+    one = Store(budget_bytes=1 << 30)
+    one.insert("m", talks[0], kv_of(talks[0]), "finish", chain=[0])
+    store = Store(budget_bytes=int(1.5 * one.nbytes))  # one entry fits
+    store.listeners.append(tier.on_store_event)
+    store.overflow, store.pinned = tier.take, tier.pinned_bytes
+    for i, talk in enumerate(talks):
+        store.insert("m", talk, kv_of(talk), "finish", chain=[i])
+    assert tier.pinned_bytes() > 0  # RAM let the first go: its write is all that holds it
+    wait_until(lambda: len(asked) >= 5, 30, what="the writer asking about the prompt")
+    assert not written and not tier.index  # held off, not one file
+    prompt.clear()  # the first token is out
+    wait_until(lambda: tier.pinned_bytes() == 0 and len(tier.index) == 1, 30,
+               what="the write once the prompt is done")
+    assert written and metric(metrics, metrics.disk_paced) > 0
+    tier.close()
+
+
 def test_a_waiting_write_of_an_entry_ram_cut_back_counts_what_was_cut(tmp_path):
     """RAM cut an entry back (its tail blocks freed) while its write waited: the write
     still holds the whole entry, so what was cut stays counted in the RAM budget until

@@ -184,6 +184,18 @@ class Engine:
     def queue_depth(self) -> int:
         return self.waiting + len(self._jobs)
 
+    @property
+    def prefilling(self) -> bool:
+        """Whether a request waits for its first token (queued, or its prompt being
+        prefilled): what a user waits on, which the disk writer's paced writes keep
+        off (any thread may ask)."""
+        if self.waiting:
+            return True
+        try:
+            return any(job.first_token_at is None for job in list(self._jobs.values()))
+        except RuntimeError:  # changed while copied: ask again next time
+            return True
+
     def submit(self, job: Job) -> None:
         if self.lost:
             raise APIError(503, LOST_MESSAGE, "server_error")

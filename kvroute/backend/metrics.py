@@ -177,8 +177,9 @@ class BackendMetrics:
                                                 "Failed disk writes by errno name", ("reason",))
         self.disk_paced = self._family(
             Counter, "kvroute_backend_disk_write_paced_seconds",
-            "Seconds the disk writer paused between block files of writes that waited "
-            "their max_delay under load (then it writes at most a quarter of the time)")
+            "Seconds the disk writer paused writes that go on under load (they waited "
+            "their max_delay, or RAM let their entry go): between block files (it then "
+            "writes at most a quarter of the time) and while a prompt is prefilled")
         self.disk_dropped = self._family(
             Counter, "kvroute_backend_disk_dropped_files",
             "Files dropped unread (partial, truncated, corrupt, foreign, version)", ("reason",))
