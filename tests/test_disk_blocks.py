@@ -869,9 +869,10 @@ def test_a_commit_over_the_budget_evicts_what_it_needs_while_writes_wait(tmp_pat
 
 def test_a_write_ram_let_go_starts_no_file_while_a_prompt_is_prefilled(tmp_path, monkeypatch):
     """A write RAM let go of goes on under load, paced, but starts no block file while
-    its backend has a prompt to prefill (what a user waits on): the files took the
-    device, the bus and the GIL from the cached second turn beside them. Once the
-    prompt's first token is out, the write goes on, and the memory it held is freed."""
+    its backend has a prompt to prefill or a restore to read (what a user waits on):
+    the files took the device, the bus and the GIL from the cached second turn beside
+    them. Once the prompt's first token is out, the write goes on, and the memory it
+    held is freed."""
     monkeypatch.setattr(disk_mod, "PREFILL_HOLD", 60.0)
     tier, metrics = make_tier(tmp_path)
     tier.busy = lambda: True  # an engine at work: writes of entries RAM holds wait
@@ -893,7 +894,12 @@ def test_a_write_ram_let_go_starts_no_file_while_a_prompt_is_prefilled(tmp_path,
     assert tier.pinned_bytes() > 0  # RAM let the first go: its write is all that holds it
     wait_until(lambda: len(asked) >= 5, 30, what="the writer asking about the prompt")
     assert not written and not tier.index  # held off, not one file
+    tier._restoring += 1  # a restore is read: its prompt's first step comes next
     prompt.clear()  # the first token is out
+    seen = len(asked)
+    wait_until(lambda: len(asked) >= seen + 5, 30, what="the writer asking again")
+    assert not written and not tier.index
+    tier._restoring -= 1
     wait_until(lambda: tier.pinned_bytes() == 0 and len(tier.index) == 1, 30,
                what="the write once the prompt is done")
     assert written and metric(metrics, metrics.disk_paced) > 0

@@ -638,14 +638,15 @@ class DiskTier:
                 return
 
     def _hold_off(self) -> float:
-        """Wait while the engine has a prompt to prefill (`PREFILL_HOLD` at most); the
-        seconds waited. A paced write's files took the device, the bus and the GIL
+        """Wait while the engine has a prompt to prefill or a restore is read (its
+        prompt's first step), `PREFILL_HOLD` at most; the seconds waited. A paced write's files took the device, the bus and the GIL
         from the prompt beside them: on an H100 a cached 31k-token second turn, the
         first after the commit whose evictions made those writes, took 1.29x as long
         as with the tier off. The memory they hold is bounded meanwhile: the store
         fits RAM to what waits to be written (`Store._enforce_budget`)."""
         t0 = time.monotonic()
-        while self.prefilling() and not self._closing and time.monotonic() - t0 < PREFILL_HOLD:
+        while ((self.prefilling() or self._restoring > 0) and not self._closing
+               and time.monotonic() - t0 < PREFILL_HOLD):
             time.sleep(POLL)
         return time.monotonic() - t0
 
