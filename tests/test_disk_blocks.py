@@ -796,6 +796,22 @@ def test_on_a_gpu_a_restore_through_pinned_memory_answers_as_the_conversations_k
     third.close()
 
 
+def talks_of(n: int) -> list[list[int]]:
+    """`n` conversations of four blocks and three tokens, sharing nothing."""
+    return [[9000 + 1000 * i + j for j in range(4 * BLOCK_TOKENS + 3)] for i in range(n)]
+
+
+def store_fitting(tier, entries: float, talk: list[int]) -> Store:
+    """A store whose budget holds `entries` entries of `talk`'s size, tied to `tier` as
+    the backend ties them (its events, its overflow, what its queued writes hold)."""
+    one = Store(budget_bytes=1 << 30)
+    one.insert("m", talk, kv_of(talk), "finish", chain=[0])
+    store = Store(budget_bytes=int(entries * one.nbytes))
+    store.listeners.append(tier.on_store_event)
+    store.overflow, store.pinned = tier.take, tier.pinned_bytes
+    return store
+
+
 def test_writes_waiting_for_evicted_entries_count_in_the_ram_budget(tmp_path):
     """An entry evicted while its write waits for an idle engine stays in memory (the
     write holds its arrays): such a write goes at once, busy engine or not, since it
@@ -804,12 +820,8 @@ def test_writes_waiting_for_evicted_entries_count_in_the_ram_budget(tmp_path):
     its budget says, however far the disk writers were behind."""
     tier, _ = make_tier(tmp_path)
     tier.busy = lambda: True  # an engine at work: writes of entries RAM holds wait
-    talks = [[9000 + 1000 * i + j for j in range(4 * BLOCK_TOKENS + 3)] for i in range(5)]
-    one = Store(budget_bytes=1 << 30)
-    one.insert("m", talks[0], kv_of(talks[0]), "finish", chain=[0])
-    store = Store(budget_bytes=int(2.5 * one.nbytes))  # two entries fit
-    store.listeners.append(tier.on_store_event)
-    store.overflow, store.pinned = tier.take, tier.pinned_bytes
+    talks = talks_of(5)
+    store = store_fitting(tier, 2.5, talks[0])  # two entries fit
     for i, talk in enumerate(talks):
         store.insert("m", talk, kv_of(talk), "finish", chain=[i])
         wait_until(lambda: tier.pinned_bytes() == 0, 30, what="the evicted entries' writes")
@@ -847,12 +859,8 @@ def test_a_commit_over_the_budget_evicts_what_it_needs_while_writes_wait(tmp_pat
     go = threading.Event()
     write = tier._write
     tier._write = lambda *a, **k: (go.wait(30), write(*a, **k))[-1]  # the writers are behind
-    talks = [[9000 + 1000 * i + j for j in range(4 * BLOCK_TOKENS + 3)] for i in range(4)]
-    one = Store(budget_bytes=1 << 30)
-    one.insert("m", talks[0], kv_of(talks[0]), "finish", chain=[0])
-    store = Store(budget_bytes=int(3.5 * one.nbytes))  # three entries fit
-    store.listeners.append(tier.on_store_event)
-    store.overflow, store.pinned = tier.take, tier.pinned_bytes
+    talks = talks_of(4)
+    store = store_fitting(tier, 3.5, talks[0])  # three entries fit
     for i, talk in enumerate(talks):
         waited = tier.pinned_bytes()
         store.insert("m", talk, kv_of(talk), "finish", chain=[i])
@@ -883,12 +891,8 @@ def test_a_write_ram_let_go_starts_no_file_while_a_prompt_is_prefilled(tmp_path,
     written = []
     write = tier.blocks.write
     tier.blocks.write = lambda blocks, *a: (written.append(len(blocks)), write(blocks, *a))[-1]
-    talks = [[9000 + 1000 * i + j for j in range(4 * BLOCK_TOKENS + 3)] for i in range(2)]
-    one = Store(budget_bytes=1 << 30)
-    one.insert("m", talks[0], kv_of(talks[0]), "finish", chain=[0])
-    store = Store(budget_bytes=int(1.5 * one.nbytes))  # one entry fits
-    store.listeners.append(tier.on_store_event)
-    store.overflow, store.pinned = tier.take, tier.pinned_bytes
+    talks = talks_of(2)
+    store = store_fitting(tier, 1.5, talks[0])  # one entry fits
     for i, talk in enumerate(talks):
         store.insert("m", talk, kv_of(talk), "finish", chain=[i])
     assert tier.pinned_bytes() > 0  # RAM let the first go: its write is all that holds it
