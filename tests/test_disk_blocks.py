@@ -875,14 +875,15 @@ def test_a_commit_over_the_budget_evicts_what_it_needs_while_writes_wait(tmp_pat
     tier.close()
 
 
-def test_a_write_ram_let_go_starts_no_file_while_a_prompt_is_prefilled(tmp_path, monkeypatch):
+def test_a_write_ram_let_go_starts_no_file_while_a_prompt_is_prefilled(tmp_path):
     """A write RAM let go of goes on under load, paced, but starts no block file while
     its backend has a prompt to prefill or a restore to read (what a user waits on):
     the files took the device, the bus and the GIL from the cached second turn beside
     them. Once the prompt's first token is out, the write goes on, and the memory it
-    held is freed."""
-    monkeypatch.setattr(disk_mod, "PREFILL_HOLD", 60.0)
+    held is freed; a load that always has a prompt waiting holds it `max_delay` at
+    most."""
     tier, metrics = make_tier(tmp_path)
+    tier.max_delay = 60.0  # how long a write holds off for prompts, at most
     tier.busy = lambda: True  # an engine at work: writes of entries RAM holds wait
     asked = []
     prompt = threading.Event()
@@ -907,6 +908,23 @@ def test_a_write_ram_let_go_starts_no_file_while_a_prompt_is_prefilled(tmp_path,
     wait_until(lambda: tier.pinned_bytes() == 0 and len(tier.index) == 1, 30,
                what="the write once the prompt is done")
     assert written and metric(metrics, metrics.disk_paced) > 0
+    tier.close()
+
+
+def test_a_load_that_always_has_a_prompt_waiting_holds_such_a_write_max_delay_at_most(tmp_path):
+    """The hold-off is bounded: under a load that never lets the last prompt reach its
+    first token, a write RAM let go of still goes, paced, once `max_delay` is over,
+    and frees what it held."""
+    tier, _ = make_tier(tmp_path)
+    tier.busy = lambda: True
+    tier.prefilling = lambda: True
+    tier.max_delay = 0.3
+    talks = talks_of(2)
+    store = store_fitting(tier, 1.5, talks[0])  # one entry fits
+    for i, talk in enumerate(talks):
+        store.insert("m", talk, kv_of(talk), "finish", chain=[i])
+    wait_until(lambda: tier.pinned_bytes() == 0 and tier.index, 30,
+               what="the write, held off max_delay at most")
     tier.close()
 
 

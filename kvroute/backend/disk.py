@@ -77,9 +77,6 @@ MAX_DELAY = 30.0  # seconds an entry waits for idleness at most
 PACE = 3.0  # past MAX_DELAY under load: wait this many times a block file's time after it
 MAX_PACE_WAIT = 0.5  # seconds, at most, of one such wait
 POLL = 0.02
-# A paced write starts no file while its engine has a prompt to prefill, for this long
-# at most at a time (a prefill longer than that lets one file through).
-PREFILL_HOLD = 2.0
 HEADER_ROOM = 1 << 20  # a record's header and padding, at most, beside its tensors
 # Read rate a restore is assumed to reach before one is measured (after a restart):
 # a page-cache or NVMe read with its checksums (an H100 host measured 3.1 GB/s). With
@@ -140,6 +137,7 @@ class DiskTier:
         self._deferred: deque = deque()  # "write" and "drop" items waiting for an idle engine
         self._idle_from: float | None = None  # when the engine was last seen going idle
         self._file_from = 0.0  # when the block file being written began (its pace)
+        self._hold_until = 0.0  # the write being written holds off for prompts until then
         self._writing = 0  # 1 while the writer handles an item (stats: nothing pending at 0)
         self.enabled = False
         self.listeners: list[Callable[[DiskEvent], None]] = []
@@ -571,6 +569,7 @@ class DiskTier:
         try:
             if shutil.disk_usage(self.directory).free < entry.nbytes:
                 raise OSError(errno.ENOSPC, "no space left on the device")
+            self._hold_until = time.monotonic() + self.max_delay
             held = self._write_blocks(entry.shared, 0.0 if urgent else entry.created + self.max_delay)
             name, size = diskfile.write(self.directory, stem, entry.cache, meta, self.fsync,
                                         self.blocks.writer, self._needs_device_sum)
@@ -639,14 +638,16 @@ class DiskTier:
 
     def _hold_off(self) -> float:
         """Wait while the engine has a prompt to prefill or a restore is read (its
-        prompt's first step), `PREFILL_HOLD` at most; the seconds waited. A paced write's files took the device, the bus and the GIL
-        from the prompt beside them: on an H100 a cached 31k-token second turn, the
-        first after the commit whose evictions made those writes, took 1.29x as long
-        as with the tier off. The memory they hold is bounded meanwhile: the store
-        fits RAM to what waits to be written (`Store._enforce_budget`)."""
+        prompt's first step), for `max_delay` at most over the whole write (then it
+        only keeps its pace: a load that always has a prompt waiting would otherwise
+        hold it for good); the seconds waited. A paced write's files took the
+        device, the bus and the GIL from the prompt beside them: on an H100 a cached
+        31k-token second turn, the first after the commit whose evictions made such
+        writes, took 1.29x as long as with the tier off. The memory they hold stays
+        bounded meanwhile: the store fits RAM to what waits (`Store._enforce_budget`)."""
         t0 = time.monotonic()
         while ((self.prefilling() or self._restoring > 0) and not self._closing
-               and time.monotonic() - t0 < PREFILL_HOLD):
+               and time.monotonic() < self._hold_until):
             time.sleep(POLL)
         return time.monotonic() - t0
 
