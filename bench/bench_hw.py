@@ -503,10 +503,11 @@ def page_cache_share(folder: str) -> float | None:
             with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
                 pages = np.zeros((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE, np.uint8)
                 view = np.frombuffer(m, np.uint8)
-                if libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size),
-                                ctypes.c_void_p(pages.ctypes.data)):
-                    return None
-                del view
+                failed = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size),
+                                      ctypes.c_void_p(pages.ctypes.data))
+                del view  # before the map closes
+            if failed:
+                return None
             held += min(int((pages & 1).sum()) * mmap.PAGESIZE, size)
             total += size
         return held / total if total else None
