@@ -401,9 +401,9 @@ def test_on_a_card_running_low_a_backend_gives_its_buffer_cache_back(text_model,
     """Replicas share one CUDA card, and MLX caps only its own memory: when the card's
     free memory (the driver's count, every process's) falls under the reserve (6% of
     the card, 2 GiB at least), a backend lets its buffer cache go before its next step,
-    counts it, and says so at most once a minute; with room on the card it keeps the cache. There is no CUDA card
-    here: the in-process engine is told it is on CUDA and the driver's count is stood
-    in for; the buffer cache is MLX's own."""
+    counts it, and says so at most once a minute; with room on the card it keeps the
+    cache. There is no CUDA card here: the in-process engine is told it is on CUDA and
+    the driver's count is stood in for; the buffer cache is MLX's own."""
     import logging
 
     from kvroute.backend import engine as engine_mod

@@ -42,7 +42,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvroute.api.errors import APIError, overloaded, server_error
 from kvroute.core.accel import (card_memory, device_lost, device_trouble, keep_wired_limit, memory,
-                                 pool_memory)
+                                pool_memory)
 from kvroute.core.hits import is_cache_hit
 from kvroute.core.sizes import format_bytes
 

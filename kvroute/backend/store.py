@@ -586,7 +586,7 @@ class Store:
         hold elsewhere (`elsewhere`, when given, in place of what they hold now)."""
         return self.nbytes + self.hot_bytes + (self.pinned() if elsewhere is None else elsewhere)
 
-    def _over(self, elsewhere: int | None = None) -> bool:
+    def _over(self, elsewhere: int) -> bool:
         return (self._counted(elsewhere) > self.budget_bytes
                 or len(self.entries) > self.max_entries)
 
@@ -607,10 +607,10 @@ class Store:
             if len(self.entries) > self.max_entries or not self._cut_back(oldest, elsewhere):
                 self._remove(oldest, "evicted")
 
-    def _cut_back(self, entry: Entry, elsewhere: int | None = None) -> bool:
+    def _cut_back(self, entry: Entry, elsewhere: int) -> bool:
         """Free `entry`'s own tokens from its tail inward, a block at a time, until the
-        budget holds or it reaches a block another entry uses (then that entry covers
-        what is left). False when it should go whole (nothing of it stays useful, or its
+        budget holds (with `elsewhere` as `_enforce_budget` counts it) or it reaches a
+        block another entry uses (then that entry covers what is left). False when it should go whole (nothing of it stays useful, or its
         state cannot be cut)."""
         state = entry.state
         if state is None or state.whole or not entry.trimmable or not state.slots:
