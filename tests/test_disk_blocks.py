@@ -6,6 +6,7 @@ conversations restore it, and a record whose blocks are damaged, missing or not
 its own is never used."""
 
 import logging
+import subprocess
 import threading
 from pathlib import Path
 
@@ -908,6 +909,41 @@ def test_a_write_ram_let_go_starts_no_file_while_a_prompt_is_prefilled(tmp_path)
     wait_until(lambda: tier.pinned_bytes() == 0 and len(tier.index) == 1, 30,
                what="the write once the prompt is done")
     assert written and metric(metrics, metrics.disk_paced) > 0
+    tier.close()
+
+
+def test_such_a_write_also_holds_off_while_a_sibling_backend_has_a_prompt_waiting(tmp_path):
+    """Replicas on one machine share its device and bus: a write RAM let go of starts
+    no block file while a sibling backend (a live process on the same busy board) has
+    a prompt waiting for its first token, and goes on once that prompt is decoding."""
+    from kvroute.backend.busy import BusyBoard
+
+    tier, _ = make_tier(tmp_path / "m-1")
+    tier.max_delay = 60.0
+    tier.busy = lambda: True
+    tier.board = BusyBoard(tmp_path / "board")
+    sibling_proc = subprocess.Popen(["sleep", "120"])
+    try:
+        sibling = BusyBoard(tmp_path / "board", pid=sibling_proc.pid)
+        sibling.set(True, prefilling=True)
+        assert tier.board.others_prefilling() and tier.board.others_busy()
+        talks = talks_of(2)
+        store = store_fitting(tier, 1.5, talks[0])  # one entry fits
+        for i, talk in enumerate(talks):
+            store.insert("m", talk, kv_of(talk), "finish", chain=[i])
+        assert tier.pinned_bytes() > 0
+        with pytest.raises(TimeoutError):
+            wait_until(lambda: tier.index, 1.0, what="a file while the sibling prefills")
+        sibling.set(True, prefilling=False)  # its first token is out: decoding
+        assert tier.board.others_busy() and not tier.board.others_prefilling()
+        wait_until(lambda: tier.pinned_bytes() == 0 and tier.index, 30,
+                   what="the write once the sibling's prompt is done")
+        sibling.set(True, prefilling=True)
+    finally:
+        sibling_proc.kill()
+        sibling_proc.wait()
+    assert not tier.board.others_prefilling()  # its process is gone: its file too
+    assert not list((tmp_path / "board").iterdir())
     tier.close()
 
 

@@ -118,7 +118,7 @@ def load_state(config: BackendConfig) -> State:
         disk.prefilling = lambda: engine.prefilling
         if disk.board is not None:
             board = disk.board
-            engine.load_listeners.append(lambda: board.set(working()))
+            engine.load_listeners.append(lambda: board.set(working(), engine.prefilling))
     engine.misses = Misses(store, metrics_, disk, template_opening(tokenizer))
     template = Template(tokenizer, secret=config.secret, block_bytes=config.block_bytes,
                         checkpointing=engine.checkpointing,

@@ -4,12 +4,14 @@ A backend's disk writer gives way while its own engine has work (disk.py), but t
 replicas `kvroute serve` starts share one GPU, memory bus and disk: measured on an
 H200 with two replicas, the idle one writing its conversations to disk made the
 other's cold 31k-token prompt 1.22x and its cache hits 1.21x slower. So each backend
-also gives way while a sibling works.
+also gives way while a sibling works, and a write that goes on under load anyway (disk.py's
+hold-off) waits while a sibling has a prompt to prefill, as it does for its own.
 
 Siblings are the backends whose disk tiers lie in one folder (serve puts replica
 NAME's tier in DIR/NAME). A backend whose engine works holds a file named by its pid
 in a board folder under the system's temporary directory, named by a hash of that
-folder; a file whose process is gone (killed, crashed) is ignored and removed.
+folder, and renames it PID.p while a prompt of its waits for its first token; a file
+whose process is gone (killed, crashed) is ignored and removed.
 """
 
 from __future__ import annotations
@@ -24,18 +26,22 @@ import xxhash
 
 log = logging.getLogger("kvroute.backend.busy")
 
+PREFILLING = ".p"  # the suffix of a board file while its backend has a prompt waiting
+
 
 class BusyBoard:
     def __init__(self, folder: Path, pid: int | None = None):
         self.folder = folder
         self.pid = os.getpid() if pid is None else pid
-        self._mine = folder / str(self.pid)
-        self._busy = False
+        self._names = {"working": folder / str(self.pid),
+                       "prefilling": folder / f"{self.pid}{PREFILLING}"}
+        self._state = "idle"
         self._warned = False
-        try:
-            self._mine.unlink(missing_ok=True)  # left by an earlier process with this pid
-        except OSError:
-            pass
+        for left in self._names.values():  # left by an earlier process with this pid
+            try:
+                left.unlink(missing_ok=True)
+            except OSError:
+                pass
 
     @classmethod
     def beside(cls, tier_dir: Path) -> "BusyBoard":
@@ -44,18 +50,22 @@ class BusyBoard:
         key = xxhash.xxh64_hexdigest(parent.encode())
         return cls(Path(tempfile.gettempdir()) / "kvroute-busy" / key)
 
-    def set(self, busy: bool) -> None:
-        """Say whether this backend's engine works (called on every load change: only
-        a change touches the file system)."""
-        if busy == self._busy:
+    def set(self, busy: bool, prefilling: bool = False) -> None:
+        """Say whether this backend's engine works and whether a prompt of its waits for
+        its first token (called on every load change: only a change touches the file
+        system)."""
+        state = "prefilling" if busy and prefilling else "working" if busy else "idle"
+        if state == self._state:
             return
-        self._busy = busy
+        was, self._state = self._state, state
         try:
-            if busy:
+            if state == "idle":
+                self._names[was].unlink(missing_ok=True)
+            elif was == "idle":
                 self.folder.mkdir(parents=True, exist_ok=True)
-                self._mine.touch()
+                self._names[state].touch()
             else:
-                self._mine.unlink(missing_ok=True)
+                os.replace(self._names[was], self._names[state])
         except OSError as exc:
             if not self._warned:
                 self._warned = True
@@ -64,20 +74,32 @@ class BusyBoard:
 
     def others_busy(self) -> bool:
         """Whether a live sibling's engine works."""
+        return bool(self._others())
+
+    def others_prefilling(self) -> bool:
+        """Whether a live sibling has a prompt waiting for its first token."""
+        return "prefilling" in self._others()
+
+    def _others(self) -> set[str]:
+        """The states of the live siblings; the files of dead ones removed."""
         try:
             names = os.listdir(self.folder)
         except OSError:
-            return False
+            return set()
+        states = set()
         for name in names:
-            if not name.isdigit() or int(name) == self.pid:
+            pid, prefilling = (name[:-len(PREFILLING)], True) if name.endswith(PREFILLING) \
+                else (name, False)
+            if not pid.isdigit() or int(pid) == self.pid:
                 continue
-            if _alive(int(name)):
-                return True
+            if _alive(int(pid)):
+                states.add("prefilling" if prefilling else "working")
+                continue
             try:
                 (self.folder / name).unlink(missing_ok=True)
             except OSError:
                 pass
-        return False
+        return states
 
     def close(self) -> None:
         self.set(False)

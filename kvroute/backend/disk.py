@@ -637,19 +637,24 @@ class DiskTier:
                 return
 
     def _hold_off(self) -> float:
-        """Wait while the engine has a prompt to prefill or a restore is read (its
-        prompt's first step), for `max_delay` at most over the whole write (then it
-        only keeps its pace: a load that always has a prompt waiting would otherwise
-        hold it for good); the seconds waited. A paced write's files took the
-        device, the bus and the GIL from the prompt beside them: on an H100 a cached
+        """Wait while the engine or a sibling backend's (busy.py) has a prompt to
+        prefill or a restore is read (its prompt's first step), for `max_delay` at
+        most over the whole write (then it only keeps its pace: a load that always
+        has a prompt waiting would otherwise hold it for good); the seconds waited.
+        A paced write's files took the device, the bus and the GIL from the prompt
+        beside them (a sibling's share the device and the bus): on an H100 a cached
         31k-token second turn, the first after the commit whose evictions made such
         writes, took 1.29x as long as with the tier off. The memory they hold stays
         bounded meanwhile: the store fits RAM to what waits (`Store._enforce_budget`)."""
         t0 = time.monotonic()
-        while ((self.prefilling() or self._restoring > 0) and not self._closing
+        while (self._prompt_waits() and not self._closing
                and time.monotonic() < self._hold_until):
             time.sleep(POLL)
         return time.monotonic() - t0
+
+    def _prompt_waits(self) -> bool:
+        return (self.prefilling() or self._restoring > 0
+                or (self.board is not None and self.board.others_prefilling()))
 
     def _write_blocks(self, blocks: list[Block], deadline: float) -> bool:
         """Write the blocks not on disk yet (a block already there is not written again)
