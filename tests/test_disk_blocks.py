@@ -848,6 +848,32 @@ def test_writes_waiting_for_evicted_entries_count_in_the_ram_budget(tmp_path):
     tier.close()
 
 
+def test_a_write_ram_let_go_does_not_wait_behind_writes_that_wait_for_an_idle_engine(tmp_path):
+    """Writes wait in order for an idle engine, but one whose entry RAM let go holds
+    memory the RAM budget counts: it goes at once, ahead of the writes before it that
+    still wait (under load that never pauses they wait `max_delay`, and RAM kept ever
+    less meanwhile: agent turns on a small budget hit far less with the tier on)."""
+    tier, _ = make_tier(tmp_path)
+    tier.max_delay = 60.0
+    tier.busy = lambda: True  # an engine at work: writes of entries RAM holds wait
+    a, b, c = talks_of(3)
+    store = store_fitting(tier, 2.5, a)  # two entries fit
+    store.insert("m", a, kv_of(a), "finish", chain=[0])
+    store.insert("m", b, kv_of(b), "finish", chain=[1])  # its write waits behind a's
+    assert store.lookup("m", a + [1]).tokens == len(a)  # a used again: b is the oldest
+    store.insert("m", c, kv_of(c), "finish", chain=[2])  # RAM lets b go
+
+    def on_disk(talk: list[int]) -> bool:
+        return tier.best("m", np.asarray(talk + [1], dtype=np.int32), None)[0] == len(talk)
+
+    wait_until(lambda: on_disk(b) and tier.pinned_bytes() == 0, 30,
+               what="b's write, ahead of a's that waits")
+    assert not on_disk(a) and store.depth("m", a + [1]) == len(a)  # a waits, RAM holds it
+    tier.busy = lambda: False
+    wait_until(lambda: on_disk(a) and on_disk(c), 30, what="the rest once the engine rests")
+    tier.close()
+
+
 def test_a_commit_over_the_budget_evicts_what_it_needs_while_writes_wait(tmp_path):
     """Evicting an entry whose write still waits frees nothing until that write is
     done. A commit over the budget while the writers are behind therefore evicts what

@@ -422,19 +422,18 @@ class DiskTier:
         item[1] = None
 
     def _covered(self, entry: Entry) -> bool:
-        """Whether a file (refreshed in LRU order) or a queued entry holds all of
-        `entry` and serves what it serves."""
-        def holds(old: Any) -> bool:
-            if old.model != entry.model or old.scope != entry.scope:
-                return False
-            if len(old.tokens) > len(entry.tokens) and not old.trimmable:
-                return False
-            return common_prefix(entry.tokens, old.tokens) == len(entry.tokens)
+        """Whether a file or a queued entry holds all of `entry` and serves what it
+        serves."""
+        return self._covered_on_disk(entry) or any(
+            item[1] is not None and _holds(item[1], entry) for item in self._wholes)
+
+    def _covered_on_disk(self, entry: Entry) -> bool:
+        """Whether a file holds all of `entry` (refreshed in LRU order if so)."""
         for name, record in self.index.items():
-            if holds(record):
+            if _holds(record, entry):
                 self.index.move_to_end(name)
                 return True
-        return any(item[1] is not None and holds(item[1]) for item in self._wholes)
+        return False
 
     # -- the writer thread -----------------------------------------------------
 
@@ -458,6 +457,12 @@ class DiskTier:
             self._note_idle()
             while self._deferred and self._due(self._deferred[0]):
                 self._handle(self._deferred.popleft())
+            # A write whose entry RAM let go holds memory RAM's budget counts: it does
+            # not wait behind writes that wait for an idle engine (under load that never
+            # pauses, for `max_delay`), which made RAM keep ever less meanwhile.
+            for item in [it for it in self._deferred if it[0] == "write" and it[4]]:
+                self._deferred.remove(item)
+                self._handle(item)
             self._update_queue_gauge()
 
     def _waiting(self) -> int:
@@ -511,6 +516,10 @@ class DiskTier:
             return True
         return self._rested()
 
+    def _orphan_behind(self) -> bool:
+        """Whether a write waiting for this one holds an entry RAM let go of."""
+        return any(it[0] == "write" and it[4] for it in list(self._deferred))
+
     def _rested(self) -> bool:
         """The engines were idle `idle_wait` seconds when `_note_idle` last looked."""
         return self._idle_from is not None and time.monotonic() - self._idle_from >= self.idle_wait
@@ -519,6 +528,10 @@ class DiskTier:
         with self.lock:
             entry = item[1]
             if entry is None:  # superseded while it waited
+                return
+            if self._covered_on_disk(entry):  # a later turn, written out of order, holds it
+                self._queued.pop(entry.id, None)
+                self._dequeue(item)
                 return
             self._queued.pop(entry.id, None)
             evicted, item[4] = item[4], 0  # its bytes stay counted until written
@@ -625,7 +638,8 @@ class DiskTier:
 
     def _wait_rested(self, deadline: float, spent: float) -> None:
         while not self._closing:
-            if time.time() >= deadline:
+            # A write RAM let go of waits behind this one: its memory waits on it too.
+            if time.time() >= deadline or self._orphan_behind():
                 if self._idle_from is None:  # still working: a paced write
                     wait = min(PACE * spent, MAX_PACE_WAIT)
                     time.sleep(wait)
@@ -966,6 +980,15 @@ def _blocks_for(record: Record, n: int) -> int:
         if need <= len(record.blocks):
             return need
     return len(record.blocks)
+
+
+def _holds(old: Any, entry: Entry) -> bool:
+    """Whether `old` (a record or an entry) holds all of `entry` and serves what it serves."""
+    if old.model != entry.model or old.scope != entry.scope:
+        return False
+    if len(old.tokens) > len(entry.tokens) and not old.trimmable:
+        return False
+    return common_prefix(entry.tokens, old.tokens) == len(entry.tokens)
 
 
 def _extends(entry: Entry, old: Any) -> bool:
