@@ -14,6 +14,7 @@ finds the prompt.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from mlx_lm import load
@@ -148,25 +149,29 @@ def test_a_one_token_reply_goes_out_before_its_commits_and_ends_after_them(engin
 def test_the_engine_says_whether_a_request_waits_for_its_first_token(engine):
     """What the disk writer asks before a paced write's next file: true while a request
     is queued or its prompt prefilled, false once its first token is out (decoding) and
-    when the engine is idle."""
+    when the engine is idle. `answering` (the writer's own hold-off) stays true until
+    the handler has written that token's chunk to the client (it marks `first_out_at`)."""
     prompt = [(3 * i) % 300 + 50 for i in range(40)]
 
-    async def go() -> list[bool]:
+    async def go() -> list[tuple[bool, bool]]:
         loop = asyncio.get_running_loop()
-        seen = [engine.prefilling]
+        seen = [(engine.prefilling, engine.answering)]
         release = asyncio.Event()
         held = asyncio.ensure_future(engine.call(lambda: asyncio.run_coroutine_threadsafe(
             release.wait(), loop).result(30)))  # the engine thread busy with something else
         job = _job(prompt, 8, loop)
         engine.submit(job)
-        seen.append(engine.prefilling)  # queued behind it
+        seen.append((engine.prefilling, engine.answering))  # queued behind it
         release.set()
         await held
         first = await job.events.get()
-        assert isinstance(first, Delta)
-        seen.append(engine.prefilling)  # its first token is out: decoding
+        assert isinstance(first, Delta) and first.text
+        seen.append((engine.prefilling, engine.answering))  # out of the engine, not sent
+        job.first_out_at = time.perf_counter()  # what the handler does once it is written
+        seen.append((engine.prefilling, engine.answering))  # decoding
         await _answer(job)
-        seen.append(engine.prefilling)
+        seen.append((engine.prefilling, engine.answering))
         return seen
 
-    assert asyncio.run(go()) == [False, True, False, False]
+    assert asyncio.run(go()) == [(False, False), (True, True), (False, True), (False, False),
+                                 (False, False)]

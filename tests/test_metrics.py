@@ -139,3 +139,22 @@ def test_stats_command_prints_the_metrics_hit_ratio(system, workload):
                          capture_output=True, text=True, timeout=30, env={"COLUMNS": "160", "PATH": ""})
     assert out.returncode == 0, out.stderr
     assert f"{ratio * 100:.1f}%" in out.stdout, out.stdout
+
+
+def test_a_streamed_answer_counts_when_its_first_chunk_left_the_backend(system, workload):
+    """The end of the TTFT the client sees: each streamed request adds one observation
+    of its first token's way from the engine to the client's connection; whole answers
+    add none."""
+    backend = system["backends"]["alpha-1"]
+    labels = {"model": "alpha", "backend": "alpha-1"}
+    name = "kvroute_backend_first_chunk_send_seconds"
+    before = samples(backend.url)
+    assert value(before, name + "_count", **labels) == 0  # the workload streamed nothing
+    client = openai.OpenAI(base_url=system["proxy"] + "/v1", api_key="x", max_retries=0)
+    stream = client.chat.completions.create(
+        model="alpha", stream=True, max_tokens=8,
+        messages=[{"role": "user", "content": f"{uuid.uuid4().hex} Hello."}])
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    after = samples(backend.url)
+    assert value(after, name + "_count", **labels) == 1
+    assert 0 < value(after, name + "_sum", **labels) < 5.0

@@ -164,7 +164,7 @@ async def _generate(
             state.engine.submit(j)
         state.metrics.l(state.metrics.prepare).observe(time.perf_counter() - arrived)
         if req.stream:
-            return await _stream(request, choices, builders, req.include_usage)
+            return await _stream(request, choices, builders, req.include_usage, state.metrics)
         return await _whole(choices, builders)
     finally:
         # Runs on normal completion, on errors, and when aiohttp cancels the
@@ -290,6 +290,8 @@ async def _whole(choices: Choices, builders: list) -> web.Response:
     finishes: dict[int, Finish] = {}
     while len(finishes) < len(builders):
         i, event = await choices.get()
+        if choices.jobs[i].first_out_at is None:
+            choices.jobs[i].first_out_at = time.perf_counter()  # the handler has it
         if isinstance(event, Delta):
             builders[i].add(event)
         elif isinstance(event, Finish):
@@ -301,6 +303,16 @@ async def _whole(choices: Choices, builders: list) -> web.Response:
     if len(builders) > 1:
         body["choices"] = [b.whole(f)["choices"][0] for b, f in zip(builders, ordered)]
     return json_response(body, _cache_headers(choices.jobs[0]))
+
+
+def _first_out(job: Job, metrics: BackendMetrics) -> None:
+    """A stream's chunk is written: the first marks when its client had its first
+    output (until then the disk writer holds off: Engine.answering)."""
+    if job.first_out_at is not None:
+        return
+    job.first_out_at = time.perf_counter()
+    if job.first_token_at is not None:
+        metrics.l(metrics.send).observe(job.first_out_at - job.first_token_at)
 
 
 def _cache_headers(job: Job) -> dict:
@@ -317,7 +329,8 @@ def _cache_headers(job: Job) -> dict:
 
 
 async def _stream(
-    request: web.Request, choices: Choices, builders: list, include_usage: bool
+    request: web.Request, choices: Choices, builders: list, include_usage: bool,
+    metrics: BackendMetrics,
 ) -> web.StreamResponse:
     # Wait for the first event before committing to a 200, so that an engine
     # failure before any output is still reported with a proper status code.
@@ -351,6 +364,7 @@ async def _stream(
             else:
                 await resp.write(sse_data(event.body()))
                 break
+            _first_out(choices.jobs[i], metrics)
             i, event = await choices.get()
         await resp.write(SSE_DONE)
         await resp.write_eof()

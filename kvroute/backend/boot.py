@@ -115,7 +115,7 @@ def load_state(config: BackendConfig) -> State:
             return engine.queue_depth > 0
 
         disk.busy = working
-        disk.prefilling = lambda: engine.prefilling
+        disk.prefilling = lambda: engine.answering
         if disk.board is not None:
             board = disk.board
             engine.load_listeners.append(lambda: board.set(working(), engine.prefilling))

@@ -196,6 +196,19 @@ class Engine:
         except RuntimeError:  # changed while copied: ask again next time
             return True
 
+    @property
+    def answering(self) -> bool:
+        """Whether a request waits for its first output to reach its client: as
+        `prefilling`, until the event loop has written the first token's chunk: the
+        TTFT the client sees ends there, and the disk writer's own hold-off lasts that
+        long (it shares the GIL with the loop that writes the chunk)."""
+        if self.waiting:
+            return True
+        try:
+            return any(job.first_out_at is None for job in list(self._jobs.values()))
+        except RuntimeError:
+            return True
+
     def submit(self, job: Job) -> None:
         if self.lost:
             raise APIError(503, LOST_MESSAGE, "server_error")
@@ -876,6 +889,8 @@ class Engine:
     def _emit_chunk(self, job: Job, chunk: Chunk, end: str = "") -> None:
         logprobs = self._sendable_logprobs(job, end)
         if not (chunk.text or chunk.tool_calls or logprobs):
+            if job.generated == 1:  # nothing of the first token to send: none waits on it
+                job.first_out_at = job.first_token_at
             return
         job.reply_text.append(chunk.text)
         job.reply_tool_calls += chunk.tool_calls

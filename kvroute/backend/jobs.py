@@ -76,6 +76,10 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     queued_at: float = 0.0  # when it was handed to the engine
     first_token_at: float | None = None
+    # When its first output reached the client's connection (a stream's first chunk
+    # written; a whole answer's first event in the handler), or its first token's time
+    # when that token had nothing to send: until then a user waits on this request.
+    first_out_at: float | None = None
     parser: OutputParser | None = None
     detokenizer: Any = None
     pending_logprobs: list[dict] = field(default_factory=list)

@@ -121,6 +121,12 @@ class BackendMetrics:
             "From a generation request's arrival to its submission to the engine: reading "
             "and checking the body, the chat template, tokenizing, the disk tier's lookup "
             "and read (part of the TTFT)", buckets=_LATENCY_BUCKETS)
+        self.send = self._family(
+            Histogram, "kvroute_backend_first_chunk_send_seconds",
+            "From a streamed request's first token to its first chunk written to the "
+            "client's connection: the event loop's lag behind the engine (the end of the "
+            "TTFT the client sees, after kvroute_backend_ttft_seconds)",
+            buckets=_LATENCY_BUCKETS)
         self.queue = self._family(
             Histogram, "kvroute_backend_queue_seconds",
             "From a generation request's submission to the engine until the engine takes "
