@@ -990,6 +990,37 @@ def test_a_load_that_always_has_a_prompt_waiting_holds_such_a_write_max_delay_at
     tier.close()
 
 
+def test_once_writes_ram_let_go_hold_their_share_an_evicted_entry_s_write_is_dropped(tmp_path):
+    """RAM's budget counts what the writes of entries it let go of hold, so a writer
+    far behind made RAM hold ever less (agent turns on a small budget hit 0.24-0.58 of
+    their tokens with the tier on, 0.70 with it off). Once such writes hold
+    `max_orphaned`, an evicted entry's write is dropped, as with no tier, and counted;
+    the one already held is written."""
+    tier, metrics = make_tier(tmp_path)
+    tier.busy = lambda: True  # an engine at work: writes of entries RAM holds wait
+    writing, go = threading.Event(), threading.Event()
+    write = tier._write
+    tier._write = lambda *a, **k: (writing.set(), go.wait(30), write(*a, **k))[-1]
+    a, b, c = talks_of(3)
+    store = store_fitting(tier, 1.5, a)  # one entry fits
+    store.insert("m", a, kv_of(a), "finish", chain=[0])
+    store.insert("m", b, kv_of(b), "finish", chain=[1])  # RAM lets a go: its write goes
+    assert writing.wait(30)
+    held = tier.pinned_bytes()
+    assert held > 0 and metric(metrics, metrics.disk_writes, result="dropped") == 0
+    tier.max_orphaned = held  # what a's write holds is the share
+    store.insert("m", c, kv_of(c), "finish", chain=[2])  # RAM lets b go: dropped
+    assert metric(metrics, metrics.disk_writes, result="dropped") == 1
+    assert tier.pinned_bytes() == held  # b's arrays went with RAM's entry
+    go.set()
+    tier.busy = lambda: False
+    wait_until(lambda: tier.pinned_bytes() == 0 and len(tier.index) == 2, 30,
+               what="a's write, then c's once the engine rests")
+    on_disk = {len(r.tokens) and r.tokens[0] for r in tier.index.values()}
+    assert on_disk == {a[0], c[0]}  # b is not on disk: its write was dropped
+    tier.close()
+
+
 def test_a_waiting_write_of_an_entry_ram_cut_back_counts_what_was_cut(tmp_path):
     """RAM cut an entry back (its tail blocks freed) while its write waited: the write
     still holds the whole entry, so what was cut stays counted in the RAM budget until
