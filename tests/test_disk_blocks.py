@@ -990,6 +990,16 @@ def test_a_load_that_always_has_a_prompt_waiting_holds_such_a_write_max_delay_at
     tier.close()
 
 
+def held_writer(tier) -> tuple[threading.Event, threading.Event]:
+    """A busy engine (writes of entries RAM holds wait) and a writer that holds each
+    write until `go` is set; `writing` is set when one starts."""
+    tier.busy = lambda: True
+    writing, go = threading.Event(), threading.Event()
+    write = tier._write
+    tier._write = lambda *a, **k: (writing.set(), go.wait(30), write(*a, **k))[-1]
+    return writing, go
+
+
 def test_once_writes_ram_let_go_hold_their_share_an_evicted_entry_s_write_is_dropped(tmp_path):
     """RAM's budget counts what the writes of entries it let go of hold, so a writer
     far behind made RAM hold ever less (agent turns on a small budget hit 0.24-0.58 of
@@ -997,10 +1007,7 @@ def test_once_writes_ram_let_go_hold_their_share_an_evicted_entry_s_write_is_dro
     `max_orphaned`, an evicted entry's write is dropped, as with no tier, and counted;
     the one already held is written."""
     tier, metrics = make_tier(tmp_path)
-    tier.busy = lambda: True  # an engine at work: writes of entries RAM holds wait
-    writing, go = threading.Event(), threading.Event()
-    write = tier._write
-    tier._write = lambda *a, **k: (writing.set(), go.wait(30), write(*a, **k))[-1]
+    writing, go = held_writer(tier)
     a, b, c = talks_of(3)
     store = store_fitting(tier, 1.5, a)  # one entry fits
     store.insert("m", a, kv_of(a), "finish", chain=[0])
@@ -1027,10 +1034,7 @@ def test_a_waiting_write_of_an_entry_ram_cut_back_counts_what_was_cut(tmp_path):
     the write is done (cutting it further frees nothing either: RAM lets it go), and
     the file holds the whole entry."""
     tier, _ = make_tier(tmp_path)
-    tier.busy = lambda: True  # an engine at work: writes of entries RAM holds wait
-    writing, go = threading.Event(), threading.Event()
-    write = tier._write
-    tier._write = lambda *a, **k: (writing.set(), go.wait(30), write(*a, **k))[-1]
+    writing, go = held_writer(tier)
     long_ = [7000 + j for j in range(8 * BLOCK_TOKENS + 5)]
     short = [3000 + j for j in range(3 * BLOCK_TOKENS + 5)]
     sizes = Store(budget_bytes=1 << 30)

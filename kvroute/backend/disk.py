@@ -367,10 +367,11 @@ class DiskTier:
 
     def _behind(self) -> bool:
         """Whether the writes of entries RAM let go of hold `max_orphaned` (half the
-        queue's bound, the RAM budget's size) already: RAM's budget counts them, so past that an evicted
-        entry's write is dropped, as with no tier. Kept, they made RAM hold ever less
-        while the writer was behind: on a CPU, agent turns on a small budget hit 0.24-0.58
-        of their tokens with the tier on, 0.70 with it off (tier lock held)."""
+        queue's bound, the RAM budget's size) already: RAM's budget counts them, so
+        past that an evicted entry's write is dropped, as with no tier. Kept, they made
+        RAM hold ever less while the writer was behind: on a CPU, agent turns on a
+        small budget hit 0.24-0.58 of their tokens with the tier on, 0.70 with it off
+        (tier lock held)."""
         return self._orphaned_bytes >= self.max_orphaned
 
     def _orphan(self, item: list | None, nbytes: int | None = None) -> None:
