@@ -572,10 +572,14 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
                                                       repeat, {"x-kvroute-token": TOKEN})
         progress(out)
         out["memory"]["decode"] = stack.memory()
+        before = stack.split()
         try:
             out["agents"] = run(agents(url, "m", tok, 20000 + 1000 * part, args.agent_system))
         except RuntimeError as exc:  # recorded, and the restore still measured
             out["agents_error"] = str(exc)[-400:]
+        else:  # what the disk writers did beside the agents
+            after = stack.split()
+            out["agents"].update({k: after[k] - before[k] for k in ("disk_writes", "disk_paced")})
         out["memory"]["agents"] = stack.memory()
         progress(out)
         if disk and args.restore:
@@ -655,7 +659,8 @@ def restore(stack: Stack, tok, args) -> dict:
         # The backend's TTFT of the hit, its time before the engine, of that the restore.
         after = stack.split()
         turns.append((t, usage))
-        splits.append({k: after[k] - before[k] for k in ("engine_ttft", "backend_prepare", "restore_read")})
+        splits.append({k: after[k] - before[k] for k in ("engine_ttft", "backend_prepare", "restore_read",
+                                                         "proxy_overhead", "backend_send")})
     skipped = stack.metric("kvroute_backend_disk_restores_skipped_total") - skipped
     usage = min((u for _, u in turns), key=cached_tokens)  # the least restored of them
     return {"size": size, "restored_ttft": statistics.median(t for t, _ in turns),
@@ -803,6 +808,9 @@ def report(args, got: dict) -> str:
                              f"{secs(r['backend_prepare'])}, of it the restore "
                              f"{secs(r['restore_read'])}), the rest "
                              f"{secs(r['restored_ttft'] - r['engine_ttft'])}"
+                             + (f" (of it the proxy before forwarding {secs(r['proxy_overhead'])}, "
+                                f"the first chunk's way out of the backend {secs(r['backend_send'])})"
+                                if "backend_send" in r else "")
                              + (f"; the disk tier's files {100 * r['page_cache_share']:.0f}% "
                                 "in the page cache before it" if r.get("page_cache_share") is not None
                                 else ""), "", "", ""))
@@ -831,14 +839,17 @@ def report(args, got: dict) -> str:
     text = "\n".join(lines)
     if kv:
         text += (f"\n\n| agents (8 x 4 turns, ~{args.agent_system}-token system prompts) | hit ratio "
-                 "| turns 2-4 mean TTFT | wall |\n|---|---|---|---|\n")
+                 "| turns 2-4 mean TTFT | wall | disk writes ended / paced beside them |"
+                 "\n|---|---|---|---|---|\n")
         for name, part in (("disk tier on", kv), ("disk tier off", nd)):
             if part and "agents" in part:
                 a = part["agents"]
+                disk = (f"{a['disk_writes']:.0f} / {a['disk_paced']:.2f} s" if "disk_paced" in a
+                        else "")
                 text += (f"| {name} | {a['hit_ratio']:.3f} | {a['ttft_turns_2_4']:.3f} s "
-                         f"| {a['wall_s']:.1f} s |\n")
+                         f"| {a['wall_s']:.1f} s | {disk} |\n")
         if "agents_error" in kv:
-            text += f"| disk tier on | failed: {kv['agents_error'][-200:]} | | |\n"
+            text += f"| disk tier on | failed: {kv['agents_error'][-200:]} | | | |\n"
         text += memory_table(kv.get("memory") or {})
         extra = {k: kv.get(k) for k in ("ready_s", "exit_codes", "disk_read_rate",
                                         "disk_restores_skipped",
