@@ -8,6 +8,7 @@ its own is never used."""
 import logging
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -970,6 +971,32 @@ def test_such_a_write_also_holds_off_while_a_sibling_backend_has_a_prompt_waitin
         sibling_proc.wait()
     assert not tier.board.others_prefilling()  # its process is gone: its file too
     assert not list((tmp_path / "board").iterdir())
+    tier.close()
+
+
+def test_a_long_paced_write_still_holds_off_for_a_prompt_after_max_delay(tmp_path):
+    """The hold-off's bound is `max_delay` of holding off in all, not `max_delay` from
+    the write's start: a paced write of a long conversation (a 31k-token one is ~1,000
+    block files) that has not held off yet still starts no file while a prompt waits,
+    however long it has been writing."""
+    tier, _ = make_tier(tmp_path)
+    tier.max_delay = 0.5
+    tier.busy = lambda: True
+    asked, prompt = [], threading.Event()
+    tier.prefilling = lambda: asked.append(1) or prompt.is_set()
+    files, give_way = [], tier._give_way
+    tier._give_way = lambda deadline: (files.append(1), time.sleep(0.05), give_way(deadline))
+    talks = [[5000 + 1000 * i + j for j in range(20 * BLOCK_TOKENS + 3)] for i in range(2)]
+    store = store_fitting(tier, 1.5, talks[0])  # one entry fits
+    for i, talk in enumerate(talks):
+        store.insert("m", talk, kv_of(talk), "finish", chain=[i])
+    wait_until(lambda: len(files) >= 8, 60, what="a write past max_delay since its start")
+    prompt.set()
+    seen, written = len(asked), len(files)
+    wait_until(lambda: len(asked) >= seen + 10, 30, what="the writer asking about the prompt")
+    assert len(files) <= written + 1  # the file it was writing, at most
+    prompt.clear()
+    wait_until(lambda: tier.pinned_bytes() == 0 and tier.index, 60, what="the rest of the write")
     tier.close()
 
 

@@ -140,7 +140,7 @@ class DiskTier:
         self._deferred: deque = deque()  # "write" and "drop" items waiting for an idle engine
         self._idle_from: float | None = None  # when the engine was last seen going idle
         self._file_from = 0.0  # when the block file being written began (its pace)
-        self._hold_until = 0.0  # the write being written holds off for prompts until then
+        self._hold_left = 0.0  # seconds the write being written may still hold off for prompts
         self._writing = 0  # 1 while the writer handles an item (stats: nothing pending at 0)
         self.enabled = False
         self.listeners: list[Callable[[DiskEvent], None]] = []
@@ -602,7 +602,7 @@ class DiskTier:
         try:
             if shutil.disk_usage(self.directory).free < entry.nbytes:
                 raise OSError(errno.ENOSPC, "no space left on the device")
-            self._hold_until = time.monotonic() + self.max_delay
+            self._hold_left = self.max_delay
             held = self._write_blocks(entry.shared, 0.0 if urgent else entry.created + self.max_delay)
             name, size = diskfile.write(self.directory, stem, entry.cache, meta, self.fsync,
                                         self.blocks.writer, self._needs_device_sum)
@@ -672,9 +672,11 @@ class DiskTier:
 
     def _hold_off(self) -> float:
         """Wait while the engine or a sibling backend's (busy.py) has a prompt to
-        prefill or a restore is read (its prompt's first step), for `max_delay` at
+        prefill or a restore is read (its prompt's first step), `max_delay` in all at
         most over the whole write (then it only keeps its pace: a load that always
-        has a prompt waiting would otherwise hold it for good); the seconds waited.
+        has a prompt waiting would otherwise hold it for good; a bound from the
+        write's start instead let a long paced write, a 31k-token conversation's
+        ~1,000 files, run beside every prompt after its first 30 s); the seconds waited.
         A paced write's files took the device, the bus and the GIL from the prompt
         beside them (a sibling's share the device and the bus): on an H100 a cached
         31k-token second turn, the first after the commit whose evictions made such
@@ -682,9 +684,11 @@ class DiskTier:
         bounded meanwhile: the store fits RAM to what waits (`Store._enforce_budget`)."""
         t0 = time.monotonic()
         while (self._prompt_waits() and not self._closing
-               and time.monotonic() < self._hold_until):
+               and time.monotonic() - t0 < self._hold_left):
             time.sleep(POLL)
-        return time.monotonic() - t0
+        waited = time.monotonic() - t0
+        self._hold_left -= waited
+        return waited
 
     def _prompt_waits(self) -> bool:
         return (self.prefilling() or self._restoring > 0
