@@ -88,12 +88,11 @@ class BusyBoard:
             return set()
         states = set()
         for name in names:
-            pid, prefilling = (name[:-len(PREFILLING)], True) if name.endswith(PREFILLING) \
-                else (name, False)
+            pid = name.removesuffix(PREFILLING)
             if not pid.isdigit() or int(pid) == self.pid:
                 continue
             if _alive(int(pid)):
-                states.add("prefilling" if prefilling else "working")
+                states.add("working" if pid == name else "prefilling")
                 continue
             try:
                 (self.folder / name).unlink(missing_ok=True)

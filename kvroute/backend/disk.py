@@ -480,7 +480,7 @@ class DiskTier:
             # A write whose entry RAM let go holds memory RAM's budget counts: it does
             # not wait behind writes that wait for an idle engine (under load that never
             # pauses, for `max_delay`), which made RAM keep ever less meanwhile.
-            for item in [it for it in self._deferred if it[0] == "write" and it[4]]:
+            for item in self._orphans():
                 self._deferred.remove(item)
                 self._handle(item)
             self._update_queue_gauge()
@@ -536,9 +536,9 @@ class DiskTier:
             return True
         return self._rested()
 
-    def _orphan_behind(self) -> bool:
-        """Whether a write waiting for this one holds an entry RAM let go of."""
-        return any(it[0] == "write" and it[4] for it in list(self._deferred))
+    def _orphans(self) -> list:
+        """The waiting writes that hold an entry RAM let go of."""
+        return [it for it in list(self._deferred) if it[0] == "write" and it[4]]
 
     def _rested(self) -> bool:
         """The engines were idle `idle_wait` seconds when `_note_idle` last looked."""
@@ -659,7 +659,7 @@ class DiskTier:
     def _wait_rested(self, deadline: float, spent: float) -> None:
         while not self._closing:
             # A write RAM let go of waits behind this one: its memory waits on it too.
-            if time.time() >= deadline or self._orphan_behind():
+            if time.time() >= deadline or self._orphans():
                 if self._idle_from is None:  # still working: a paced write
                     wait = min(PACE * spent, MAX_PACE_WAIT)
                     time.sleep(wait)

@@ -189,12 +189,7 @@ class Engine:
         """Whether a request waits for its first token (queued, or its prompt being
         prefilled): what a user waits on, which the disk writer's paced writes keep
         off (any thread may ask)."""
-        if self.waiting:
-            return True
-        try:
-            return any(job.first_token_at is None for job in list(self._jobs.values()))
-        except RuntimeError:  # changed while copied: ask again next time
-            return True
+        return self._awaited("first_token_at")
 
     @property
     def answering(self) -> bool:
@@ -202,11 +197,15 @@ class Engine:
         `prefilling`, until the event loop has written the first token's chunk: the
         TTFT the client sees ends there, and the disk writer's own hold-off lasts that
         long (it shares the GIL with the loop that writes the chunk)."""
+        return self._awaited("first_out_at")
+
+    def _awaited(self, mark: str) -> bool:
+        """Whether a request is queued, or a running one has no `mark` time yet."""
         if self.waiting:
             return True
         try:
-            return any(job.first_out_at is None for job in list(self._jobs.values()))
-        except RuntimeError:
+            return any(getattr(job, mark) is None for job in list(self._jobs.values()))
+        except RuntimeError:  # changed while copied: ask again next time
             return True
 
     def submit(self, job: Job) -> None:

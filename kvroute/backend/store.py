@@ -610,8 +610,8 @@ class Store:
     def _cut_back(self, entry: Entry, elsewhere: int) -> bool:
         """Free `entry`'s own tokens from its tail inward, a block at a time, until the
         budget holds (with `elsewhere` as `_enforce_budget` counts it) or it reaches a
-        block another entry uses (then that entry covers what is left). False when it should go whole (nothing of it stays useful, or its
-        state cannot be cut)."""
+        block another entry uses (then that entry covers what is left). False when it
+        should go whole (nothing of it stays useful, or its state cannot be cut)."""
         state = entry.state
         if state is None or state.whole or not entry.trimmable or not state.slots:
             return False
