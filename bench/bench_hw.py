@@ -237,10 +237,12 @@ async def decode_rate(url: str, model: str, tok, streams: int, n: int, seed: int
 
 def decode_median(url: str, model: str, tok, streams: int, n: int, seed: int, repeat: int,
                   headers: dict | None = None) -> float:
-    """`decode_rate`'s median over `repeat` runs, each with prompts of its own (one run
-    of 8 streams moved 1.18x-1.56x of mlx-lm's server between two machines)."""
+    """`decode_rate`'s median over `repeat` runs of several streams, each with prompts of
+    its own (one run of 8 streams moved 1.18x-1.56x of mlx-lm's server between two
+    machines); a single stream runs once."""
+    runs = repeat if streams > 1 else 1
     return statistics.median(run(decode_rate(url, model, tok, streams, n, seed + 10_000 * r,
-                                             headers)) for r in range(repeat))
+                                             headers)) for r in range(runs))
 
 
 async def completion_ttft(url: str, model: str, prompt: str) -> float:
@@ -387,7 +389,7 @@ def run_mlx_server(args, tok, logs: Path) -> dict:
                "turn2": turn2_ttft(url, model, tok, args.turn2, args.turn2_repeat, 1)}
         for n in (1, 8, 32):
             out[f"decode{n}"] = decode_median(url, model, tok, n, args.decode, 5100 + 100 * n,
-                                              args.decode_repeat if n > 1 else 1)
+                                              args.decode_repeat)
     finally:
         server.stop()
     return out
@@ -564,12 +566,12 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
         one = stack.backends()[0]
         run(decode_rate(url, "m", tok, 8, 16, 6000))
         for n in (1, 8, 32) if disk else (8,):
-            repeat = args.decode_repeat if n > 1 else 1
-            out[f"decode{n}"] = decode_median(url, "m", tok, n, args.decode, 6000 + 100 * n, repeat)
+            out[f"decode{n}"] = decode_median(url, "m", tok, n, args.decode, 6000 + 100 * n,
+                                              args.decode_repeat)
             if n > 1 and disk:
                 # mlx-lm's server batches every stream in one process: so does one backend.
                 out[f"decode{n}_one"] = decode_median(one, "m", tok, n, args.decode, 6050 + 100 * n,
-                                                      repeat, {"x-kvroute-token": TOKEN})
+                                                      args.decode_repeat, {"x-kvroute-token": TOKEN})
         progress(out)
         out["memory"]["decode"] = stack.memory()
         before = stack.split()
@@ -765,12 +767,13 @@ def report(args, got: dict) -> str:
         add("first request after ready (the tenth)", f, t, secs, "~1x")
         t2 = kv["turn2"]
         if "engine_ttft" in t2:
+            rest = t2.get("ttft_mean", t2["ttft"]) - t2["engine_ttft"] - t2.get("proxy_overhead", 0.0)
             rows.append((f"turn 2 on ~{args.turn2} cached: where it went",
                          f"backend {secs(t2['engine_ttft'])} (before its engine "
                          f"{secs(t2.get('backend_prepare', 0.0))}, in its queue "
                          f"{secs(t2.get('backend_queue', 0.0))}), proxy before forwarding "
                          f"{secs(t2.get('proxy_overhead', 0.0))}, the rest "
-                         f"{secs(t2.get('ttft_mean', t2['ttft']) - t2['engine_ttft'] - t2.get('proxy_overhead', 0.0))}"
+                         f"{secs(rest)}"
                          + (f" (of it the first chunk's way out of the backend "
                             f"{secs(t2['backend_send'])})" if "backend_send" in t2 else "")
                          + (f" (means; each turn 2: {', '.join(secs(t) for t in t2['ttfts'])})"
