@@ -185,7 +185,8 @@ class BackendMetrics:
             Counter, "kvroute_backend_disk_write_paced_seconds",
             "Seconds the disk writer paused writes that go on under load (they waited "
             "their max_delay, or RAM let their entry go): between block files (it then "
-            "writes at most a quarter of the time) and while a prompt is prefilled")
+            "writes at most a quarter of the time) and while a prompt, here or on a sibling "
+            "backend, waits for its first token or a restore is read")
         self.disk_dropped = self._family(
             Counter, "kvroute_backend_disk_dropped_files",
             "Files dropped unread (partial, truncated, corrupt, foreign, version)", ("reason",))
