@@ -77,6 +77,11 @@ MAX_DELAY = 30.0  # seconds an entry waits for idleness at most
 PACE = 3.0  # past MAX_DELAY under load: wait this many times a block file's time after it
 MAX_PACE_WAIT = 0.5  # seconds, at most, of one such wait
 POLL = 0.02
+# The writes of entries RAM let go of hold at most 1/ORPHANED_SHARE of the queue's bound
+# (the RAM budget's size), which RAM's budget counts: on a 2-core VM, 8 agents right
+# after decode runs hit 0.58-0.69 of their tokens at a half (0.72 with no tier), their
+# turns 2-4 1.3-3x slower; at a quarter or an eighth 0.70-0.72, as with no tier.
+ORPHANED_SHARE = 8
 HEADER_ROOM = 1 << 20  # a record's header and padding, at most, beside its tensors
 # Read rate a restore is assumed to reach before one is measured (after a restart):
 # a page-cache or NVMe read with its checksums (an H100 host measured 3.1 GB/s). With
@@ -123,7 +128,7 @@ class DiskTier:
         self.queue_bytes = queue_bytes  # bytes of entries waiting to be written, at most
         # Of them, what the writes of entries RAM let go of may hold before an evicted
         # entry's write is dropped instead (`_behind`).
-        self.max_orphaned = queue_bytes // 2
+        self.max_orphaned = queue_bytes // ORPHANED_SHARE
         self.read_parallel = read_parallel
         self.fsync = fsync  # each write's file and folder (docs/SSD_TIER.md, Durability)
         self.busy: Callable[[], bool] = lambda: False  # the engine has work (set at boot)
@@ -366,8 +371,8 @@ class DiskTier:
         self._update_queue_gauge()
 
     def _behind(self) -> bool:
-        """Whether the writes of entries RAM let go of hold `max_orphaned` (half the
-        queue's bound, the RAM budget's size) already: RAM's budget counts them, so
+        """Whether the writes of entries RAM let go of hold `max_orphaned` (an eighth
+        of the queue's bound, the RAM budget's size) already: RAM's budget counts them, so
         past that an evicted entry's write is dropped, as with no tier. Kept, they made
         RAM hold ever less while the writer was behind: on a CPU, agent turns on a
         small budget hit 0.24-0.58 of their tokens with the tier on, 0.70 with it off
