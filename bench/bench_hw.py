@@ -292,10 +292,7 @@ def turn2_ttft(url: str, model: str, tok, size: int, repeat: int, part: int,
         times.append(t)
     out = {"ttft": statistics.median(times), "ttfts": times, "ttft_mean": statistics.mean(times),
            "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": cached_tokens(usage)}
-    for name in ("engine_ttft", "backend_prepare", "backend_queue", "proxy_overhead",
-                 "backend_send"):
-        if split.get(name + "_n"):
-            out[name] = split[name] / split[name + "_n"]
+    out.update(means_between({k: 0.0 for k in split}, split))
     for name in ("disk_writes", "disk_paced", "disk_queue"):  # per turn 2
         if name in split:
             out[name] = split[name] / repeat
@@ -303,6 +300,19 @@ def turn2_ttft(url: str, model: str, tok, size: int, repeat: int, part: int,
         out["hot_hits"], out["repeat"] = split["hot_hits"], repeat
     if "card_low" in split:
         out["card_low"] = split["card_low"]
+    return out
+
+
+SPLIT_MEANS = ("engine_ttft", "backend_prepare", "backend_queue", "proxy_overhead", "backend_send")
+
+
+def means_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per-request means of `Stack.split`'s sums over what happened between two probes."""
+    out = {}
+    for name in SPLIT_MEANS:
+        n = after.get(name + "_n", 0.0) - before.get(name + "_n", 0.0)
+        if n:
+            out[name] = (after[name] - before[name]) / n
     return out
 
 
@@ -579,9 +589,10 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
             out["agents"] = run(agents(url, "m", tok, 20000 + 1000 * part, args.agent_system))
         except RuntimeError as exc:  # recorded, and the restore still measured
             out["agents_error"] = str(exc)[-400:]
-        else:  # what the disk writers did beside the agents
+        else:  # what the disk writers did beside the agents, and where their time went
             after = stack.split()
             out["agents"].update({k: after[k] - before[k] for k in ("disk_writes", "disk_paced")})
+            out["agents"].update(means_between(before, after))
         out["memory"]["agents"] = stack.memory()
         progress(out)
         if disk and args.restore:
@@ -842,17 +853,20 @@ def report(args, got: dict) -> str:
     text = "\n".join(lines)
     if kv:
         text += (f"\n\n| agents (8 x 4 turns, ~{args.agent_system}-token system prompts) | hit ratio "
-                 "| turns 2-4 mean TTFT | wall | disk writes ended / paced beside them |"
-                 "\n|---|---|---|---|---|\n")
+                 "| turns 2-4 mean TTFT | wall | disk writes ended / paced beside them "
+                 "| backend TTFT of hits / before the engine / in its queue (means) |"
+                 "\n|---|---|---|---|---|---|\n")
         for name, part in (("disk tier on", kv), ("disk tier off", nd)):
             if part and "agents" in part:
                 a = part["agents"]
                 disk = (f"{a['disk_writes']:.0f} / {a['disk_paced']:.2f} s" if "disk_paced" in a
                         else "")
+                where = " / ".join(f"{a[k]:.3f} s" if k in a else "-" for k in
+                                   ("engine_ttft", "backend_prepare", "backend_queue"))
                 text += (f"| {name} | {a['hit_ratio']:.3f} | {a['ttft_turns_2_4']:.3f} s "
-                         f"| {a['wall_s']:.1f} s | {disk} |\n")
+                         f"| {a['wall_s']:.1f} s | {disk} | {where} |\n")
         if "agents_error" in kv:
-            text += f"| disk tier on | failed: {kv['agents_error'][-200:]} | | | |\n"
+            text += f"| disk tier on | failed: {kv['agents_error'][-200:]} | | | | |\n"
         text += memory_table(kv.get("memory") or {})
         extra = {k: kv.get(k) for k in ("ready_s", "exit_codes", "disk_read_rate",
                                         "disk_restores_skipped",
