@@ -188,8 +188,10 @@ def _session() -> aiohttp.ClientSession:
 
 
 async def stream(session: aiohttp.ClientSession, url: str, path: str, body: dict,
-                 headers: dict | None = None) -> tuple[float, list[float], dict, str]:
-    """(time to first token, token arrival times, usage, text) of one streamed request."""
+                 headers: dict | None = None, route: dict | None = None
+                 ) -> tuple[float, list[float], dict, str]:
+    """(time to first token, token arrival times, usage, text) of one streamed request;
+    `route`, when given, gets the backend and the reason kvroute's proxy chose it."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps: list[float] = []
@@ -198,6 +200,9 @@ async def stream(session: aiohttp.ClientSession, url: str, path: str, body: dict
     async with session.post(url + path, json=body, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}{path}: {resp.status} {(await resp.text())[:300]}")
+        if route is not None:
+            route.update(backend=resp.headers.get("x-kvroute-backend", ""),
+                         reason=resp.headers.get("x-kvroute-route-reason", ""))
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -321,16 +326,19 @@ async def agents(url: str, model: str, tok, seed: int, system: int) -> dict:
     systems = [text_of(tok, system + k, seed + k) for k in range(4)]
     ttfts: list[float] = []
     totals = {"prompt": 0, "cached": 0}
+    routes: dict[str, list[float]] = {}  # turns 2-4's TTFTs by the proxy's reason
 
     async def agent(i: int, s: aiohttp.ClientSession) -> None:
         messages = [{"role": "system", "content": systems[i % 4]}]
         for turn in range(4):
             messages.append({"role": "user", "content": text_of(tok, 120, seed + 100 * i + turn)})
+            route: dict = {}
             t, _, usage, text = await stream(s, url, "/v1/chat/completions",
                                              {"model": model, "messages": messages,
-                                              "max_tokens": 48, "temperature": 0})
+                                              "max_tokens": 48, "temperature": 0}, route=route)
             if turn:
                 ttfts.append(t)
+                routes.setdefault(route.get("reason") or "?", []).append(t)
             totals["prompt"] += usage.get("prompt_tokens", 0)
             totals["cached"] += cached_tokens(usage)
             messages.append({"role": "assistant", "content": text})
@@ -339,7 +347,8 @@ async def agents(url: str, model: str, tok, seed: int, system: int) -> dict:
     async with _session() as s:
         await asyncio.gather(*(agent(i, s) for i in range(8)))
     return {"hit_ratio": totals["cached"] / max(totals["prompt"], 1),
-            "ttft_turns_2_4": statistics.mean(ttfts), "wall_s": time.perf_counter() - t0}
+            "ttft_turns_2_4": statistics.mean(ttfts), "wall_s": time.perf_counter() - t0,
+            "routes": {k: [len(v), statistics.mean(v)] for k, v in sorted(routes.items())}}
 
 
 # -- processes ---------------------------------------------------------------------------
@@ -867,6 +876,11 @@ def report(args, got: dict) -> str:
                          f"| {a['wall_s']:.1f} s | {disk} | {where} |\n")
         if "agents_error" in kv:
             text += f"| disk tier on | failed: {kv['agents_error'][-200:]} | | | | |\n"
+        for name, part in (("disk tier on", kv), ("disk tier off", nd)):
+            if part and (part.get("agents") or {}).get("routes"):
+                text += (f"\nturns 2-4 by the proxy's route ({name}): " + ", ".join(
+                    f"{k} {n} ({t:.3f} s)" for k, (n, t) in part["agents"]["routes"].items())
+                    + "\n")
         text += memory_table(kv.get("memory") or {})
         extra = {k: kv.get(k) for k in ("ready_s", "exit_codes", "disk_read_rate",
                                         "disk_restores_skipped",
