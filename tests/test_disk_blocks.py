@@ -5,6 +5,7 @@ there is not written again, a restart reads a shared prefix once however many
 conversations restore it, and a record whose blocks are damaged, missing or not
 its own is never used."""
 
+import asyncio
 import logging
 import subprocess
 import threading
@@ -1084,4 +1085,38 @@ def test_a_waiting_write_of_an_entry_ram_cut_back_counts_what_was_cut(tmp_path):
                what="the cut entry's write")
     (record,) = tier.index.values()
     assert len(record.tokens) == len(long_)
+    tier.close()
+
+
+def test_a_lookup_compares_only_records_that_could_serve_more_than_ram(tmp_path, monkeypatch):
+    """Each request's disk lookup compared its prompt with every record: on an H100 a
+    cached 31k-token turn 2 spent 6.1 ms before its engine with the tier on, 3.2 ms off.
+    A record no longer than what RAM serves cannot beat RAM, so it is not compared; the
+    answer is the same (the best record, or none beyond RAM)."""
+    tier, _ = make_tier(tmp_path)
+    tier.busy = lambda: False
+    short, long_ = talks_of(2)
+    long_ = long_ + [5000 + j for j in range(2 * BLOCK_TOKENS)]  # six blocks and three tokens
+    store = Store(budget_bytes=1 << 30)
+    store.listeners.append(tier.on_store_event)
+    store.overflow, store.pinned = tier.take, tier.pinned_bytes
+    store.insert("m", short, kv_of(short), "finish", chain=[0])
+    store.insert("m", long_, kv_of(long_), "finish", chain=[1])
+    wait_until(lambda: len(tier.index) == 2, 30, what="both written")
+    compared = []
+    real = disk_mod.usable_prefix
+    monkeypatch.setattr(disk_mod, "usable_prefix",
+                        lambda record, *a: compared.append(len(record.tokens)) or real(record, *a))
+    prompt = long_ + [1]
+    ram = len(short) + 1  # RAM serves more than the short record holds
+    state = asyncio.run(tier.prefetch("m", prompt, None, lambda: ram))
+    assert state is not None and state.tokens == len(long_)  # the long record, read back
+    assert compared == [len(long_)]  # the short one was never compared
+    compared.clear()
+    assert asyncio.run(tier.prefetch("m", prompt, None, lambda: len(long_))) is None
+    assert compared == []  # RAM serves all of it: nothing on disk can do better
+    compared.clear()
+    other = np.asarray(short + [1], dtype=np.int32)
+    assert tier.best("m", other, None) == tier.best("m", other, None, above=0)
+    assert tier.best("m", other, None)[0] == len(short)
     tier.close()

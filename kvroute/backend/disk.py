@@ -761,11 +761,16 @@ class DiskTier:
 
     # -- lookup and restore (event loop) ---------------------------------------
 
-    def best(self, model: str, prompt: np.ndarray, scope: str | None) -> tuple[int, Record | None]:
-        """The record serving the longest usable prefix (as `Store.lookup` rules)."""
+    def best(self, model: str, prompt: np.ndarray, scope: str | None,
+             above: int = 0) -> tuple[int, Record | None]:
+        """The record serving the longest usable prefix (as `Store.lookup` rules), of
+        those that could serve more than `above` tokens (what RAM serves already): the
+        others are not compared, which on a cached turn is nearly every record."""
         found: tuple[int, Record | None] = (0, None)
         with self.lock:
             for record in self.index.values():
+                if len(record.tokens) <= max(above, found[0]):
+                    continue
                 n = usable_prefix(record, model, scope, prompt)
                 if n > found[0]:
                     found = (n, record)
@@ -780,9 +785,14 @@ class DiskTier:
         if not self.enabled:
             return None
         # Off the loop: converting a long prompt (0.5 ms at 31k tokens) and comparing it
-        # with every record take a while.
-        (n, record), ram = await asyncio.to_thread(
-            lambda: (self.best(model, np.asarray(prompt, dtype=np.int32), scope), ram_depth()))
+        # with the records take a while (on an H100 a cached 31k-token turn 2 spent 6.1
+        # ms before its engine with the tier on, 3.2 with it off, when every record was
+        # compared).
+        def lookup() -> tuple[tuple[int, Record | None], int]:
+            ram = ram_depth()
+            return self.best(model, np.asarray(prompt, dtype=np.int32), scope, above=ram), ram
+
+        (n, record), ram = await asyncio.to_thread(lookup)
         if record is None or n <= ram:
             return None
         blocks = _blocks_for(record, n)

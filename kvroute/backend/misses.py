@@ -165,7 +165,7 @@ class Misses:
             if n - cached < MIN_LOST_TOKENS:
                 continue
             if cause == reasons.EVICTED_RAM and self.disk is not None and self.disk.enabled:
-                if self.disk.best(model, tokens, scope)[0] >= n:
+                if self.disk.best(model, tokens, scope, above=n - 1)[0] >= n:
                     continue  # on disk: a restore (or a prefill the engine chose over one)
                 cause = reasons.EVICTED_DISK
             out.append((n - cached, cause))
