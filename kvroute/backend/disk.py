@@ -78,10 +78,12 @@ PACE = 3.0  # past MAX_DELAY under load: wait this many times a block file's tim
 MAX_PACE_WAIT = 0.5  # seconds, at most, of one such wait
 POLL = 0.02
 # The writes of entries RAM let go of hold at most 1/ORPHANED_SHARE of the queue's bound
-# (the RAM budget's size), which RAM's budget counts: on a 2-core VM, 8 agents right
+# (the RAM budget's size), which RAM's budget counts. On a 2-core VM, 8 agents right
 # after decode runs hit 0.58-0.69 of their tokens at a half (0.72 with no tier), their
-# turns 2-4 1.3-3x slower; at a quarter or an eighth 0.70-0.72, as with no tier.
-ORPHANED_SHARE = 8
+# turns 2-4 1.3-3x slower, and 0.70-0.72 at a quarter or an eighth; 12 conversations
+# whose RAM holds one or two of them hit 0.747 at a half or a quarter, 0.699 at an
+# eighth (evicted conversations' writes dropped: `bench_disk capacity`).
+ORPHANED_SHARE = 4
 HEADER_ROOM = 1 << 20  # a record's header and padding, at most, beside its tensors
 # Read rate a restore is assumed to reach before one is measured (after a restart):
 # a page-cache or NVMe read with its checksums (an H100 host measured 3.1 GB/s). With
@@ -371,7 +373,7 @@ class DiskTier:
         self._update_queue_gauge()
 
     def _behind(self) -> bool:
-        """Whether the writes of entries RAM let go of hold `max_orphaned` (an eighth
+        """Whether the writes of entries RAM let go of hold `max_orphaned` (a quarter
         of the queue's bound, the RAM budget's size) already: RAM's budget counts them, so
         past that an evicted entry's write is dropped, as with no tier. Kept, they made
         RAM hold ever less while the writer was behind: on a CPU, agent turns on a
