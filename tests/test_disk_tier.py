@@ -94,8 +94,12 @@ def test_ram_smaller_than_the_working_set_serves_repeats_from_disk(text_model, t
         chats = [conversation(f"Question {i}: which ticket blocks release {i}?") for i in range(3)]
         firsts = [chat(backend, m, **GREEDY).body for m in chats]
         wait_until(lambda: written(backend, 3), 60, what="three conversations on disk")
-        # RAM kept the last one, at most the head of another (eviction cuts from tails).
-        assert backend.health()["cache"]["entries"] <= 2
+        # RAM, within its budget, let go of part of them: it evicts whole entries or cuts
+        # them from their tails, and which depends on when the writes end (under load it
+        # kept the heads of all three; "at most two entries" failed then).
+        cache = backend.health()["cache"]
+        assert cache["bytes"] <= cache["budget_bytes"]
+        assert cache["evictions"] + cache["blocks_evicted"] > 0
         for messages, answer in zip(chats, firsts):
             follow = next_turn(messages, answer)
             hit = chat(backend, follow, **GREEDY).body
