@@ -297,7 +297,7 @@ def turn2_ttft(url: str, model: str, tok, size: int, repeat: int, part: int,
         times.append(t)
     out = {"ttft": statistics.median(times), "ttfts": times, "ttft_mean": statistics.mean(times),
            "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": cached_tokens(usage)}
-    out.update(means_between({k: 0.0 for k in split}, split))
+    out.update(means_between({}, split))
     for name in ("disk_writes", "disk_paced", "disk_queue"):  # per turn 2
         if name in split:
             out[name] = split[name] / repeat
@@ -312,12 +312,13 @@ SPLIT_MEANS = ("engine_ttft", "backend_prepare", "backend_queue", "proxy_overhea
 
 
 def means_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Per-request means of `Stack.split`'s sums over what happened between two probes."""
+    """Per-request means of `Stack.split`'s sums over what happened between two probes
+    (`before` empty: since the start)."""
     out = {}
     for name in SPLIT_MEANS:
         n = after.get(name + "_n", 0.0) - before.get(name + "_n", 0.0)
         if n:
-            out[name] = (after[name] - before[name]) / n
+            out[name] = (after[name] - before.get(name, 0.0)) / n
     return out
 
 

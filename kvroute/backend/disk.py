@@ -556,11 +556,10 @@ class DiskTier:
             entry = item[1]
             if entry is None:  # superseded while it waited
                 return
+            self._queued.pop(entry.id, None)
             if self._covered_on_disk(entry):  # a later turn, written out of order, holds it
-                self._queued.pop(entry.id, None)
                 self._dequeue(item)
                 return
-            self._queued.pop(entry.id, None)
             evicted, item[4] = item[4], 0  # its bytes stay counted until written
             self._dequeue(item)
         try:
