@@ -5,6 +5,7 @@ import logging
 import os
 import stat
 import subprocess
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -292,6 +293,29 @@ def test_concurrent_hits_on_one_file_share_one_read(tmp_path):
     assert metric(metrics, metrics.disk_restore_bytes) == record.size  # read once
     views = [f.hit().cache for f in found]  # each request still gets its own arrays
     assert views[0][0].keys is not views[1][0].keys
+
+
+def test_every_reader_thread_has_done_its_first_work_when_the_tier_opens(tmp_path, monkeypatch):
+    """A thread's first MLX work makes its stream (its own, on a GPU): a restore in a
+    new process found each of its reader threads cold and paid for it."""
+    from concurrent.futures import ThreadPoolExecutor
+    from kvroute.backend import disk
+
+    ran: list[str] = []
+    monkeypatch.setattr(disk, "_first_eval", lambda: ran.append(threading.current_thread().name))
+    tier, _ = make_tier(tmp_path)
+    try:
+        blocks = [n for n in ran if n.startswith("kvroute-disk-blocks")]
+        assert len(set(blocks)) == len(blocks) == tier.read_parallel
+        assert len({n for n in ran if n.startswith("kvroute-disk-read")}) == 2
+    finally:
+        tier.close()
+    # Each thread once, whatever the pool's size; a pool shut down is left alone.
+    with ThreadPoolExecutor(3) as pool:
+        seen: list[int] = []
+        assert disk.warm_threads(pool, 3, lambda: seen.append(threading.get_ident())) == 3
+        assert len(set(seen)) == 3
+    assert disk.warm_threads(pool, 3) == 0
 
 
 def write_one(folder: Path) -> list:
