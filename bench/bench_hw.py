@@ -308,7 +308,8 @@ def turn2_ttft(url: str, model: str, tok, size: int, repeat: int, part: int,
     return out
 
 
-SPLIT_MEANS = ("engine_ttft", "backend_prepare", "backend_queue", "proxy_overhead", "backend_send")
+SPLIT_MEANS = ("engine_ttft", "backend_prepare", "backend_prompt", "backend_queue", "proxy_overhead",
+               "backend_send")
 
 
 def means_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -474,6 +475,11 @@ class Stack:
                                        for t in backends),
                 "backend_prepare_n": sum(metric_sum(t, "kvroute_backend_prepare_seconds_count")
                                          for t in backends),
+                # Of it, the body, chat template and tokens.
+                "backend_prompt": sum(metric_sum(t, "kvroute_backend_prompt_seconds_sum")
+                                      for t in backends),
+                "backend_prompt_n": sum(metric_sum(t, "kvroute_backend_prompt_seconds_count")
+                                        for t in backends),
                 "backend_queue": sum(metric_sum(t, "kvroute_backend_queue_seconds_sum")
                                      for t in backends),
                 "backend_queue_n": sum(metric_sum(t, "kvroute_backend_queue_seconds_count")
@@ -686,8 +692,9 @@ def restore(stack: Stack, tok, args) -> dict:
         # The backend's TTFT of the hit, its time before the engine, of that the restore.
         after = stack.split()
         turns.append((t, usage))
-        splits.append({k: after[k] - before[k] for k in ("engine_ttft", "backend_prepare", "restore_read",
-                                                         "proxy_overhead", "backend_send")})
+        splits.append({k: after[k] - before[k] for k in (
+            "engine_ttft", "backend_prepare", "backend_prompt", "restore_read", "proxy_overhead",
+            "backend_send")})
     skipped = stack.metric("kvroute_backend_disk_restores_skipped_total") - skipped
     usage = min((u for _, u in turns), key=cached_tokens)  # the least restored of them
     return {"size": size, "restored_ttft": statistics.median(t for t, _ in turns),
@@ -795,7 +802,8 @@ def report(args, got: dict) -> str:
             rest = t2.get("ttft_mean", t2["ttft"]) - t2["engine_ttft"] - t2.get("proxy_overhead", 0.0)
             rows.append((f"turn 2 on ~{args.turn2} cached: where it went",
                          f"backend {secs(t2['engine_ttft'])} (before its engine "
-                         f"{secs(t2.get('backend_prepare', 0.0))}, in its queue "
+                         f"{secs(t2.get('backend_prepare', 0.0))}, of it the prompt's template and "
+                         f"tokens {secs(t2.get('backend_prompt', 0.0))}, in its queue "
                          f"{secs(t2.get('backend_queue', 0.0))}), proxy before forwarding "
                          f"{secs(t2.get('proxy_overhead', 0.0))}, the rest "
                          f"{secs(rest)}"
@@ -833,7 +841,8 @@ def report(args, got: dict) -> str:
             if "engine_ttft" in r:
                 rows.append(("the restored turn: where it went",
                              f"backend {secs(r['engine_ttft'])} (before its engine "
-                             f"{secs(r['backend_prepare'])}, of it the restore "
+                             f"{secs(r['backend_prepare'])}, of it the prompt's template and tokens "
+                             f"{secs(r.get('backend_prompt', 0.0))} and the restore "
                              f"{secs(r['restore_read'])}), the rest "
                              f"{secs(r['restored_ttft'] - r['engine_ttft'])}"
                              + (f" (of it the proxy before forwarding {secs(r['proxy_overhead'])}, "

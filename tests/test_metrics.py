@@ -118,6 +118,10 @@ def test_token_counters_equal_the_usage_sums(system, workload):
         assert 0 < value(b, "kvroute_backend_prepare_seconds_sum", **labels) + value(
             b, "kvroute_backend_queue_seconds_sum", **labels) < value(
             b, "kvroute_backend_ttft_seconds_sum", **labels)
+        # Of the part before the engine, the prompt's template and tokens: one per request.
+        assert value(b, "kvroute_backend_prompt_seconds_count", **labels) == sums["requests"]
+        assert 0 < value(b, "kvroute_backend_prompt_seconds_sum", **labels) <= value(
+            b, "kvroute_backend_prepare_seconds_sum", **labels)
         assert value(proxy, "kvroute_proxy_prompt_tokens_total", **labels) == sums["prompt"]
         assert value(proxy, "kvroute_proxy_cached_tokens_total", **labels) == sums["cached"]
         assert value(proxy, "kvroute_proxy_requests_total", status="200", **labels) == sums["requests"]

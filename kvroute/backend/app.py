@@ -112,6 +112,7 @@ async def _generate(
     _check_model(state, req.model)
     scope = _scope(request)
     prompt = await asyncio.to_thread(state.template.prompt, req, body, scope)
+    state.metrics.l(state.metrics.prompt_time).observe(time.perf_counter() - arrived)
     prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
     max_tokens = _budget(state, prompt.tokens, req.params.max_tokens, prompt_param)
     bias = req.params.logit_bias

@@ -121,6 +121,11 @@ class BackendMetrics:
             "From a generation request's arrival to its submission to the engine: reading "
             "and checking the body, the chat template, tokenizing, the disk tier's lookup "
             "and read (part of the TTFT)", buckets=_LATENCY_BUCKETS)
+        self.prompt_time = self._family(
+            Histogram, "kvroute_backend_prompt_seconds",
+            "From a generation request's arrival to its prompt's tokens and prefix keys: "
+            "reading and checking the body, the chat template, tokenizing (the first part "
+            "of kvroute_backend_prepare_seconds)", buckets=_LATENCY_BUCKETS)
         self.send = self._family(
             Histogram, "kvroute_backend_first_chunk_send_seconds",
             "From a streamed request's first token to its first chunk written to the "
