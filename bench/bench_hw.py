@@ -308,8 +308,8 @@ def turn2_ttft(url: str, model: str, tok, size: int, repeat: int, part: int,
     return out
 
 
-SPLIT_MEANS = ("engine_ttft", "backend_prepare", "backend_prompt", "backend_queue", "proxy_overhead",
-               "backend_send")
+SPLIT_MEANS = ("engine_ttft", "backend_prepare", "backend_prompt", "backend_queue",
+               "proxy_overhead", "backend_send")
 
 
 def means_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

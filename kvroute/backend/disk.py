@@ -1068,9 +1068,9 @@ def _first_eval() -> None:
 def warm_threads(pool: ThreadPoolExecutor, n: int, work: Callable[[], None] | None = None,
                  timeout: float = 30.0) -> int:
     """`work` (a first MLX evaluation) once on each of the pool's `n` threads, started
-    now; the threads it ran on. Each waits for the others before it returns, so no thread takes two (the pool
-    starts a thread per task while none is idle). A failure is logged: the restore that
-    finds a cold thread pays its start, nothing worse."""
+    now; the number of threads it ran on. Each waits for the others before it returns,
+    so no thread takes two (the pool starts a thread per task while none is idle). A
+    failure is logged: the restore that finds a cold thread pays its start, no more."""
     barrier = threading.Barrier(n)
 
     def one() -> int:
