@@ -467,28 +467,19 @@ class Stack:
         caches = [h["cache"] for h in self.healths()]
         proxy = get(self.url + "/metrics").decode()
         hit = {"cached": "true"}
-        return {"engine_ttft": sum(metric_sum(t, "kvroute_backend_ttft_seconds_sum", **hit)
-                                   for t in backends),
-                "engine_ttft_n": sum(metric_sum(t, "kvroute_backend_ttft_seconds_count", **hit)
-                                     for t in backends),
-                "backend_prepare": sum(metric_sum(t, "kvroute_backend_prepare_seconds_sum")
-                                       for t in backends),
-                "backend_prepare_n": sum(metric_sum(t, "kvroute_backend_prepare_seconds_count")
-                                         for t in backends),
+
+        def histogram(key: str, name: str, **labels: str) -> dict[str, float]:
+            """A histogram's sum over the backends, and its count as `key`_n."""
+            return {key: sum(metric_sum(t, name + "_sum", **labels) for t in backends),
+                    key + "_n": sum(metric_sum(t, name + "_count", **labels) for t in backends)}
+
+        return {**histogram("engine_ttft", "kvroute_backend_ttft_seconds", **hit),
+                **histogram("backend_prepare", "kvroute_backend_prepare_seconds"),
                 # Of it, the body, chat template and tokens.
-                "backend_prompt": sum(metric_sum(t, "kvroute_backend_prompt_seconds_sum")
-                                      for t in backends),
-                "backend_prompt_n": sum(metric_sum(t, "kvroute_backend_prompt_seconds_count")
-                                        for t in backends),
-                "backend_queue": sum(metric_sum(t, "kvroute_backend_queue_seconds_sum")
-                                     for t in backends),
-                "backend_queue_n": sum(metric_sum(t, "kvroute_backend_queue_seconds_count")
-                                       for t in backends),
+                **histogram("backend_prompt", "kvroute_backend_prompt_seconds"),
+                **histogram("backend_queue", "kvroute_backend_queue_seconds"),
                 # The first chunk's way from the engine's token to the client's connection.
-                "backend_send": sum(metric_sum(t, "kvroute_backend_first_chunk_send_seconds_sum")
-                                    for t in backends),
-                "backend_send_n": sum(metric_sum(t, "kvroute_backend_first_chunk_send_seconds_count")
-                                      for t in backends),
+                **histogram("backend_send", "kvroute_backend_first_chunk_send_seconds"),
                 "proxy_overhead": metric_sum(proxy, "kvroute_proxy_overhead_seconds_sum"),
                 "proxy_overhead_n": metric_sum(proxy, "kvroute_proxy_overhead_seconds_count"),
                 # What the disk writers did around turn 2 (the tier's cost on a hit).

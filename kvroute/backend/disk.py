@@ -77,6 +77,7 @@ MAX_DELAY = 30.0  # seconds an entry waits for idleness at most
 PACE = 3.0  # past MAX_DELAY under load: wait this many times a block file's time after it
 MAX_PACE_WAIT = 0.5  # seconds, at most, of one such wait
 POLL = 0.02
+RESTORE_THREADS = 2  # restores read at once (their block files share the block readers)
 # The writes of entries RAM let go of hold at most 1/ORPHANED_SHARE of the queue's bound
 # (the RAM budget's size), which RAM's budget counts. On a 2-core VM, 8 agents right
 # after decode runs hit 0.58-0.69 of their tokens at a half (0.72 with no tier), their
@@ -171,7 +172,7 @@ class DiskTier:
         self._orphaned_bytes = 0
         self._queued_keys: Counter = Counter()  # blocks of queued entries, by key
         self._reads: dict[str, asyncio.Future] = {}
-        self._readers = ThreadPoolExecutor(2, thread_name_prefix="kvroute-disk-read")
+        self._readers = ThreadPoolExecutor(RESTORE_THREADS, thread_name_prefix="kvroute-disk-read")
         # A restore's block files, several in flight: one reader at a time left a fast
         # drive's queue (and a many-core host's memory bandwidth) mostly idle. Threads
         # that live as long as the tier: each evaluates the arrays it reads (CUDA
@@ -218,7 +219,7 @@ class DiskTier:
         # GPU): done now, not in the first restore's time (an 8k-token 7B restore on an
         # H100: its own file 21 ms and its blocks 66 ms in a new process, 10 and 45-49
         # after).
-        warm_threads(self._readers, 2)
+        warm_threads(self._readers, RESTORE_THREADS)
         warm_threads(self._block_readers, self.read_parallel)
         self._index_directory()
         orphans = self.blocks.drop_unlisted()
@@ -1065,17 +1066,16 @@ def _first_eval() -> None:
     mx.eval(mx.zeros((1,), dtype=mx.uint32) + 1)
 
 
-def warm_threads(pool: ThreadPoolExecutor, n: int, work: Callable[[], None] | None = None,
-                 timeout: float = 30.0) -> int:
-    """`work` (a first MLX evaluation) once on each of the pool's `n` threads, started
-    now; the number of threads it ran on. Each waits for the others before it returns,
+def warm_threads(pool: ThreadPoolExecutor, n: int, timeout: float = 30.0) -> int:
+    """A first MLX evaluation (`_first_eval`) once on each of the pool's `n` threads,
+    started now; the number of threads it ran on. Each waits for the others before it returns,
     so no thread takes two (the pool starts a thread per task while none is idle). A
     failure is logged: the restore that finds a cold thread pays its start, no more."""
     barrier = threading.Barrier(n)
 
     def one() -> int:
         try:
-            (work or _first_eval)()
+            _first_eval()
         except Exception as exc:
             log.debug("disk cache: a reader's warm-up failed (%r)", exc)
         try:
