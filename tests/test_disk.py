@@ -295,6 +295,49 @@ def test_concurrent_hits_on_one_file_share_one_read(tmp_path):
     assert views[0][0].keys is not views[1][0].keys
 
 
+def test_a_restore_begins_from_the_prefix_keys_before_the_tokens(tmp_path, read_path):
+    """After a restart a conversation's next turn finds its record by the keys of its
+    messages, and the read begins while the template still renders and tokenizes;
+    the request's tokens then take that read over: one read, the same state."""
+    cache = write_one(tmp_path)  # its record is advertised by key 1
+    tier, metrics = make_tier(tmp_path)
+    try:
+        early = tier.read_early("m", [1, 2], lambda keys: False)
+        assert early is not None
+        found = asyncio.run(tier.prefetch("m", tokens(12), None, lambda: 0, early=early))
+        assert found.tokens == 10 and same_state(found.cache, cache)
+        assert early.used and metric(metrics, metrics.disk_early_reads, used="yes") == 1
+        (record,) = tier.index.values()
+        assert metric(metrics, metrics.disk_restore_bytes) == record.size  # read once
+        assert tier._restoring == 0
+    finally:
+        tier.close()
+
+
+def test_no_early_read_where_ram_is_as_deep_or_the_record_holds_more(tmp_path):
+    tier, metrics = make_tier(tmp_path)
+    store = attach(tier)
+    try:
+        store.insert("m", tokens(10), make_cache(10), "finish", chain=[1, 2])
+        wait_until(lambda: len(tier.index) == 1, 30, what="written")
+        ram = lambda keys: store.advertises("m", keys)  # noqa: E731
+        assert tier.read_early("m", [1, 2, 3], ram) is None  # a cached turn: RAM holds key 2
+        store.clear()
+        assert tier.read_early("m", [1, 2, 3], ram) is not None  # after RAM let it go
+        # Another conversation sharing its first message: the record holds a message
+        # this request does not have, so its keys do not choose it (its tokens may).
+        assert tier.read_early("m", [1, 5], ram) is None
+        assert tier.read_early("other-model", [1, 2, 3], ram) is None
+        # Read, then not taken: RAM turned out to serve as much by the tokens.
+        early = tier.read_early("m", [1, 2, 3], ram)
+        assert asyncio.run(tier.prefetch("m", tokens(12), None, lambda: 11, early=early)) is None
+        assert not early.used and metric(metrics, metrics.disk_early_reads, used="no") == 1
+        wait_until(lambda: early.future.done() and tier._restoring == 0, 30,
+                   what="the unused read to end")
+    finally:
+        tier.close()
+
+
 def test_every_reader_thread_has_done_its_first_work_when_the_tier_opens(tmp_path, monkeypatch):
     """A thread's first MLX work makes its stream (its own, on a GPU): a restore in a
     new process found each of its reader threads cold and paid for it."""

@@ -65,6 +65,9 @@ def test_sigkill_restart_keeps_the_conversation(text_model, tool_model, tmp_path
         assert cached(turn2) >= 0.9 * turn1["usage"]["prompt_tokens"]
         assert metric(again, "kvroute_backend_cache_hits_total", tier="disk") == 1
         assert metric(again, "kvroute_backend_disk_restore_bytes_total") > 0
+        restored = metric(again, "kvroute_backend_disk_restore_bytes_total")
+        # The read began from its messages' keys, before its tokens were known.
+        assert metric(again, "kvroute_backend_disk_early_reads_total", used="yes") == 1
         # Exact: the same answer as a cold prefill in a scope nothing is cached for.
         assert_same_answer(turn2, chat(again, messages2, scope=uuid.uuid4().hex, **GREEDY).body)
         # Turn 2's commit kept the blocks the restore read: turn 3 hits them in RAM,
@@ -74,6 +77,9 @@ def test_sigkill_restart_keeps_the_conversation(text_model, tool_model, tmp_path
         assert cached(turn3) >= 0.9 * turn2["usage"]["prompt_tokens"]
         assert metric(again, "kvroute_backend_cache_hits_total", tier="ram") >= 1
         assert_same_answer(turn3, chat(again, messages3, scope=uuid.uuid4().hex, **GREEDY).body)
+        # Turns RAM held, and prompts nothing was cached for, read nothing early.
+        assert metric(again, "kvroute_backend_disk_early_reads_total", used="no") == 0
+        assert metric(again, "kvroute_backend_disk_restore_bytes_total") == restored
     finally:
         again.stop()
 

@@ -51,7 +51,7 @@ import shutil
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -115,6 +115,15 @@ class Restored:
 
 
 @dataclass
+class Early:
+    """A read `read_early` began before its request's tokens were known."""
+
+    key: tuple[str, int]  # (file name, blocks): what `prefetch` would read
+    future: Future  # the reader's state, or None
+    used: bool = False  # taken over by the request's `prefetch`
+
+
+@dataclass
 class DiskEvent:
     kind: str  # "insert" or "evict"
     model: str
@@ -137,7 +146,7 @@ class DiskTier:
         self.busy: Callable[[], bool] = lambda: False  # the engine has work (set at boot)
         # A request waits for its first token (set at boot): paced writes hold off.
         self.prefilling: Callable[[], bool] = lambda: False
-        self._restoring = 0  # restores being read (event loop; the writer reads it)
+        self._restoring = 0  # restores being read (under the lock; the writer reads it)
         # Sibling backends (their tiers share this one's parent folder): a write also
         # gives way while one of their engines works (busy.py). Set by open_disk_tier.
         self.board: BusyBoard | None = None
@@ -153,6 +162,7 @@ class DiskTier:
         self.enabled = False
         self.listeners: list[Callable[[DiskEvent], None]] = []
         self.index: OrderedDict[str, Record] = OrderedDict()  # LRU order, oldest first
+        self._by_key: dict[int, set[str]] = {}  # prefix key -> the records advertised by it
         self.nbytes = 0  # the records' files (their shared blocks: `blocks.nbytes`)
         self.lock = threading.RLock()
         self.blocks = Blocks(self.directory, fingerprint, fsync, self.lock)
@@ -530,7 +540,8 @@ class DiskTier:
                 or (self.board is not None and self.board.others_busy()))
 
     def _restored(self, _: Any) -> None:
-        self._restoring -= 1
+        with self.lock:  # reads begun by `read_early` end on a reader thread
+            self._restoring -= 1
 
     def _note_idle(self) -> None:
         if self._working():
@@ -731,6 +742,8 @@ class DiskTier:
             refs = self._key_refs.setdefault(record.model, Counter())
             added = [k for k in dict.fromkeys(record.chain) if refs[k] == 0]
             refs.update(list(dict.fromkeys(record.chain)))
+            for k in record.chain:
+                self._by_key.setdefault(k, set()).add(record.name)
             self._emit(DiskEvent("insert", record.model, added))
 
     def _remove(self, name: str, unlink: bool = True) -> None:
@@ -743,6 +756,11 @@ class DiskTier:
             refs = self._key_refs.get(record.model, Counter())
             released = []
             for k in dict.fromkeys(record.chain):
+                names = self._by_key.get(k)
+                if names is not None:
+                    names.discard(name)
+                    if not names:
+                        del self._by_key[k]
                 refs[k] -= 1
                 if refs[k] <= 0:
                     del refs[k]
@@ -784,12 +802,69 @@ class DiskTier:
                     found = (n, record)
         return found
 
+    def read_early(self, model: str, chain: list[int], ram_holds: Callable[[list[int]], bool],
+                   prefill_tps: float = 0.0) -> Early | None:
+        """Begin reading the record a request's prefix keys find, before its tokens are
+        known (the handler's thread, while the chat template renders and tokenizes:
+        on an H100 ~11 ms of a restored 8k-token turn went there before its read
+        began). Only a record that holds nothing the request does not share (each of
+        its keys is one of the request's), the deepest, read whole; not where RAM is
+        advertised by a key as deep, so a cached turn never reads the disk. `prefetch`
+        takes it over when the tokens choose the same read; else it goes unused."""
+        if not self.enabled or not chain:
+            return None
+        with self.lock:
+            found = self._deepest(model, chain)
+        if found is None:
+            return None
+        depth, record = found
+        blocks = len(record.blocks)
+        if ram_holds(chain[depth:]) or not self._worth_reading(record, blocks,
+                                                              len(record.tokens), prefill_tps):
+            return None
+        with self.lock:
+            self._restoring += 1
+        future = self._readers.submit(self._load, record, blocks)
+        future.add_done_callback(self._restored)
+        return Early((record.name, blocks), future)
+
+    def _deepest(self, model: str, chain: list[int]) -> tuple[int, Record] | None:
+        """(depth in `chain`, record) of the record found by the deepest of `chain`'s
+        keys whose own keys are all in `chain` (the longest, of several)."""
+        keys = set(chain)
+        for depth in range(len(chain) - 1, -1, -1):
+            records = [self.index[name] for name in self._by_key.get(chain[depth], ())]
+            fits = [r for r in records if r.model == model and keys.issuperset(r.chain)]
+            if fits:
+                return depth, max(fits, key=lambda r: len(r.tokens))
+        return None
+
+    def _worth_reading(self, record: Record, blocks: int, tokens: int, prefill_tps: float) -> bool:
+        """Whether reading `record`'s first `blocks` beats prefilling `tokens` at the
+        measured prefill rate (unknown: it does)."""
+        return not prefill_tps or tokens / prefill_tps >= RESTORE_OVERHEAD + (
+            self._read_bytes(record, blocks) / (self.restore_bps or RESTORE_PRIOR_BPS))
+
     async def prefetch(self, model: str, prompt: list[int], scope: str | None,
-                       ram_depth: Callable[[], int], prefill_tps: float = 0.0) -> Restored | None:
+                       ram_depth: Callable[[], int], prefill_tps: float = 0.0,
+                       early: Early | None = None) -> Restored | None:
         """A state from disk for `prompt` when the disk serves more of it than RAM and
         reading it is faster than prefilling the difference (both rates measured: on a
-        fast accelerator a prefill can beat the disk). Never raises: a file that fails
-        to load is dropped and the request goes on."""
+        fast accelerator a prefill can beat the disk); from `early`'s read where it is
+        the same. Never raises: a file that fails to load is dropped and the request
+        goes on."""
+        try:
+            return await self._prefetch(model, prompt, scope, ram_depth, prefill_tps, early)
+        finally:
+            if early is not None:
+                if not early.used:
+                    early.future.cancel()  # where it has not begun yet
+                self.metrics.l(self.metrics.disk_early_reads,
+                               used="yes" if early.used else "no").inc()
+
+    async def _prefetch(self, model: str, prompt: list[int], scope: str | None,
+                        ram_depth: Callable[[], int], prefill_tps: float,
+                        early: Early | None) -> Restored | None:
         if not self.enabled:
             return None
         # Off the loop: converting a long prompt (0.5 ms at 31k tokens) and comparing it
@@ -804,21 +879,26 @@ class DiskTier:
         if record is None or n <= ram:
             return None
         blocks = _blocks_for(record, n)
-        if prefill_tps and (n - ram) / prefill_tps < RESTORE_OVERHEAD + (
-                self._read_bytes(record, blocks) / (self.restore_bps or RESTORE_PRIOR_BPS)):
+        if not self._worth_reading(record, blocks, n - ram, prefill_tps):
             self.metrics.l(self.metrics.disk_skipped).inc()
             return None
         key = (record.name, blocks)
         fut = self._reads.get(key)
         if fut is None:
-            fut = asyncio.get_running_loop().run_in_executor(self._readers, self._load, record, blocks)
+            if early is not None and early.key == key:
+                early.used = True  # counted as restoring when it began
+                fut = asyncio.wrap_future(early.future)
+            else:
+                fut = asyncio.get_running_loop().run_in_executor(self._readers, self._load,
+                                                                 record, blocks)
+                # A restore is the engine's work before it reaches the engine: the
+                # writer gives way to it as to a running request (the two shared the
+                # page cache, the bus and the GIL).
+                with self.lock:
+                    self._restoring += 1
+                fut.add_done_callback(self._restored)
             self._reads[key] = fut
-            # A restore is the engine's work before it reaches the engine: the writer
-            # gives way to it as to a running request (the two shared the page cache,
-            # the bus and the GIL).
-            self._restoring += 1
             fut.add_done_callback(lambda _: self._reads.pop(key, None))
-            fut.add_done_callback(self._restored)
         state = await asyncio.shield(fut)  # one client leaving never cancels a shared read
         if state is None or state.tokens < n:
             return None

@@ -205,6 +205,10 @@ class BackendMetrics:
         self.disk_skipped = self._family(
             Counter, "kvroute_backend_disk_restores_skipped",
             "Disk hits prefilled instead: the measured prefill rate beat the restore rate")
+        self.disk_early_reads = self._family(
+            Counter, "kvroute_backend_disk_early_reads",
+            "Restores begun from a request's prefix keys before its tokens were known, by "
+            "whether its tokens then chose the same read", ("used",))
         self.disk_restore_bps = self._family(Gauge, "kvroute_backend_disk_restore_bytes_per_second",
                                              "Measured restore bandwidth (moving average)")
         for tier in ("ram", "disk"):

@@ -67,13 +67,16 @@ class Template:
 
     # -- what a handler asks (tokenizing and hashing: off the event loop) --------------
 
-    def prompt(self, req: ChatRequest | CompletionRequest, body: dict, scope: str | None) -> Prompt:
+    def prompt(self, req: ChatRequest | CompletionRequest, body: dict, scope: str | None,
+               pairs: list[tuple[int, int]] | None = None) -> Prompt:
+        """The request's prompt; `pairs`: its `keys`, where the caller has them already."""
         if not isinstance(req, ChatRequest):
-            return self.chains(req, body, scope, list(self.tokenizer.encode(req.prompt)), {})
+            return self.chains(req, body, scope, list(self.tokenizer.encode(req.prompt)), {},
+                               pairs)
         pixels = self._pixels(req)
         req.image_texts = [p.text for p in pixels]
         tokens, marks, order = self._chat_tokens(req)
-        prompt = self.chains(req, body, scope, tokens, marks)
+        prompt = self.chains(req, body, scope, tokens, marks, pairs)
         if order:
             assert self.images is not None  # _pixels refused images otherwise
             try:
@@ -108,22 +111,36 @@ class Template:
         req.image_texts = [p.text for p in self._pixels(req, decode=False)]
         return len(self._chat_prompt(req))
 
+    def keys(self, req: ChatRequest | CompletionRequest, body: dict,
+             scope: str | None) -> list[tuple[int, int]]:
+        """The request's prefix keys, each with the end offset of what it hashes
+        (`prefix.request_chain`): known before its tokens."""
+        try:
+            return prefix.request_chain(self._kind(req), body, **self._key_args(req, scope))
+        except ValueError as exc:  # what the template ignores but the key scheme refuses
+            raise bad_request(f"Invalid request: {exc}.")
+
+    def _kind(self, req: ChatRequest | CompletionRequest) -> str:
+        return "chat" if isinstance(req, ChatRequest) else "completion"
+
+    def _key_args(self, req: ChatRequest | CompletionRequest, scope: str | None) -> dict:
+        return {"model": req.model, "salt": prefix.make_salt(self.secret, scope),
+                "block_bytes": self.block_bytes, "layout": self.layout}
+
     def chains(self, req: ChatRequest | CompletionRequest, body: dict, scope: str | None,
-               tokens: list[int], marks: dict[int, int]) -> Prompt:
-        """The prompt `tokens` with the request's prefix keys, the keys of each
-        checkpoint (`marks`: token position -> the number of messages it ends) and the
-        functions giving the next turn's keys and a cut-short prefill's."""
-        kind = "chat" if isinstance(req, ChatRequest) else "completion"
-        kw = {"model": req.model, "salt": prefix.make_salt(self.secret, scope),
-              "block_bytes": self.block_bytes, "layout": self.layout}
+               tokens: list[int], marks: dict[int, int],
+               pairs: list[tuple[int, int]] | None = None) -> Prompt:
+        """The prompt `tokens` with the request's prefix keys (`pairs`, or found
+        here), the keys of each checkpoint (`marks`: token position -> the number of
+        messages it ends) and the functions giving the next turn's keys and a
+        cut-short prefill's."""
+        kind, kw = self._kind(req), self._key_args(req, scope)
 
         def chain_of(body_: dict) -> list[int]:
             return [k for k, _ in prefix.request_chain(kind, body_, **kw)]
 
-        try:
-            pairs = prefix.request_chain(kind, body, **kw)
-        except ValueError as exc:  # what the template ignores but the key scheme refuses
-            raise bad_request(f"Invalid request: {exc}.")
+        if pairs is None:
+            pairs = self.keys(req, body, scope)
         chain = [k for k, _ in pairs]
         self._calibrate(pairs, len(tokens))
         checkpoints = {len(tokens) - 1: chain}

@@ -386,6 +386,13 @@ class Store:
         self._take_hot(entry_id)
 
     @_synchronized
+    def advertises(self, model: str, keys: list[int]) -> bool:
+        """Whether an entry is advertised by any of `keys`: the disk tier asks before
+        a prompt's tokens are known (`DiskTier.read_early`)."""
+        refs = self._key_refs.get(model)
+        return bool(refs) and any(k in refs for k in keys)
+
+    @_synchronized
     def depth(self, model: str, tokens: list[int] | np.ndarray, scope: str | None = None) -> int:
         """How many tokens `lookup` would find now, without touching LRU order or hits."""
         prompt = np.asarray(tokens, dtype=np.int32)
