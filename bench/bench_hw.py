@@ -674,6 +674,7 @@ def restore(stack: Stack, tok, args) -> dict:
     cold = statistics.median(run(chat(stack.url, "m", conversation(tok, fresh(size, r, 6), 600 + r)[0],
                                       1))[0] for r in range(args.repeat))
     skipped = stack.metric("kvroute_backend_disk_restores_skipped_total")
+    early = stack.metric("kvroute_backend_disk_early_reads_total", used="yes")
     in_memory = page_cache_share(stack.disk_dir)
     turns, splits = [], []
     for (messages, follow), (_, _, reply) in zip(convs, turns1):
@@ -687,12 +688,13 @@ def restore(stack: Stack, tok, args) -> dict:
             "engine_ttft", "backend_prepare", "backend_prompt", "restore_read", "proxy_overhead",
             "backend_send")})
     skipped = stack.metric("kvroute_backend_disk_restores_skipped_total") - skipped
+    early = stack.metric("kvroute_backend_disk_early_reads_total", used="yes") - early
     usage = min((u for _, u in turns), key=cached_tokens)  # the least restored of them
     return {"size": size, "restored_ttft": statistics.median(t for t, _ in turns),
             "restored_ttfts": [t for t, _ in turns], "cold_ttft": cold,
             "cold_before_restart": statistics.median(t[0] for t in turns1),
             **{k: statistics.median(sp[k] for sp in splits) for k in splits[0]},
-            "writes_dropped": dropped, "skipped": skipped,
+            "writes_dropped": dropped, "skipped": skipped, "early": early,
             "cached_tokens": cached_tokens(usage), "prompt_tokens": usage.get("prompt_tokens"),
             "restart_ready_s": round(ready, 1), "repeat": len(turns),
             "page_cache_share": in_memory}
@@ -839,6 +841,8 @@ def report(args, got: dict) -> str:
                              + (f" (of it the proxy before forwarding {secs(r['proxy_overhead'])}, "
                                 f"the first chunk's way out of the backend {secs(r['backend_send'])})"
                                 if "backend_send" in r else "")
+                             + (f"; {r['early']:.0f} of {r['repeat']} reads begun from the "
+                                "messages' keys, before the tokens" if "early" in r else "")
                              + (f"; the disk tier's files {100 * r['page_cache_share']:.0f}% "
                                 "in the page cache before it" if r.get("page_cache_share") is not None
                                 else ""), "", "", ""))
