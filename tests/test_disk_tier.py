@@ -11,6 +11,7 @@ import signal
 import threading
 import uuid
 
+import openai
 import pytest
 from tests.harness import (BackendProcess, chat, get_json, metric_sum, request, small_tmpfs,
                            wait_until)
@@ -61,6 +62,12 @@ def test_sigkill_restart_keeps_the_conversation(text_model, tool_model, tmp_path
     try:
         assert again.health()["disk"]["entries"] >= 1  # re-indexed before it reported ready
         messages2 = next_turn(messages, turn1)
+        # Refused once its tokens are known (past the context): the read its keys began
+        # is let go, counted unused.
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(again, messages2, max_tokens=10**7)
+        assert refused.value.body["code"] == "context_length_exceeded"
+        assert metric(again, "kvroute_backend_disk_early_reads_total", used="no") == 1
         turn2 = chat(again, messages2, **GREEDY).body
         assert cached(turn2) >= 0.9 * turn1["usage"]["prompt_tokens"]
         assert metric(again, "kvroute_backend_cache_hits_total", tier="disk") == 1
@@ -78,7 +85,7 @@ def test_sigkill_restart_keeps_the_conversation(text_model, tool_model, tmp_path
         assert metric(again, "kvroute_backend_cache_hits_total", tier="ram") >= 1
         assert_same_answer(turn3, chat(again, messages3, scope=uuid.uuid4().hex, **GREEDY).body)
         # Turns RAM held, and prompts nothing was cached for, read nothing early.
-        assert metric(again, "kvroute_backend_disk_early_reads_total", used="no") == 0
+        assert metric(again, "kvroute_backend_disk_early_reads_total", used="no") == 1
         assert metric(again, "kvroute_backend_disk_restore_bytes_total") == restored
     finally:
         again.stop()

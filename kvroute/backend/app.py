@@ -111,19 +111,24 @@ async def _generate(
     req = parse(body)
     _check_model(state, req.model)
     scope = _scope(request)
-    prompt, early = await asyncio.to_thread(_prepare, state, req, body, scope)
-    state.metrics.l(state.metrics.prompt_time).observe(time.perf_counter() - arrived)
-    prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
-    max_tokens = _budget(state, prompt.tokens, req.params.max_tokens, prompt_param)
     bias = req.params.logit_bias
     if bias and max(bias) >= state.vocab_size:
         # An id past the logits would index out of bounds inside MLX (a crash, not an error).
         raise bad_request(f"logit_bias token id {max(bias)} is outside the vocabulary "
                           f"(0 to {state.vocab_size - 1}).", param="logit_bias",
                           code="invalid_value")
-    grammar = None
-    if isinstance(req, ChatRequest) and req.grammar is not None:
-        grammar = await _compile(state, req.grammar)
+    prompt, early = await asyncio.to_thread(_prepare, state, req, body, scope)
+    state.metrics.l(state.metrics.prompt_time).observe(time.perf_counter() - arrived)
+    prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
+    try:
+        max_tokens = _budget(state, prompt.tokens, req.params.max_tokens, prompt_param)
+        grammar = None
+        if isinstance(req, ChatRequest) and req.grammar is not None:
+            grammar = await _compile(state, req.grammar)
+    except BaseException:  # refused (a prompt past the context, a bad grammar)
+        if state.disk is not None and early is not None:
+            state.disk.let_go(early)
+        raise
     params = _no_image_token(state, req.params)
 
     def choice(i: int, after: Job | None) -> Job:
@@ -191,8 +196,8 @@ def _prepare(state: State, req: ChatRequest | CompletionRequest, body: dict,
     try:
         return state.template.prompt(req, body, scope, pairs), early
     except BaseException:
-        if early is not None:
-            early.future.cancel()
+        if state.disk is not None and early is not None:
+            state.disk.let_go(early)
         raise
 
 

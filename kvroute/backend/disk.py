@@ -857,10 +857,14 @@ class DiskTier:
             return await self._prefetch(model, prompt, scope, ram_depth, prefill_tps, early)
         finally:
             if early is not None:
-                if not early.used:
-                    early.future.cancel()  # where it has not begun yet
-                self.metrics.l(self.metrics.disk_early_reads,
-                               used="yes" if early.used else "no").inc()
+                self.let_go(early)
+
+    def let_go(self, early: Early) -> None:
+        """Its request is done with `early`: counted, and stopped where it went unused
+        and has not begun."""
+        if not early.used:
+            early.future.cancel()
+        self.metrics.l(self.metrics.disk_early_reads, used="yes" if early.used else "no").inc()
 
     async def _prefetch(self, model: str, prompt: list[int], scope: str | None,
                         ram_depth: Callable[[], int], prefill_tps: float,
