@@ -186,9 +186,12 @@ def _prepare(state: State, req: ChatRequest | CompletionRequest, body: dict,
     """The request's prompt (the handler's thread). Its prefix keys come first: the
     disk tier begins reading the record they find while the template renders and
     tokenizes (a restore's read then hides the prompt's ~5-10 ms)."""
-    pairs = state.template.keys(req, body, scope)
+    try:
+        pairs: list[tuple[int, int]] | None = state.template.keys(req, body, scope)
+    except APIError:
+        pairs = None  # the prompt refuses it, or first what it finds wrong before (an image)
     early = None
-    if state.disk is not None:
+    if state.disk is not None and pairs is not None:
         model = state.config.model_id
         early = state.disk.read_early(model, [k for k, _ in pairs],
                                       lambda keys: state.store.advertises(model, keys),
