@@ -162,7 +162,6 @@ class DiskTier:
         self.enabled = False
         self.listeners: list[Callable[[DiskEvent], None]] = []
         self.index: OrderedDict[str, Record] = OrderedDict()  # LRU order, oldest first
-        self._by_key: dict[int, set[str]] = {}  # prefix key -> the records advertised by it
         self.nbytes = 0  # the records' files (their shared blocks: `blocks.nbytes`)
         self.lock = threading.RLock()
         self.blocks = Blocks(self.directory, fingerprint, fsync, self.lock)
@@ -173,7 +172,9 @@ class DiskTier:
         self._wholes: list[list] = []  # queued ["whole", entry] items, not yet written
         self._queued: dict[int, list] = {}  # entry id -> its queued ["write", entry] item
         self._superseded: set[int] = set()
-        self._key_refs: dict[str, Counter] = {}
+        # model -> prefix key -> the records advertised by it: what the disk advertises
+        # (a key's first record adds it, its last one's removal releases it).
+        self._by_key: dict[str, dict[int, set[str]]] = {}
         self._queue: queue.Queue = queue.Queue()
         self._pending_bytes = 0  # bytes queued entries pin (_enqueue)
         # Of those, what RAM has let go (evicted while its write waited): memory the
@@ -739,11 +740,10 @@ class DiskTier:
                 self.blocks.hold(record.blocks)
             self.index[record.name] = record
             self.nbytes += record.size
-            refs = self._key_refs.setdefault(record.model, Counter())
-            added = [k for k in dict.fromkeys(record.chain) if refs[k] == 0]
-            refs.update(list(dict.fromkeys(record.chain)))
+            by_key = self._by_key.setdefault(record.model, {})
+            added = [k for k in dict.fromkeys(record.chain) if k not in by_key]
             for k in record.chain:
-                self._by_key.setdefault(k, set()).add(record.name)
+                by_key.setdefault(k, set()).add(record.name)
             self._emit(DiskEvent("insert", record.model, added))
 
     def _remove(self, name: str, unlink: bool = True) -> None:
@@ -753,17 +753,12 @@ class DiskTier:
                 return
             self.nbytes -= record.size
             self.blocks.release(record.blocks)
-            refs = self._key_refs.get(record.model, Counter())
+            by_key = self._by_key.get(record.model, {})
             released = []
             for k in dict.fromkeys(record.chain):
-                names = self._by_key.get(k)
-                if names is not None:
-                    names.discard(name)
-                    if not names:
-                        del self._by_key[k]
-                refs[k] -= 1
-                if refs[k] <= 0:
-                    del refs[k]
+                names = by_key.get(k, set())
+                names.discard(name)
+                if not names and by_key.pop(k, None) is not None:
                     released.append(k)
             self._emit(DiskEvent("evict", record.model, released))
         if unlink:
@@ -831,10 +826,10 @@ class DiskTier:
     def _deepest(self, model: str, chain: list[int]) -> tuple[int, Record] | None:
         """(depth in `chain`, record) of the record found by the deepest of `chain`'s
         keys whose own keys are all in `chain` (the longest, of several)."""
-        keys = set(chain)
+        keys, by_key = set(chain), self._by_key.get(model, {})
         for depth in range(len(chain) - 1, -1, -1):
-            records = [self.index[name] for name in self._by_key.get(chain[depth], ())]
-            fits = [r for r in records if r.model == model and keys.issuperset(r.chain)]
+            records = [self.index[name] for name in by_key.get(chain[depth], ())]
+            fits = [r for r in records if keys.issuperset(r.chain)]
             if fits:
                 return depth, max(fits, key=lambda r: len(r.tokens))
         return None
