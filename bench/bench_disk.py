@@ -431,6 +431,12 @@ def paths_bench(args) -> None:
                   lambda: pinned_load(pool))
             timed("pinned memory + xxh3 where it lands (the backend's restore) + concatenate",
                   threads, lambda: pinned_load(pool, checked_fill))
+            slots, pinned.SLOTS = pinned.SLOTS, 2  # the buffer in two halves (until 2026-12-07)
+            try:
+                timed("the same, the buffer in two halves (the restore before)", threads,
+                      lambda: pinned_load(pool, checked_fill))
+            finally:
+                pinned.SLOTS = slots
     # A layout with one K and one V array per layer (the tier stacks a block's layers
     # into one of each, as above): what the count of arrays costs MLX's reader.
     per_layer = [folder / f"{i}.layers.safetensors" for i in range(n)]

@@ -111,17 +111,29 @@ def test_files_come_back_as_mlx_reads_them(tmp_path):
     assert HostStaging.launches == -(-sum(len(mx.load(str(p))) for p in paths) // pinned.BATCH)
 
 
-def test_a_restore_larger_than_a_half_of_the_buffer_goes_through_it_in_parts(tmp_path):
-    """Each part read into one half while the last part's copies read the other: the
-    stand-in checks that no half is refilled before its copies were waited for."""
-    paths = write_files(tmp_path, 12)
-    size = max(p.stat().st_size for p in paths)
-    staging = HostStaging(nbytes=2 * 3 * (size + 2 * pinned.ALIGN))  # three files a half
-    parts = staging._parts(files_of(paths))
-    assert len(parts) >= 4 and sorted(i for part in parts for i, _ in part) == list(range(12))
-    assert all(at + p.stat().st_size <= staging.half for part in parts for i, at in part
+@pytest.mark.parametrize("slots", [2, 3])
+def test_a_restore_larger_than_the_buffer_goes_through_it_in_parts(tmp_path, slots):
+    """Parts read into the buffer's slots at once, each slot read into again once the
+    copies of its part are over: the stand-in checks that no slot is refilled before
+    its copies were waited for."""
+    paths = write_files(tmp_path, 30)
+    largest = max(pinned._slot(p.stat().st_size) for p in paths)
+    staging = HostStaging(nbytes=slots * pinned.FILES_A_SLOT * largest)
+    got_slots, size, parts = staging._layout(files_of(paths))
+    assert got_slots == slots and len(parts) > 2 * slots
+    assert sorted(i for part in parts for i, _ in part) == list(range(30))
+    assert all(at + p.stat().st_size <= size for part in parts for i, at in part
                for p in [paths[i]])
     assert same_as_mlx_reader(paths, load(staging, paths))
+
+
+def test_the_buffer_holds_up_to_eight_parts_with_room_for_four_of_the_largest_file():
+    files = [pinned.File(Path(f"{i}"), 1_900_000) for i in range(250)]  # a 7B model's blocks
+    slots, size, parts = pinned.Staging()._layout(files)
+    assert (slots, size) == (pinned.SLOTS, pinned.STAGING_BYTES // pinned.SLOTS)
+    assert len(parts) == -(-250 // (size // pinned._slot(1_900_000)))
+    big = [pinned.File(Path("a"), 40 << 20), pinned.File(Path("b"), 1 << 20)]
+    assert pinned.Staging()._layout(big)[0] == 2  # one such file fills a half
 
 
 def test_the_next_part_is_read_while_this_parts_copies_are_launched(tmp_path):
@@ -136,7 +148,7 @@ def test_the_next_part_is_read_while_this_parts_copies_are_launched(tmp_path):
     size = max(p.stat().st_size for p in paths)
     staging = HostStaging(nbytes=2 * 3 * (size + 2 * pinned.ALIGN))
     files = files_of(paths)
-    second = {files[i].path for i, _ in staging._parts(files)[1]}
+    second = {files[i].path for i, _ in staging._layout(files)[2][1]}
     reading_second = threading.Event()
 
     def fill(f, view):

@@ -10,13 +10,15 @@ page-locked, device-mapped buffer, where the caller's `fill` checks them (the di
 tier: each file's xxh3, on the host, on the bytes the GPU will copy), and one small
 kernel per batch of tensors copies them into device arrays, reading the host memory
 across the bus. The buffer (`STAGING_BYTES`) is made when the disk tier opens, with
-the kernel, and reused restore after restore. It is two halves: a restore larger than
-one goes through them in parts, the next part read into one half while the last
-part's copies are launched and read the other. A file it cannot take (a dtype it does
-not know, a file larger than a half, more than `HOST_BYTES` of tensors not in 16-byte
-words) comes back as None: the caller loads it another way. Where the path cannot work
-at all (no CUDA runtime to ask for pinned memory, a kernel MLX cannot build) it fails
-once and the caller loads every file another way.
+the kernel, and reused restore after restore. A restore goes through it in parts, a
+slot of the buffer each (up to `SLOTS`): every slot's part is read at once, and a
+part's slot is read into again once its copies are over (they run while the next
+part is read), so the readers never wait for a launch, and only the last, small
+part's copies are waited for alone. A file it cannot take (a dtype it does not know,
+a file larger than half the buffer, more than `HOST_BYTES` of tensors not in 16-byte
+words) comes back as None: the caller loads it another way. Where the path cannot
+work at all (no CUDA runtime to ask for pinned memory, a kernel MLX cannot build) it
+fails once and the caller loads every file another way.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ log = logging.getLogger("kvroute.backend.disk")
 STAGING_BYTES = 256 << 20  # page-locked host memory a backend keeps for restores
 OWN_BYTES = 32 << 20  # and for restores' own files (a record's last part-block, ...), beside
 BATCH = 16  # tensors one kernel launch copies
+# Parts in the buffer at once, each with room for `FILES_A_SLOT` of a restore's largest
+# file (block files of a 7B model: 8 slots of 32 MB, ~17 files each). Two halves left
+# an 8k-token restore's readers idle at each half's end and its last 115 MB of copies
+# waited alone.
+SLOTS = 8
+FILES_A_SLOT = 4
 # A file's tensors made on the host (in managed memory on CUDA, which the GPU pulls
 # page by page: fine for a record's scalars, not for its layers).
 HOST_BYTES = 64 << 10
@@ -206,41 +214,42 @@ class Staging(Pinned):
              ) -> list[dict[str, Any] | None]:
         """Each file's tensors as device arrays, in order; None for a file this path
         cannot take. Files are read on `readers`, or on this thread where it is None.
-        Raises what `fill` raises (after every read of its part is over),
+        Raises what `fill` raises (after every read under way is over),
         ReadersClosed where `readers` are shut down, RuntimeError where this path does
         not work here."""
         timing = self._timing.last = {"pinned reads": 0.0, "copies waited": 0.0}
         with self._lock:
             self._open()
             out: list[dict[str, Any] | None] = [None] * len(files)
-            parts = self._parts(files)
-            copying: list[list[Any]] = []  # each part's copies (kernel outputs, views), in order
-            reads: list[Any] = []  # the part being read: futures, or its tables when read inline
+            slots, size, parts = self._layout(files)
+            reads: dict[int, list[Any]] = {}  # parts being read: futures, or tables read inline
+            copying: dict[int, list[Any]] = {}  # parts whose copies are launched, not waited for
             try:
-                if parts:
-                    reads = self._start_part(files, parts[0], 0, readers, fill)
+                for n in range(min(slots, len(parts))):  # every slot's part read at once
+                    reads[n] = self._start_part(files, parts[n], n % slots * size, readers, fill)
                 for n in range(len(parts)):
                     t0 = time.perf_counter()
-                    planned, reads = self._finish_part(reads), []
+                    planned = self._finish_part(reads.pop(n))
                     t1 = time.perf_counter()
                     timing["pinned reads"] += t1 - t0
-                    if n + 1 < len(parts):
-                        # The next part's reads run while this part's copies are
-                        # launched; its half must be done with part n-1's copies first.
-                        if n >= 1:
-                            self._wait(copying[n - 1])
+                    # The slot the last part's copies read is read into next, before
+                    # this part's copies are launched: the readers never wait for those.
+                    refill = n - 1 + slots
+                    if n >= 1 and refill < len(parts):
+                        self._wait(copying.pop(n - 1))
                         timing["copies waited"] += time.perf_counter() - t1
-                        reads = self._start_part(files, parts[n + 1], n + 1, readers, fill)
+                        reads[refill] = self._start_part(files, parts[refill], refill % slots * size,
+                                                         readers, fill)
                     words, made = self._launch([(i, t) for (i, _), ts in zip(parts[n], planned) if ts
                                                 for t in ts])
-                    copying.append(words)
+                    copying[n] = words
                     for i, arrays in made.items():
                         out[i] = arrays
                 t0 = time.perf_counter()
-                self._wait([w for ws in copying[-2:] for w in ws])
+                self._wait([w for ws in copying.values() for w in ws])
                 timing["copies waited"] += time.perf_counter() - t0
             except BaseException:
-                wait([r for r in reads if isinstance(r, Future)])
+                wait([r for rs in reads.values() for r in rs if isinstance(r, Future)])
                 settle()  # copies launched before the failure may still read the buffer
                 raise
             return out
@@ -269,25 +278,35 @@ class Staging(Pinned):
         except Exception as exc:  # whatever it is, restores fall back to MLX's reader
             self.fail(exc)
 
-    def _parts(self, files: list[File]) -> list[list[tuple[int, int]]]:
-        """The files that fit a half, in runs that fill one: (position, offset in the half)."""
+    def _layout(self, files: list[File]) -> tuple[int, int, list[list[tuple[int, int]]]]:
+        """How many parts the buffer holds at once (as many as leave each room for
+        `FILES_A_SLOT` of the largest file that fits, at most `SLOTS`, at least two:
+        small parts keep the readers busy, as each part's last reads, and the last
+        part's copies, wait alone), the bytes of a slot, and the parts."""
+        largest = max((_slot(f.size) for f in files if self.fits(f.size)), default=ALIGN)
+        slots = max(2, min(SLOTS, self.nbytes // (FILES_A_SLOT * largest)))
+        size = self.nbytes // slots // ALIGN * ALIGN
+        return slots, size, self._parts(files, size)
+
+    def _parts(self, files: list[File], size: int) -> list[list[tuple[int, int]]]:
+        """The files that fit a half, in runs that fill a slot of `size` bytes (which
+        `_layout` made room for the largest of them): (position, offset in the slot)."""
         parts: list[list[tuple[int, int]]] = [[]]
         at = 0
         for i, f in enumerate(files):
             if not self.fits(f.size):
                 continue
-            if at + _slot(f.size) > self.half:
+            if at and at + _slot(f.size) > size:
                 parts.append([])
                 at = 0
             parts[-1].append((i, at))
             at += _slot(f.size)
         return [p for p in parts if p]
 
-    def _start_part(self, files: list[File], part: list[tuple[int, int]], n: int,
+    def _start_part(self, files: list[File], part: list[tuple[int, int]], base: int,
                     readers: ThreadPoolExecutor | None, fill: Fill) -> list[Any]:
-        """Part `n`'s files read into their half: on `readers` (futures, for
+        """A part's files read into its slot at `base`: on `readers` (futures, for
         `_finish_part`), or here, now, where it is None (their tensor tables)."""
-        base = (n % 2) * self.half
         if readers is None:
             return [self._read(files[i], base + at, fill) for i, at in part]
         reads: list[Any] = []
