@@ -582,6 +582,7 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
         progress(out)
         one = stack.backends()[0]
         run(decode_rate(url, "m", tok, 8, 16, 6000))
+        before = stack.split()
         # Both parts run every decode: the agents after them then meet the same cache
         # (and, with the tier on, the writes those prompts queued), so the difference is
         # the tier's. (The tier-off part once ran only 8 streams: its agents met a cache
@@ -593,6 +594,11 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
                 # mlx-lm's server batches every stream in one process: so does one backend.
                 out[f"decode{n}_one"] = decode_median(one, "m", tok, n, args.decode, 6050 + 100 * n,
                                                       args.decode_repeat, {"x-kvroute-token": TOKEN})
+        # What the disk writers (and the card guard) did beside the decodes: the tier's
+        # cost on them, where writes queued before them still run.
+        after = stack.split()
+        out["decode_beside"] = {k: after[k] - before[k] for k in ("disk_writes", "disk_paced", "card_low")}
+        out["decode_beside"]["disk_queue"] = before["disk_queue"]
         progress(out)
         out["memory"]["decode"] = stack.memory()
         before = stack.split()
@@ -862,6 +868,12 @@ def report(args, got: dict) -> str:
                 if f"decode{n}_one" in nd:
                     add(f"disk tier on: decode {n}, one backend (off)", kv[f"decode{n}_one"],
                         nd[f"decode{n}_one"], rate, ">= 0.95x")
+            if "decode_beside" in kv:
+                b, off = kv["decode_beside"], nd.get("decode_beside", {})
+                rows.append(("", f"beside the decodes: {b['disk_queue']:.0f} writes queued before "
+                             f"them, {b['disk_writes']:.0f} ended and {b['disk_paced']:.1f} s paced "
+                             f"during them; the card guard emptied a buffer cache {b['card_low']:.0f} "
+                             f"times (off: {off.get('card_low', 0):.0f})", "", "", ""))
             if "agents" in kv and "agents" in nd:
                 add("disk tier on: agents' turns 2-4 TTFT (off)", kv["agents"]["ttft_turns_2_4"],
                     nd["agents"]["ttft_turns_2_4"], secs, "<= 1.05x")
