@@ -133,7 +133,7 @@ def test_the_buffer_holds_up_to_eight_parts_with_room_for_four_of_the_largest_fi
     assert (slots, size) == (pinned.SLOTS, pinned.STAGING_BYTES // pinned.SLOTS)
     assert len(parts) == -(-250 // (size // pinned._slot(1_900_000)))
     big = [pinned.File(Path("a"), 40 << 20), pinned.File(Path("b"), 1 << 20)]
-    assert pinned.Staging()._layout(big)[0] == 2  # one such file fills a half
+    assert pinned.Staging()._layout(big)[0] == 2  # no room for four such files in less
 
 
 def test_the_next_part_is_read_while_this_parts_copies_are_launched(tmp_path):
