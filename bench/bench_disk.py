@@ -46,6 +46,17 @@ managed memory in MLX's buffer cache, slow the allocations that reuse them).
 
     python -m bench.bench_disk written --blocks 250
 
+`beside` (in process): what the disk writer's work costs a decode running beside it.
+One stream decodes a random-weight 7B model (mlx-lm's `generate_step`, on the main
+thread, the backend's GIL switch interval) while a second thread does one part of a
+write at a time, looping until the decode ends: nothing; the tier's block writes
+(diskblocks.py: pinned copies, files, fsyncs, renames) unpaced and paced as the tier
+paces them; the copies and sums alone (files to /dev/null); the files alone (host
+bytes, no device work); the Python work alone (headers, views; no kernel, no file).
+Each row's decode rate beside the first's (nothing), and what the writer wrote.
+
+    python -m bench.bench_disk beside --tokens 256
+
 `capacity` (real processes): Redis, 3 backends with small RAM budgets, a proxy;
 12 agent conversations of 4 turns (a long shared system prompt each, new user
 text every turn), turns interleaved across conversations. Hit ratio = cached
@@ -547,6 +558,151 @@ def written_bench(args) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+# -- beside ----------------------------------------------------------------------
+
+def beside_bench(args) -> None:
+    import sys
+    import threading
+
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from kvroute.backend import diskblocks, diskfile, pinned_write
+    from kvroute.backend.boot import GPU_GIL_SWITCH_S
+    from kvroute.backend.disk import MAX_PACE_WAIT, PACE
+    from kvroute.backend.paged import Block
+
+    console = Console(width=200)
+    dtype = "bfloat16" if mx.default_device() == mx.gpu else "float32"
+    model = build(args.shape, dtype)
+    cfg = SHAPES[args.shape]
+    layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if mx.default_device() == mx.gpu:
+        sys.setswitchinterval(GPU_GIL_SWITCH_S)  # as a backend on a GPU runs
+    console.print(f"{args.shape} ({dtype}), {args.tokens} tokens a decode, {args.blocks} blocks a write; "
+                  f"{platform.platform()}; {os.cpu_count()} cores; mlx {mx.__version__}, device "
+                  f"{mx.default_device()}, CUDA path {diskfile.on_cuda()}, switch interval "
+                  f"{sys.getswitchinterval() * 1e3:.1f} ms")
+    keys = iter(range(1, 1 << 62))
+    blocks = [Block(next(keys), [(mx.random.normal((layers, heads, 32, dim)).astype(getattr(mx, dtype)),
+                                  mx.random.normal((layers, heads, 32, dim)).astype(getattr(mx, dtype)))],
+                    0) for _ in range(args.blocks)]
+    mx.eval([b.kv for b in blocks])
+    block_bytes = sum(a.nbytes for pair in blocks[0].kv for a in pair)
+    folder = Path(tempfile.mkdtemp(prefix="kvr-beside-"))
+    prompt = mx.array(list(range(100, 100 + args.prompt)))
+
+    def decode() -> float:
+        t0, n = None, 0
+        for _ in generate_step(prompt, model, max_tokens=args.tokens):
+            n += 1
+            if t0 is None:
+                t0 = time.perf_counter()
+        return (n - 1) / (time.perf_counter() - t0)
+
+    def tier(paced: bool):
+        (folder / f"tier-{paced}").mkdir()
+        store = diskblocks.Blocks(folder / f"tier-{paced}", "beside", fsync=True)
+        store.open()
+        if diskfile.on_cuda():
+            store.writer.warm()
+        last = [time.monotonic()]
+
+        def between() -> None:  # the tier's pace under load (disk.py `_give_way`)
+            spent = time.monotonic() - last[0]
+            time.sleep(min(PACE * spent, MAX_PACE_WAIT))
+            last[0] = time.monotonic()
+
+        def one() -> int:
+            fresh = [Block(next(keys), b.kv, 0) for b in blocks]
+            last[0] = time.monotonic()
+            written = store.write(fresh, between if paced else None)
+            store.release([b.key for b in fresh])  # deleted: the disk does not fill
+            return written
+        return one
+
+    writer = pinned_write.Writer()
+    if diskfile.on_cuda():
+        writer.warm()
+
+    def copies() -> int:  # the kernel, the sums, the Python; the bytes to /dev/null
+        done = 0
+        for b in blocks:
+            arrays = {f"{k}0": a for k, a in zip("kv", b.kv[0])}
+            saved = writer.save(Path(os.devnull), arrays, {"kvroute_block": "{}"})
+            if saved is None:
+                raise RuntimeError("the pinned writer does not work here")
+            done += saved.size
+        return done
+
+    host = os.urandom(block_bytes)
+
+    def files() -> int:  # what the tier does to the drive, without the device
+        sub = folder / "files"
+        sub.mkdir(exist_ok=True)
+        paths = []
+        for i in range(len(blocks)):
+            p = sub / f"{i}.tmp"
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                pinned_write._write_all(fd, host)
+            finally:
+                os.close(fd)
+            paths.append(p)
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        for i, p in enumerate(paths):
+            os.replace(p, sub / f"{i}.done")
+        return len(paths) * block_bytes
+
+    def python_only() -> int:  # the writer's Python work per file, nothing run
+        for b in blocks:
+            arrays = {f"{k}0": a for k, a in zip("kv", b.kv[0])}
+            pinned_write.header(arrays, {"kvroute_block": "{}"})
+            [a.reshape(-1).view(mx.uint8) for a in arrays.values()]
+        return 0
+
+    rows = [("nothing", None), ("the tier's block writes, unpaced", tier(False)),
+            ("the tier's block writes, paced", tier(True)),
+            ("pinned copies and sums only (files to /dev/null)",
+             copies if diskfile.on_cuda() and writer.works() else None),
+            ("files only (host bytes: write, fsync, rename)", files),
+            ("the writer's Python only", python_only), ("nothing, again", None)]
+    decode()  # kernels compiled, apart
+    table = Table(title=f"a {args.tokens}-token decode beside the writer's work")
+    for col in ("beside it", "tok/s", "vs nothing", "writer MB/s", "writes"):
+        table.add_column(col, justify="right")
+    base = None
+    for label, work in rows:
+        if work is None and label != "nothing" and label != "nothing, again":
+            continue
+        stop, wrote, passes = threading.Event(), [0], [0]
+
+        def loop() -> None:
+            while not stop.is_set():
+                wrote[0] += work()
+                passes[0] += 1
+
+        thread = threading.Thread(target=loop, daemon=True) if work is not None else None
+        t0 = time.perf_counter()
+        if thread is not None:
+            thread.start()
+        rate = decode()
+        stop.set()
+        if thread is not None:
+            thread.join()
+        spent = time.perf_counter() - t0
+        base = base or rate
+        table.add_row(label, f"{rate:.1f}", f"{rate / base:.2f}x",
+                      f"{wrote[0] / spent / 1e6:.0f}" if work else "", str(passes[0]) if work else "")
+    console.print(table)
+    import shutil
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 # -- capacity --------------------------------------------------------------------
 
 
@@ -658,6 +814,11 @@ def main() -> None:
     ps.add_argument("--blocks", type=int, default=250, help="32-token block files (250: 8k tokens)")
     w = sub.add_parser("written")
     w.add_argument("--blocks", type=int, default=250, help="32-token blocks (250: 8k tokens)")
+    b = sub.add_parser("beside")
+    b.add_argument("--shape", choices=sorted(SHAPES), default="7b")
+    b.add_argument("--tokens", type=int, default=256, help="tokens a decode")
+    b.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    b.add_argument("--blocks", type=int, default=100, help="32-token blocks a write")
     c = sub.add_parser("capacity")
     c.add_argument("--model", help="default: the demo model")
     c.add_argument("--cache-bytes", default="1MiB", help="RAM budget of each backend")
@@ -665,7 +826,8 @@ def main() -> None:
     c.add_argument("--turns", type=int, default=4)
     args = ap.parse_args()
     {"restore": restore_bench, "tier": tier_bench, "paths": paths_bench,
-     "written": written_bench, "capacity": capacity_bench}[args.cmd](args)
+     "written": written_bench, "beside": beside_bench,
+     "capacity": capacity_bench}[args.cmd](args)
 
 
 if __name__ == "__main__":
