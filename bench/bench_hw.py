@@ -37,7 +37,9 @@ Prompts are random words of the model's tokenizer; a random-weight model never s
 
 Parts save their numbers under --results (JSON), so a run can be split over several
 calls (`--parts raw,mlx-server` then `--parts kvroute,no-disk`); the report uses every
-part found there.
+part found there. `--profile DIR` samples each kvroute backend's threads with py-spy
+(idle ones too) while the decodes run, one collapsed-stack file per backend and part:
+where the engine thread's time goes beside the disk writers, against the tier-off part.
 """
 
 from __future__ import annotations
@@ -549,6 +551,62 @@ def page_cache_share(folder: str) -> float | None:
         return None
 
 
+def backend_pids(parent: int) -> list[int]:
+    """The `kvroute backend` processes `parent` (a `kvroute serve`) started."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"backend" in cmd:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+class Profile:
+    """py-spy sampling every backend of a stack while a `with` block runs (`--profile`):
+    each thread's stacks in py-spy's raw (collapsed) format, two files per backend
+    (every thread, idle ones too; the GIL's holder only). Sampling does not stop the
+    process (`--nonblocking`)."""
+
+    def __init__(self, folder: str, stack: "Stack", label: str):
+        self.folder, self.stack, self.label = folder, stack, label
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "Profile":
+        if not self.folder:
+            return self
+        spy = shutil.which("py-spy")
+        if spy is None:
+            raise SystemExit("--profile needs py-spy on PATH (pip install py-spy)")
+        Path(self.folder).mkdir(parents=True, exist_ok=True)
+        for pid in backend_pids(self.stack.proc.proc.pid):
+            # Every thread's stack, waiting or not; and only the thread holding the
+            # GIL: a thread's samples in the first but not the second at a line of
+            # Python are its waits for the GIL.
+            for kind, flag in (("all", "--idle"), ("gil", "--gil")):
+                out = Path(self.folder) / f"{self.stack.name}-{self.label}-{pid}-{kind}.txt"
+                log = open(out.with_suffix(".log"), "wb")
+                self.procs.append(subprocess.Popen(
+                    [spy, "record", "--pid", str(pid), "--rate", "200", flag, "--threads",
+                     "--nonblocking", "--format", "raw", "--output", str(out)],
+                    stdout=log, stderr=subprocess.STDOUT))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def settle_disk(stack: Stack, timeout: float = 300.0) -> None:
     """Wait until every backend's disk writes are done (what a restart would find)."""
     deadline = time.monotonic() + timeout
@@ -587,13 +645,15 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
         # (and, with the tier on, the writes those prompts queued), so the difference is
         # the tier's. (The tier-off part once ran only 8 streams: its agents met a cache
         # and card the 1- and 32-stream runs had not touched.)
-        for n in (1, 8, 32):
-            out[f"decode{n}"] = decode_median(url, "m", tok, n, args.decode, 6000 + 100 * n,
-                                              args.decode_repeat)
-            if n > 1:
-                # mlx-lm's server batches every stream in one process: so does one backend.
-                out[f"decode{n}_one"] = decode_median(one, "m", tok, n, args.decode, 6050 + 100 * n,
-                                                      args.decode_repeat, {"x-kvroute-token": TOKEN})
+        with Profile(args.profile, stack, "decodes"):
+            for n in (1, 8, 32):
+                out[f"decode{n}"] = decode_median(url, "m", tok, n, args.decode, 6000 + 100 * n,
+                                                  args.decode_repeat)
+                if n > 1:
+                    # mlx-lm's server batches every stream in one process: so does one backend.
+                    out[f"decode{n}_one"] = decode_median(one, "m", tok, n, args.decode,
+                                                          6050 + 100 * n, args.decode_repeat,
+                                                          {"x-kvroute-token": TOKEN})
         # What the disk writers (and the card guard) did beside the decodes: the tier's
         # cost on them, where writes queued before them still run.
         after = stack.split()
@@ -945,6 +1005,8 @@ def main() -> None:
     ap.add_argument("--logs", default="/tmp/kvroute-bench-hw")
     ap.add_argument("--results", default="", help="folder of each part's JSON (default: --logs)")
     ap.add_argument("--out", help="also write the report (markdown) here")
+    ap.add_argument("--profile", default="",
+                    help="a folder: py-spy samples each backend's threads during the decodes")
     ap.add_argument("--raw-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.sizes = [int(x) for x in str(args.sizes).split(",")]
