@@ -52,8 +52,10 @@ thread, the backend's GIL switch interval) while a second thread does one part o
 write at a time, looping until the decode ends: nothing; the tier's block writes
 (diskblocks.py: pinned copies, files, fsyncs, renames) unpaced and paced as the tier
 paces them; the copies and sums alone (files to /dev/null); the files alone (host
-bytes, no device work); the Python work alone (headers, views; no kernel, no file).
-Each row's decode rate beside the first's (nothing), and what the writer wrote.
+bytes, no device work); the Python work alone (headers, views; no kernel, no file);
+then the tier's writes and the copies in another process on the same device, as a
+sibling replica's writer runs (a GPU time-slices between processes). Each row's
+decode rate beside the first's (nothing), and what the writer wrote.
 
     python -m bench.bench_disk beside --tokens 256
 
@@ -560,37 +562,144 @@ def written_bench(args) -> None:
 
 # -- beside ----------------------------------------------------------------------
 
+class _WriterWork:
+    """One part of the disk writer's work on `n` 32-token blocks of a model's shape
+    (its full-attention KV, as the tier's pool stacks it), made on this process's
+    device: each method does it once and returns the bytes it wrote."""
+
+    def __init__(self, shape: str, n: int, folder: Path):
+        import mlx.core as mx
+
+        from kvroute.backend import diskblocks, diskfile, pinned_write
+        from kvroute.backend.paged import Block
+
+        cfg = SHAPES[shape]
+        layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+        dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+        self.Block, self.folder = Block, folder
+        self.keys = iter(range(1, 1 << 62))
+        self.blocks = [Block(next(self.keys), [(mx.random.normal((layers, heads, 32, dim)).astype(dtype),
+                                                mx.random.normal((layers, heads, 32, dim)).astype(dtype))], 0)
+                       for _ in range(n)]
+        mx.eval([b.kv for b in self.blocks])
+        self.block_bytes = sum(a.nbytes for pair in self.blocks[0].kv for a in pair)
+        self.cuda = diskfile.on_cuda()
+        self.stores = {}
+        for paced in (False, True):
+            (folder / f"tier-{paced}").mkdir(parents=True, exist_ok=True)
+            store = diskblocks.Blocks(folder / f"tier-{paced}", "beside", fsync=True)
+            store.open()
+            if self.cuda:  # as the tier opens: restores' buffer made, so no device sums
+                store.staging.warm()
+                store.writer.warm()
+            self.stores[paced] = store
+        self.writer = pinned_write.Writer()
+        if self.cuda:
+            self.writer.warm()
+        self.host = os.urandom(self.block_bytes)
+
+    def tier(self, paced: bool) -> int:
+        from kvroute.backend.disk import MAX_PACE_WAIT, PACE
+
+        store, last = self.stores[paced], [time.monotonic()]
+
+        def between() -> None:  # the tier's pace under load (disk.py `_give_way`)
+            spent = time.monotonic() - last[0]
+            time.sleep(min(PACE * spent, MAX_PACE_WAIT))
+            last[0] = time.monotonic()
+
+        fresh = [self.Block(next(self.keys), b.kv, 0) for b in self.blocks]
+        written = store.write(fresh, between if paced else None)
+        store.release([b.key for b in fresh])  # deleted: the disk does not fill
+        return written
+
+    def copies(self) -> int:  # the kernel, the sums, the Python; the bytes to /dev/null
+        if not (self.cuda and self.writer.works()):
+            raise RuntimeError("the pinned writer does not work here")
+        done = 0
+        for b in self.blocks:
+            arrays = {f"{k}0": a for k, a in zip("kv", b.kv[0])}
+            done += self.writer.save(Path(os.devnull), arrays, {"kvroute_block": "{}"}).size
+        return done
+
+    def files(self) -> int:  # what the tier does to the drive, without the device
+        from kvroute.backend import pinned_write
+
+        sub = self.folder / "files"
+        sub.mkdir(exist_ok=True)
+        paths = []
+        for i in range(len(self.blocks)):
+            p = sub / f"{i}.tmp"
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                pinned_write._write_all(fd, self.host)
+            finally:
+                os.close(fd)
+            paths.append(p)
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        for i, p in enumerate(paths):
+            os.replace(p, sub / f"{i}.done")
+        return len(paths) * self.block_bytes
+
+    def python_only(self) -> int:  # the writer's Python work per file, nothing run
+        import mlx.core as mx
+
+        from kvroute.backend import pinned_write
+
+        for b in self.blocks:
+            arrays = {f"{k}0": a for k, a in zip("kv", b.kv[0])}
+            pinned_write.header(arrays, {"kvroute_block": "{}"})
+            [a.reshape(-1).view(mx.uint8) for a in arrays.values()]
+        return 0
+
+    def run(self, what: str) -> int:
+        return {"tier": lambda: self.tier(False), "paced": lambda: self.tier(True),
+                "copies": self.copies, "files": self.files, "python": self.python_only}[what]()
+
+
+def _sibling(what: str, shape: str, n: int, folder: str, ready, stop, wrote, passes) -> None:
+    """A second process on the same device doing `what` until `stop`: another
+    backend's writer, as replicas sharing a card have."""
+    import sys
+
+    from kvroute.backend.boot import GPU_GIL_SWITCH_S
+
+    sys.setswitchinterval(GPU_GIL_SWITCH_S)
+    work = _WriterWork(shape, n, Path(folder))
+    ready.set()
+    while not stop.is_set():
+        got = work.run(what)
+        with wrote.get_lock():
+            wrote.value += got
+        passes.value += 1
+
+
 def beside_bench(args) -> None:
+    import multiprocessing
     import sys
     import threading
 
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from kvroute.backend import diskblocks, diskfile, pinned_write
+    from kvroute.backend import diskfile
     from kvroute.backend.boot import GPU_GIL_SWITCH_S
-    from kvroute.backend.disk import MAX_PACE_WAIT, PACE
-    from kvroute.backend.paged import Block
 
     console = Console(width=200)
     dtype = "bfloat16" if mx.default_device() == mx.gpu else "float32"
     model = build(args.shape, dtype)
-    cfg = SHAPES[args.shape]
-    layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
-    dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     if mx.default_device() == mx.gpu:
         sys.setswitchinterval(GPU_GIL_SWITCH_S)  # as a backend on a GPU runs
     console.print(f"{args.shape} ({dtype}), {args.tokens} tokens a decode, {args.blocks} blocks a write; "
                   f"{platform.platform()}; {os.cpu_count()} cores; mlx {mx.__version__}, device "
                   f"{mx.default_device()}, CUDA path {diskfile.on_cuda()}, switch interval "
                   f"{sys.getswitchinterval() * 1e3:.1f} ms")
-    keys = iter(range(1, 1 << 62))
-    blocks = [Block(next(keys), [(mx.random.normal((layers, heads, 32, dim)).astype(getattr(mx, dtype)),
-                                  mx.random.normal((layers, heads, 32, dim)).astype(getattr(mx, dtype)))],
-                    0) for _ in range(args.blocks)]
-    mx.eval([b.kv for b in blocks])
-    block_bytes = sum(a.nbytes for pair in blocks[0].kv for a in pair)
     folder = Path(tempfile.mkdtemp(prefix="kvr-beside-"))
+    work = _WriterWork(args.shape, args.blocks, folder / "here")
     prompt = mx.array(list(range(100, 100 + args.prompt)))
 
     def decode() -> float:
@@ -601,104 +710,63 @@ def beside_bench(args) -> None:
                 t0 = time.perf_counter()
         return (n - 1) / (time.perf_counter() - t0)
 
-    def tier(paced: bool):
-        (folder / f"tier-{paced}").mkdir()
-        store = diskblocks.Blocks(folder / f"tier-{paced}", "beside", fsync=True)
-        store.open()
-        if diskfile.on_cuda():  # as the tier opens: restores' buffer made, so no device sums
-            store.staging.warm()
-            store.writer.warm()
-        last = [time.monotonic()]
-
-        def between() -> None:  # the tier's pace under load (disk.py `_give_way`)
-            spent = time.monotonic() - last[0]
-            time.sleep(min(PACE * spent, MAX_PACE_WAIT))
-            last[0] = time.monotonic()
-
-        def one() -> int:
-            fresh = [Block(next(keys), b.kv, 0) for b in blocks]
-            last[0] = time.monotonic()
-            written = store.write(fresh, between if paced else None)
-            store.release([b.key for b in fresh])  # deleted: the disk does not fill
-            return written
-        return one
-
-    writer = pinned_write.Writer()
-    if diskfile.on_cuda():
-        writer.warm()
-
-    def copies() -> int:  # the kernel, the sums, the Python; the bytes to /dev/null
-        done = 0
-        for b in blocks:
-            arrays = {f"{k}0": a for k, a in zip("kv", b.kv[0])}
-            saved = writer.save(Path(os.devnull), arrays, {"kvroute_block": "{}"})
-            if saved is None:
-                raise RuntimeError("the pinned writer does not work here")
-            done += saved.size
-        return done
-
-    host = os.urandom(block_bytes)
-
-    def files() -> int:  # what the tier does to the drive, without the device
-        sub = folder / "files"
-        sub.mkdir(exist_ok=True)
-        paths = []
-        for i in range(len(blocks)):
-            p = sub / f"{i}.tmp"
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                pinned_write._write_all(fd, host)
-            finally:
-                os.close(fd)
-            paths.append(p)
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-        for i, p in enumerate(paths):
-            os.replace(p, sub / f"{i}.done")
-        return len(paths) * block_bytes
-
-    def python_only() -> int:  # the writer's Python work per file, nothing run
-        for b in blocks:
-            arrays = {f"{k}0": a for k, a in zip("kv", b.kv[0])}
-            pinned_write.header(arrays, {"kvroute_block": "{}"})
-            [a.reshape(-1).view(mx.uint8) for a in arrays.values()]
-        return 0
-
-    rows = [("nothing", None), ("the tier's block writes, unpaced", tier(False)),
-            ("the tier's block writes, paced", tier(True)),
-            ("pinned copies and sums only (files to /dev/null)",
-             copies if diskfile.on_cuda() and writer.works() else None),
-            ("files only (host bytes: write, fsync, rename)", files),
-            ("the writer's Python only", python_only), ("nothing, again", None)]
+    here = [("the tier's block writes, unpaced", "tier"), ("the tier's block writes, paced", "paced"),
+            ("pinned copies and sums only (files to /dev/null)", "copies"),
+            ("files only (host bytes: write, fsync, rename)", "files"),
+            ("the writer's Python only", "python")]
+    rows = [("nothing", None, False)] + [(label, what, False) for label, what in here
+                                         if what != "copies" or work.cuda]
+    # A sibling backend's writer: another process on the device (a GPU time-slices
+    # between processes; kernels of one process's streams may run together).
+    rows += [("another process: the tier's block writes, unpaced", "tier", True),
+             ("another process: the tier's block writes, paced", "paced", True)]
+    if work.cuda:
+        rows.append(("another process: pinned copies and sums only", "copies", True))
+    rows.append(("nothing, again", None, False))
     decode()  # kernels compiled, apart
     table = Table(title=f"a {args.tokens}-token decode beside the writer's work")
     for col in ("beside it", "tok/s", "vs nothing", "writer MB/s", "writes"):
         table.add_column(col, justify="right")
     base = None
-    for label, work in rows:
-        if work is None and label != "nothing" and label != "nothing, again":
-            continue
-        stop, wrote, passes = threading.Event(), [0], [0]
+    spawn = multiprocessing.get_context("spawn")
+    for label, what, elsewhere in rows:
+        if elsewhere:
+            stop, ready = spawn.Event(), spawn.Event()
+            wrote, passes = spawn.Value("q", 0), spawn.Value("q", 0)
+            proc = spawn.Process(target=_sibling, args=(what, args.shape, args.blocks,
+                                                        str(folder / "sibling"), ready, stop,
+                                                        wrote, passes))
+            proc.start()
+            if not ready.wait(300):
+                raise RuntimeError("the sibling process did not start")
+            t0 = time.perf_counter()
+            rate = decode()
+            spent = time.perf_counter() - t0
+            stop.set()
+            proc.join(120)
+            got, count = wrote.value, passes.value
+        else:
+            stop, got_list, count_list = threading.Event(), [0], [0]
 
-        def loop() -> None:
-            while not stop.is_set():
-                wrote[0] += work()
-                passes[0] += 1
+            def loop() -> None:
+                while not stop.is_set():
+                    got_list[0] += work.run(what)
+                    count_list[0] += 1
 
-        thread = threading.Thread(target=loop, daemon=True) if work is not None else None
-        t0 = time.perf_counter()
-        if thread is not None:
-            thread.start()
-        rate = decode()
-        stop.set()
-        if thread is not None:
-            thread.join()
-        spent = time.perf_counter() - t0
+            thread = threading.Thread(target=loop, daemon=True) if what else None
+            t0 = time.perf_counter()
+            if thread is not None:
+                thread.start()
+            rate = decode()
+            spent = time.perf_counter() - t0
+            stop.set()
+            if thread is not None:
+                thread.join()
+            got, count = got_list[0], count_list[0]
         base = base or rate
         table.add_row(label, f"{rate:.1f}", f"{rate / base:.2f}x",
-                      f"{wrote[0] / spent / 1e6:.0f}" if work else "", str(passes[0]) if work else "")
+                      f"{got / spent / 1e6:.0f}" if what else "", str(count) if what else "")
+        console.print(f"  {label}: {rate:.1f} tok/s", highlight=False)  # as it goes
     console.print(table)
     import shutil
     shutil.rmtree(folder, ignore_errors=True)
