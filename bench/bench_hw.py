@@ -38,8 +38,9 @@ Prompts are random words of the model's tokenizer; a random-weight model never s
 Parts save their numbers under --results (JSON), so a run can be split over several
 calls (`--parts raw,mlx-server` then `--parts kvroute,no-disk`); the report uses every
 part found there. `--profile DIR` samples each kvroute backend's threads with py-spy
-(idle ones too) while the decodes run, one collapsed-stack file per backend and part:
-where the engine thread's time goes beside the disk writers, against the tier-off part.
+while the decodes run, two collapsed-stack files per backend and part (every thread,
+idle ones too; the GIL's holder): where the engine thread's time goes beside the disk
+writers, against the tier-off part.
 """
 
 from __future__ import annotations
@@ -576,6 +577,7 @@ class Profile:
     def __init__(self, folder: str, stack: "Stack", label: str):
         self.folder, self.stack, self.label = folder, stack, label
         self.procs: list[subprocess.Popen] = []
+        self.logs: list = []
 
     def __enter__(self) -> "Profile":
         if not self.folder:
@@ -591,6 +593,7 @@ class Profile:
             for kind, flag in (("all", "--idle"), ("gil", "--gil")):
                 out = Path(self.folder) / f"{self.stack.name}-{self.label}-{pid}-{kind}.txt"
                 log = open(out.with_suffix(".log"), "wb")
+                self.logs.append(log)
                 self.procs.append(subprocess.Popen(
                     [spy, "record", "--pid", str(pid), "--rate", "200", flag, "--threads",
                      "--nonblocking", "--format", "raw", "--output", str(out)],
@@ -605,6 +608,8 @@ class Profile:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        for log in self.logs:
+            log.close()
 
 
 def settle_disk(stack: Stack, timeout: float = 300.0) -> None:
