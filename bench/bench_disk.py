@@ -46,7 +46,8 @@ managed memory in MLX's buffer cache, slow the allocations that reuse them).
 
     python -m bench.bench_disk written --blocks 250
 
-`beside` (in process): what the disk writer's work costs a decode running beside it.
+`beside` (in process, and a second one for its last rows): what the disk writer's
+work costs a decode running beside it.
 One stream decodes a random-weight 7B model (mlx-lm's `generate_step`, on the main
 thread, the backend's GIL switch interval) while a second thread does one part of a
 write at a time, looping until the decode ends: nothing; the tier's block writes
