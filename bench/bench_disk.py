@@ -571,7 +571,7 @@ class _WriterWork:
     def __init__(self, shape: str, n: int, folder: Path):
         import mlx.core as mx
 
-        from kvroute.backend import diskblocks, diskfile, pinned_write
+        from kvroute.backend import diskblocks, diskfile
         from kvroute.backend.paged import Block
 
         cfg = SHAPES[shape]
@@ -586,24 +586,18 @@ class _WriterWork:
         mx.eval([b.kv for b in self.blocks])
         self.block_bytes = sum(a.nbytes for pair in self.blocks[0].kv for a in pair)
         self.cuda = diskfile.on_cuda()
-        self.stores = {}
-        for paced in (False, True):
-            (folder / f"tier-{paced}").mkdir(parents=True, exist_ok=True)
-            store = diskblocks.Blocks(folder / f"tier-{paced}", "beside", fsync=True)
-            store.open()
-            if self.cuda:  # as the tier opens: restores' buffer made, so no device sums
-                store.staging.warm()
-                store.writer.warm()
-            self.stores[paced] = store
-        self.writer = pinned_write.Writer()
-        if self.cuda:
-            self.writer.warm()
+        folder.mkdir(parents=True, exist_ok=True)
+        self.store = diskblocks.Blocks(folder, "beside", fsync=True)
+        self.store.open()
+        if self.cuda:  # as the tier opens: restores' buffer made, so no device sums
+            self.store.staging.warm()
+            self.store.writer.warm()
         self.host = os.urandom(self.block_bytes)
 
     def tier(self, paced: bool) -> int:
         from kvroute.backend.disk import MAX_PACE_WAIT, PACE
 
-        store, last = self.stores[paced], [time.monotonic()]
+        store, last = self.store, [time.monotonic()]
 
         def between() -> None:  # the tier's pace under load (disk.py `_give_way`)
             spent = time.monotonic() - last[0]
@@ -616,16 +610,19 @@ class _WriterWork:
         return written
 
     def copies(self) -> int:  # the kernel, the sums, the Python; the bytes to /dev/null
-        if not (self.cuda and self.writer.works()):
+        writer = self.store.writer
+        if not (self.cuda and writer.works()):
             raise RuntimeError("the pinned writer does not work here")
         done = 0
         for b in self.blocks:
             arrays = {f"{k}0": a for k, a in zip("kv", b.kv[0])}
-            done += self.writer.save(Path(os.devnull), arrays, {"kvroute_block": "{}"}).size
+            done += writer.save(Path(os.devnull), arrays, {"kvroute_block": "{}"}).size
         return done
 
     def files(self) -> int:  # what the tier does to the drive, without the device
-        from kvroute.backend import pinned_write
+        from concurrent.futures import ThreadPoolExecutor
+
+        from kvroute.backend import diskblocks, diskfile, pinned_write
 
         sub = self.folder / "files"
         sub.mkdir(exist_ok=True)
@@ -638,12 +635,11 @@ class _WriterWork:
             finally:
                 os.close(fd)
             paths.append(p)
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+        with ThreadPoolExecutor(min(8, len(paths))) as pool:  # as `Blocks.write` fsyncs
+            list(pool.map(diskblocks._fsync_file, paths))
         for i, p in enumerate(paths):
             os.replace(p, sub / f"{i}.done")
+        diskfile._fsync_dir(sub)
         return len(paths) * self.block_bytes
 
     def python_only(self) -> int:  # the writer's Python work per file, nothing run
@@ -731,39 +727,39 @@ def beside_bench(args) -> None:
     base = None
     spawn = multiprocessing.get_context("spawn")
     for label, what, elsewhere in rows:
-        if elsewhere:
-            stop, ready = spawn.Event(), spawn.Event()
-            wrote, passes = spawn.Value("q", 0), spawn.Value("q", 0)
-            proc = spawn.Process(target=_sibling, args=(what, args.shape, args.blocks,
-                                                        str(folder / "sibling"), ready, stop,
-                                                        wrote, passes))
-            proc.start()
+        stop = spawn.Event() if elsewhere else threading.Event()
+        if elsewhere:  # a sibling's writer, started and ready before the decode
+            ready, wrote, passes = spawn.Event(), spawn.Value("q", 0), spawn.Value("q", 0)
+            worker = spawn.Process(target=_sibling, args=(what, args.shape, args.blocks,
+                                                          str(folder / "sibling"), ready, stop,
+                                                          wrote, passes))
+            worker.start()
             if not ready.wait(300):
                 raise RuntimeError("the sibling process did not start")
-            t0 = time.perf_counter()
-            rate = decode()
-            spent = time.perf_counter() - t0
-            stop.set()
-            proc.join(120)
-            got, count = wrote.value, passes.value
-        else:
-            stop, got_list, count_list = threading.Event(), [0], [0]
+        elif what:
+            wrote, passes, failed = [0], [0], []
 
             def loop() -> None:
-                while not stop.is_set():
-                    got_list[0] += work.run(what)
-                    count_list[0] += 1
+                try:
+                    while not stop.is_set():
+                        wrote[0] += work.run(what)
+                        passes[0] += 1
+                except Exception as exc:  # the row fails, not silently at 0 writes
+                    failed.append(exc)
 
-            thread = threading.Thread(target=loop, daemon=True) if what else None
-            t0 = time.perf_counter()
-            if thread is not None:
-                thread.start()
-            rate = decode()
-            spent = time.perf_counter() - t0
-            stop.set()
-            if thread is not None:
-                thread.join()
-            got, count = got_list[0], count_list[0]
+            worker = threading.Thread(target=loop, daemon=True)
+            worker.start()
+        t0 = time.perf_counter()
+        rate = decode()
+        spent = time.perf_counter() - t0
+        stop.set()
+        if what:
+            worker.join(120)
+            if elsewhere and worker.exitcode != 0:
+                raise RuntimeError(f"the sibling process exited {worker.exitcode}")
+            if not elsewhere and failed:
+                raise failed[0]
+            got, count = (wrote.value, passes.value) if elsewhere else (wrote[0], passes[0])
         base = base or rate
         table.add_row(label, f"{rate:.1f}", f"{rate / base:.2f}x",
                       f"{got / spent / 1e6:.0f}" if what else "", str(count) if what else "")
