@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
+from pathlib import Path
 
 import pytest
 from tests.harness import TOOLS, BackendProcess, SSEStream, chat, post_json, wait_until
@@ -207,10 +208,19 @@ def test_exit_disconnect_mid_decode(family):
     assert_entries_consistent(family)
 
 
+def no_eos(backend: BackendProcess) -> dict[str, float]:
+    """A logit_bias that bans the model's end-of-sequence tokens: a reply sampled from
+    random weights can otherwise end before the step a fault waits for."""
+    config = json.loads((Path(backend.model) / "config.json").read_text())
+    ids = config["eos_token_id"]
+    return {str(i): -100 for i in (ids if isinstance(ids, list) else [ids])}
+
+
 def test_exit_error_in_decode(family):
     messages = conversation()
     status, body = post_json(family.url + "/v1/chat/completions",
                              {"model": family.model_id, "messages": messages,
+                              "logit_bias": no_eos(family),
                               "kvroute_fault": "decode_error:2"})
     assert status == 500 and "injected decode fault" in body["error"]["message"]
     repeat = chat(family, messages, max_tokens=1).body
