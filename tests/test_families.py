@@ -157,10 +157,18 @@ def test_exit_eos(family):
     assert_prompt_kept(family, first, follow_up(family, messages, "All clear."))
 
 
+def no_eos(backend: BackendProcess) -> dict[str, float]:
+    """A logit_bias that bans the model's end-of-sequence tokens: a reply sampled from
+    random weights can otherwise end before the step a fault waits for."""
+    config = json.loads((Path(backend.model) / "config.json").read_text())
+    ids = config["eos_token_id"]
+    return {str(i): -100 for i in (ids if isinstance(ids, list) else [ids])}
+
+
 def test_exit_max_tokens(family):
     messages = conversation()
-    # Greedy: sampled from a random model, end-of-sequence can come within 3 tokens.
-    first = chat(family, messages, **{**GREEDY, "max_tokens": 3}).body
+    # End-of-sequence banned: a random model's reply can otherwise end within 3 tokens.
+    first = chat(family, messages, **{**GREEDY, "max_tokens": 3}, logit_bias=no_eos(family)).body
     assert first["choices"][0]["finish_reason"] == "length"
     assert first["usage"]["completion_tokens"] == 3
     assert_prompt_kept(family, first, follow_up(family, messages))
@@ -206,14 +214,6 @@ def test_exit_disconnect_mid_decode(family):
     assert_kept_after_disconnect_mid_decode(family, conversation(),
                                             stream_options={"include_usage": True})
     assert_entries_consistent(family)
-
-
-def no_eos(backend: BackendProcess) -> dict[str, float]:
-    """A logit_bias that bans the model's end-of-sequence tokens: a reply sampled from
-    random weights can otherwise end before the step a fault waits for."""
-    config = json.loads((Path(backend.model) / "config.json").read_text())
-    ids = config["eos_token_id"]
-    return {str(i): -100 for i in (ids if isinstance(ids, list) else [ids])}
 
 
 def test_exit_error_in_decode(family):
