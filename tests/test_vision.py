@@ -26,7 +26,7 @@ from tests.harness import (TOOLS, BackendProcess, ProxyProcess, SSEStream, chat,
                            post_json, wait_until)
 from tests.test_families import (GREEDY, assert_entries_consistent,
                                  assert_kept_after_disconnect_mid_decode, assert_prompt_kept,
-                                 assert_same_answer, cached, cold, follow_up, idle,
+                                 assert_same_answer, cached, cold, follow_up, idle, no_eos,
                                  prompt_tokens)
 
 from kvroute.core import prefix
@@ -105,13 +105,15 @@ def test_image_turn2_hits_exactly_and_skips_the_encoder(vlm):
 
 def test_changed_image_is_not_a_hit(vlm):
     messages = conversation(image_url(2))
-    first = chat(vlm, messages, **GREEDY).body
+    # End-of-sequence banned: an answer needs a first token to compare log-probabilities.
+    greedy = {**GREEDY, "logit_bias": no_eos(vlm)}
+    first = chat(vlm, messages, **greedy).body
     other = [messages[0], {**messages[1], "content": [messages[1]["content"][0],
                                                       image_part(image_url(3))]}]
-    answer = chat(vlm, other, **GREEDY).body
+    answer = chat(vlm, other, **greedy).body
     # At most the text before the image is shared: the rest is prefilled, image included.
     assert cached(answer) <= prompt_tokens(first) - vision_models.TOKENS_PER_IMAGE - 1
-    assert_same_answer(answer, cold(vlm, other, **GREEDY))
+    assert_same_answer(answer, cold(vlm, other, **greedy))
     # The image reaches the model: another image, other log-probabilities.
     logprob = [a["choices"][0]["logprobs"]["content"][0]["logprob"] for a in (first, answer)]
     assert abs(logprob[0] - logprob[1]) > 1e-5, logprob
@@ -136,10 +138,10 @@ def test_four_images_and_a_jpeg_hit_exactly(vlm):
 
 def test_streamed_image_answer_and_penalties(vlm):
     messages = conversation(image_url(4))
-    whole = chat(vlm, messages, max_tokens=5, temperature=0, presence_penalty=1.0,
-                 frequency_penalty=0.5).text
-    streamed = chat(vlm, messages, max_tokens=5, temperature=0, presence_penalty=1.0,
-                    frequency_penalty=0.5, stream=True).text
+    params = {"max_tokens": 5, "temperature": 0, "presence_penalty": 1.0,
+              "frequency_penalty": 0.5, "logit_bias": no_eos(vlm)}  # a reply that is not empty
+    whole = chat(vlm, messages, **params).text
+    streamed = chat(vlm, messages, **params, stream=True).text
     assert streamed == whole and whole
 
 
@@ -260,7 +262,10 @@ def messages_two_turns_cached(proxy: ProxyProcess, source: dict, again: dict | N
     counted = claude.messages.count_tokens(model="vlm", system=system, messages=turn1)
     assert counted.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
     image = [{"role": "user", "content": [question, {"type": "image", "source": again or source}]}]
-    turn2 = image + [{"role": "assistant", "content": reply.content},
+    # A random model's reply can be empty (end-of-sequence first), which the API refuses
+    # as an assistant turn; the hit does not depend on the reply's text.
+    said = reply.content or [{"type": "text", "text": "ok"}]
+    turn2 = image + [{"role": "assistant", "content": said},
                      {"role": "user", "content": "And the error message?"}]
     second = claude.messages.with_raw_response.create(
         model="vlm", system=system, messages=turn2, max_tokens=8)
@@ -365,6 +370,7 @@ def test_image_exit_disconnect_mid_decode_and_errors(vlm):
         messages = conversation(image_url(33 + step))
         status, body = post_json(vlm.url + "/v1/chat/completions",
                                  {"model": vlm.model_id, "messages": messages,
+                                  "logit_bias": no_eos(vlm),  # no reply ends before the fault
                                   "kvroute_fault": f"decode_error:{step}"})
         assert status == 500, body
         repeat = chat(vlm, messages, **GREEDY).body
