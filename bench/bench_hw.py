@@ -6,7 +6,10 @@ Parts (each a fresh set of processes, one after the other; `--parts` picks them)
 - raw: mlx-lm `generate_step`, one sequence, in a child process, warmed up the way a
   kvroute backend is (kernels, then one prompt as long as the longest measured):
   cold time to first token at each size, the second turn on a cached prompt (the new
-  suffix's prefill plus one step), single-stream decode.
+  suffix's prefill plus one step), single-stream decode; and mlx-lm's `BatchGenerator`
+  decoding 8 and 32 prompts together with no server around it: the ceiling a server's
+  batched decode measures against (whether a target "x times mlx-lm's server" is
+  reachable at all on that machine, and how near kvroute's one backend comes to it).
 - mlx-server: `python -m mlx_lm server`, warmed up: cold TTFT, turn 2, decode at 1, 8
   and 32 streams.
 - kvroute: `kvroute serve --config` (an embedded Redis, --replicas backends capped to
@@ -167,14 +170,38 @@ def raw_main(args) -> None:
     gen = generate_step(mx.array(tok.encode(text_of(tok, 64, 9))), model, max_tokens=args.decode)
     stamps = [time.perf_counter() for _ in gen]
     out["decode1"] = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    for n in (8, 32):
+        out[f"decode{n}"] = statistics.median(
+            batch_decode(model, tokenizer, tok, n, args.decode, step, 500 + 10_000 * r + 100 * n)
+            for r in range(args.decode_repeat))
     print("RAW " + json.dumps(out), flush=True)
+
+
+def batch_decode(model, tokenizer, tok, streams: int, n: int, step: int, seed: int) -> float:
+    """mlx-lm's own continuous batching, no server: `streams` prompts of 64 tokens (as
+    the servers get) decode `n` tokens each together; tokens/s from the first token of
+    any to the last of all, as `decode_rate` counts through HTTP. What batched decode
+    costs on this machine with nothing around it: the ceiling a server's 8 streams
+    measure against."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+                         completion_batch_size=max(streams, 32), prefill_batch_size=streams,
+                         prefill_step_size=step)
+    gen.insert([tok.encode(text_of(tok, 64, seed + i)) for i in range(streams)], [n] * streams)
+    stamps, tokens = [], 0
+    while responses := gen.next_generated():
+        stamps.append(time.perf_counter())
+        tokens += len(responses) if len(stamps) > 1 else 0  # the first step's tokens start it
+    gen.close()
+    return tokens / (stamps[-1] - stamps[0])
 
 
 def run_raw(args, tok, logs: Path) -> dict:
     cmd = [sys.executable, "-m", "bench.bench_hw", "--raw-child", "--model", args.model,
            "--sizes", ",".join(map(str, args.sizes)), "--turn2", str(args.turn2),
            "--repeat", str(args.repeat), "--turn2-repeat", str(args.turn2_repeat),
-           "--decode", str(args.decode),
+           "--decode", str(args.decode), "--decode-repeat", str(args.decode_repeat),
            "--raw-prefill-step", str(args.raw_prefill_step)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RAW ")]
@@ -850,6 +877,10 @@ def report(args, got: dict) -> str:
             add(f"turn 2 on ~{args.turn2} cached (raw)", kv["turn2"]["ttft"], raw["turn2"], secs,
                 "<= 1.5x")
             add("decode 1 stream (raw)", kv["decode1"], raw["decode1"], rate, ">= 0.9x")
+            for n in (8, 32):
+                if f"decode{n}" in raw:
+                    add(f"decode {n} streams, one backend (raw: mlx-lm's BatchGenerator, no server)",
+                        kv[f"decode{n}_one"], raw[f"decode{n}"], rate)
         if ref:
             add(f"turn 2 on ~{args.turn2} cached (mlx-lm server)", kv["turn2"]["ttft"],
                 ref["turn2"]["ttft"], secs)
