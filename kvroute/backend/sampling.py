@@ -3,6 +3,7 @@ and logits processors."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import mlx.core as mx
@@ -21,11 +22,27 @@ MIN_TEMPERATURE = 2e-4
 
 def make_sampler(params: SamplingParams) -> Callable | None:
     """None means greedy (the generator's fallback). A seeded request gets its own
-    PRNG key so its samples do not depend on what else shares the batch."""
+    PRNG key so its samples do not depend on what else shares the batch. Unseeded
+    requests with the same settings share one sampler: the generator samples the
+    batch in one call when every row's sampler is the same object, and otherwise row
+    by row, each row its own pass of sampling ops over the vocabulary."""
     if params.temperature < MIN_TEMPERATURE:
         return None
-    temp, top_p, top_k, min_p = params.temperature, params.top_p, params.top_k, params.min_p
-    key = mx.random.key(params.seed) if params.seed is not None else None
+    settings = (params.temperature, params.top_p, params.top_k, params.min_p)
+    if params.seed is None:
+        return _shared_sampler(*settings)
+    return _sampler(*settings, key=mx.random.key(params.seed))
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_sampler(temp: float, top_p: float, top_k: int, min_p: float) -> Callable:
+    return _sampler(temp, top_p, top_k, min_p, key=None)
+
+
+def _sampler(temp: float, top_p: float, top_k: int, min_p: float,
+             key: mx.array | None) -> Callable:
+    """Samples a row of token ids per row of logprobs; with a key, from that key's
+    stream (a sampler with a key is one request's)."""
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
