@@ -4,8 +4,10 @@ clients send), the two interleaved so that a busy machine slows them alike.
 
 mlx-lm's generator samples the whole batch in one call only when every row has the
 same sampler, and otherwise row by row; unseeded requests with the same settings share
-one sampler (sampling.py) so that a batch of sampled streams costs little more than a
-greedy one. The ratio sampled / greedy is what this prints.
+one sampler (sampling.py). This prints both rates and sampled / greedy. A random-weight
+model gives its masked tokens (end-of-sequence among them) logits of 0, which greedy
+decoding never picks and sampling sometimes does: the sampled streams that ended before
+their tokens are counted and shown (a batch that thins out decodes fewer tokens a step).
 
     python -m bench.models /tmp/mtiny --preset cpu --hidden 128 --layers 2 --intermediate 256 \\
         --heads 4 --kv-heads 2
@@ -21,6 +23,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import aiohttp
 from rich.console import Console
 from rich.table import Table
 
@@ -31,24 +34,30 @@ SAMPLED = {"temperature": 0.7, "top_p": 0.95}
 GREEDY = {"temperature": 0}
 
 
-async def decode_rate(url: str, tok, streams: int, n: int, seed: int, params: dict) -> float:
+async def decode_rate(url: str, tok, streams: int, n: int, seed: int,
+                      params: dict) -> tuple[float, int]:
     """Aggregate tokens/s of `streams` concurrent streamed completions, from the first
-    token of any to the last of all (prefill excluded), as bench_hw counts them."""
+    token of any to the last of all (prefill excluded), as bench_hw counts them; and how
+    many streams ended before `n` tokens."""
     async def one(s, i: int):
         try:
             return await bench_hw.stream(s, url, "/v1/completions",
                                          {"model": "m", "prompt": bench_hw.text_of(tok, 64, seed + i),
                                           "max_tokens": n, **params})
-        except RuntimeError as exc:  # sampled, a random model may end at once
+        except RuntimeError as exc:  # ended at its first token, with no text
             if "no tokens" not in str(exc):
                 raise
             return None
 
-    async with bench_hw._session() as s:
-        results = [r for r in await asyncio.gather(*(one(s, i) for i in range(streams))) if r]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
+        got = await asyncio.gather(*(one(s, i) for i in range(streams)))
+    results = [r for r in got if r and len(r[1]) > 1]
+    if not results:
+        raise RuntimeError(f"{streams} streams: none decoded more than one token")
     first = min(r[1][0] for r in results)
     last = max(r[1][-1] for r in results)
-    return sum(r[2].get("completion_tokens", len(r[1])) - 1 for r in results) / (last - first)
+    early = sum(r is None or r[2].get("completion_tokens", n) < n for r in got)
+    return sum(r[2].get("completion_tokens", len(r[1])) - 1 for r in results) / (last - first), early
 
 
 def main() -> None:
@@ -65,25 +74,31 @@ def main() -> None:
     backend.start(timeout=300)
     tok = bench_hw.Tokenizer(args.model)
     rates: dict[tuple[int, str], list[float]] = {}
+    early: dict[int, int] = {}
     try:
         asyncio.run(decode_rate(backend.url, tok, max(streams), 16, 1, SAMPLED))  # warm up
         for r in range(args.repeat):
             for n in streams:
-                for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
-                    seed = 1000 + 10_000 * r + 100 * n
-                    rate = asyncio.run(decode_rate(backend.url, tok, n, args.tokens, seed, params))
+                for k, (name, params) in enumerate((("greedy", GREEDY), ("sampled", SAMPLED))):
+                    seed = 1000 + 10_000 * r + 100 * n + 50 * k  # prompts never sent before
+                    rate, ended = asyncio.run(decode_rate(backend.url, tok, n, args.tokens, seed,
+                                                          params))
                     rates.setdefault((n, name), []).append(rate)
+                    if name == "sampled":
+                        early[n] = early.get(n, 0) + ended
     finally:
         backend.stop()
 
     table = Table(title=f"decode on one backend, {args.tokens} tokens a stream, medians of "
                         f"{args.repeat} ({platform.machine()}, {platform.system()})")
-    for col in ("streams", "greedy", "sampled (T 0.7, top_p 0.95)", "sampled / greedy"):
+    for col in ("streams", "greedy", "sampled (T 0.7, top_p 0.95)", "sampled / greedy",
+                "sampled streams that ended early"):
         table.add_column(col, justify="right")
     for n in streams:
         g = statistics.median(rates[(n, "greedy")])
         s = statistics.median(rates[(n, "sampled")])
-        table.add_row(str(n), f"{g:,.0f} tok/s", f"{s:,.0f} tok/s", f"{s / g:.2f}x")
+        table.add_row(str(n), f"{g:,.0f} tok/s", f"{s:,.0f} tok/s", f"{s / g:.2f}x",
+                      f"{early[n]} of {n * args.repeat}")
     Console().print(table)
 
 

@@ -25,7 +25,8 @@ def make_sampler(params: SamplingParams) -> Callable | None:
     PRNG key so its samples do not depend on what else shares the batch. Unseeded
     requests with the same settings share one sampler: the generator samples the
     batch in one call when every row's sampler is the same object, and otherwise row
-    by row, each row its own pass of sampling ops over the vocabulary."""
+    by row, each row its own pass of sampling ops over the vocabulary (so one row
+    unlike the others, greedy, seeded or constrained, still costs the batch that)."""
     if params.temperature < MIN_TEMPERATURE:
         return None
     settings = (params.temperature, params.top_p, params.top_k, params.min_p)
@@ -34,15 +35,15 @@ def make_sampler(params: SamplingParams) -> Callable | None:
     return _sampler(*settings, key=mx.random.key(params.seed))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256, typed=True)  # bounded: clients choose the floats
 def _shared_sampler(temp: float, top_p: float, top_k: int, min_p: float) -> Callable:
     return _sampler(temp, top_p, top_k, min_p, key=None)
 
 
 def _sampler(temp: float, top_p: float, top_k: int, min_p: float,
              key: mx.array | None) -> Callable:
-    """Samples a row of token ids per row of logprobs; with a key, from that key's
-    stream (a sampler with a key is one request's)."""
+    """Samples one token id per row of logprobs; with a key, from that key's stream
+    (a sampler with a key is one request's)."""
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
