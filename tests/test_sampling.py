@@ -36,7 +36,6 @@ def test_a_shared_sampler_draws_every_row_on_its_own():
     assert len(set(rows)) > 32, rows
 
 
-
 def test_a_shared_sampler_filters_each_row_by_its_own_distribution():
     # Row 0 favours the high ids, row 1 the low ones (but id 0: a row the filter emptied
     # would come back as id 0), both nearly flat: each filter must cut each row's own tail.
