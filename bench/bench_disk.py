@@ -610,18 +610,18 @@ class _WriterWork:
         return written
 
     def copies(self) -> int:  # the kernel, the sums, the Python; the bytes to /dev/null
+        from kvroute.backend import diskblocks
+
         writer = self.store.writer
         if not (self.cuda and writer.works()):
             raise RuntimeError("the pinned writer does not work here")
         done = 0
         for b in self.blocks:
-            arrays = {f"{k}0": a for k, a in zip("kv", b.kv[0])}
-            done += writer.save(Path(os.devnull), arrays, {"kvroute_block": "{}"}).size
+            done += writer.save(Path(os.devnull), diskblocks.block_arrays(b),
+                                {"kvroute_block": "{}"}).size
         return done
 
     def files(self) -> int:  # what the tier does to the drive, without the device
-        from concurrent.futures import ThreadPoolExecutor
-
         from kvroute.backend import diskblocks, diskfile, pinned_write
 
         sub = self.folder / "files"
@@ -635,8 +635,7 @@ class _WriterWork:
             finally:
                 os.close(fd)
             paths.append(p)
-        with ThreadPoolExecutor(min(8, len(paths))) as pool:  # as `Blocks.write` fsyncs
-            list(pool.map(diskblocks._fsync_file, paths))
+        diskblocks.fsync_files(paths)  # as `Blocks.write` fsyncs
         for i, p in enumerate(paths):
             os.replace(p, sub / f"{i}.done")
         diskfile._fsync_dir(sub)
@@ -645,10 +644,10 @@ class _WriterWork:
     def python_only(self) -> int:  # the writer's Python work per file, nothing run
         import mlx.core as mx
 
-        from kvroute.backend import pinned_write
+        from kvroute.backend import diskblocks, pinned_write
 
         for b in self.blocks:
-            arrays = {f"{k}0": a for k, a in zip("kv", b.kv[0])}
+            arrays = diskblocks.block_arrays(b)
             pinned_write.header(arrays, {"kvroute_block": "{}"})
             [a.reshape(-1).view(mx.uint8) for a in arrays.values()]
         return 0

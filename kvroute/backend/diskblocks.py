@@ -130,8 +130,7 @@ class Blocks:
         waits there while the engine has work). Returns the bytes written."""
         tmps: list[Path] = []
         saved: list[diskfile.Saved | None] = []  # each file's sums, where its save took them
-        files = [{f"{kind}{i}": a for i, pair in enumerate(block.kv) for kind, a in zip("kv", pair)}
-                 for block in blocks]
+        files = [block_arrays(block) for block in blocks]
         sums: list[str | None] = []
         try:
             for i, (block, arrays) in enumerate(zip(blocks, files)):
@@ -151,8 +150,7 @@ class Blocks:
                 saved.append(diskfile.save(tmp, arrays, {"kvroute_block": orjson.dumps(meta).decode()},
                                            self.writer))
             if self.fsync:
-                with ThreadPoolExecutor(min(8, len(tmps))) as pool:
-                    list(pool.map(_fsync_file, tmps))
+                fsync_files(tmps)
             written = 0
             for block, tmp, done in zip(blocks, tmps, saved):
                 if done is None:  # just written: its sums from the page cache
@@ -352,8 +350,19 @@ def _per_pass(arrays: dict[str, Any]) -> int:
     return max(1, GROUP_BYTES // max(1, sum(a.nbytes for a in arrays.values())))
 
 
+def block_arrays(block: Any) -> dict[str, Any]:
+    """A block's arrays as its file names them (`_pairs` reads them back)."""
+    return {f"{kind}{i}": a for i, pair in enumerate(block.kv) for kind, a in zip("kv", pair)}
+
+
 def _pairs(arrays: dict[str, Any]) -> list[tuple[Any, Any]]:
     return [(arrays[f"k{i}"], arrays[f"v{i}"]) for i in range(len(arrays) // 2)]
+
+
+def fsync_files(paths: list[Path]) -> None:
+    """fsync files 8 at once: one drive flush's wait, not one each."""
+    with ThreadPoolExecutor(min(8, len(paths))) as pool:
+        list(pool.map(_fsync_file, paths))
 
 
 def _fsync_file(path: Path) -> None:
