@@ -217,7 +217,7 @@ def run_raw(args, tok, logs: Path) -> dict:
 # -- HTTP measurements -----------------------------------------------------------------
 
 
-def _session() -> aiohttp.ClientSession:
+def http_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800))
 
 
@@ -262,12 +262,18 @@ async def decode_rate(url: str, model: str, tok, streams: int, n: int, seed: int
                       headers: dict | None = None) -> float:
     """Aggregate generated tokens/s of `streams` concurrent requests, from the first token
     of any to the last of all (prefill excluded)."""
-    async with _session() as s:
+    async with http_session() as s:
         results = await asyncio.gather(*(
             stream(s, url, "/v1/completions",
                    {"model": model, "prompt": text_of(tok, 64, seed + i), "max_tokens": n,
                     "temperature": 0}, headers)
             for i in range(streams)))
+    return aggregate_rate(results)
+
+
+def aggregate_rate(results: list[tuple[float, list[float], dict, str]]) -> float:
+    """Generated tokens/s of streams (`stream`'s answers) that ran together, from the
+    first token of any to the last of all: each stream's first token starts it."""
     first = min(r[1][0] for r in results)
     last = max(r[1][-1] for r in results)
     # Tokens, not events: a server may send several tokens in one event.
@@ -285,7 +291,7 @@ def decode_median(url: str, model: str, tok, streams: int, n: int, seed: int, re
 
 
 async def completion_ttft(url: str, model: str, prompt: str) -> float:
-    async with _session() as s:
+    async with http_session() as s:
         t, _, _, _ = await stream(s, url, "/v1/completions",
                                   {"model": model, "prompt": prompt, "max_tokens": 2,
                                    "temperature": 0})
@@ -294,7 +300,7 @@ async def completion_ttft(url: str, model: str, prompt: str) -> float:
 
 async def chat(url: str, model: str, messages: list[dict], max_tokens: int
                ) -> tuple[float, dict, str]:
-    async with _session() as s:
+    async with http_session() as s:
         t, _, usage, text = await stream(s, url, "/v1/chat/completions",
                                          {"model": model, "messages": messages,
                                           "max_tokens": max_tokens, "temperature": 0})
@@ -380,7 +386,7 @@ async def agents(url: str, model: str, tok, seed: int, system: int) -> dict:
             messages.append({"role": "assistant", "content": text})
 
     t0 = time.perf_counter()
-    async with _session() as s:
+    async with http_session() as s:
         await asyncio.gather(*(agent(i, s) for i in range(8)))
     return {"hit_ratio": totals["cached"] / max(totals["prompt"], 1),
             "ttft_turns_2_4": statistics.mean(ttfts), "wall_s": time.perf_counter() - t0,

@@ -23,7 +23,6 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import aiohttp
 from rich.console import Console
 from rich.table import Table
 
@@ -49,15 +48,13 @@ async def decode_rate(url: str, tok, streams: int, n: int, seed: int,
                 raise
             return None
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
+    async with bench_hw.http_session() as s:
         got = await asyncio.gather(*(one(s, i) for i in range(streams)))
     results = [r for r in got if r and len(r[1]) > 1]
     if not results:
         raise RuntimeError(f"{streams} streams: none decoded more than one token")
-    first = min(r[1][0] for r in results)
-    last = max(r[1][-1] for r in results)
     early = sum(r is None or r[2].get("completion_tokens", n) < n for r in got)
-    return sum(r[2].get("completion_tokens", len(r[1])) - 1 for r in results) / (last - first), early
+    return bench_hw.aggregate_rate(results), early
 
 
 def main() -> None:
