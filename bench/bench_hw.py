@@ -27,6 +27,13 @@ Parts (each a fresh set of processes, one after the other; `--parts` picks them)
 - defaults: plain `kvroute serve --model M --replicas N` (no config: every default,
   its disk tier under a temporary cache folder): whether it starts, how long until the
   model answers, its memory check and disk budget lines, one answer, the exit code.
+- paired: decode at 1, 8 and 32 streams with raw mlx-lm (a child process serving
+  decodes on request), mlx-lm's server and kvroute (one replica, through the proxy and
+  its backend alone) loaded on the device at once, each capped, their samples taken in
+  turns (the order rotating each round, the same fresh prompts for each in a round):
+  a GPU's speed drifted by a fifth within minutes on the same work, so parts measured
+  one after the other compare samples taken at different speeds; the ratios within
+  each round do not. A 7B model's three fit an 80 GB card.
 
 Every prompt is a length no process has seen (sizes shift by a few tokens per repeat and
 per part): what a user's prompts are, and what a warmed-up server has not compiled yet.
@@ -72,7 +79,7 @@ from kvroute.serve.redis_server import free_port
 from tests.harness import metric_sum
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("raw", "mlx-server", "kvroute", "no-disk", "defaults")
+PARTS = ("raw", "mlx-server", "kvroute", "no-disk", "defaults", "paired")
 TOKEN = "bench-hw-token"
 
 
@@ -167,15 +174,47 @@ def raw_main(args) -> None:
         del cache
         mx.clear_cache()
     out["turn2"] = statistics.median(times)
-    gen = generate_step(mx.array(tok.encode(text_of(tok, 64, 9))), model, max_tokens=args.decode)
-    stamps = [time.perf_counter() for _ in gen]
-    out["decode1"] = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-    batch_decode(model, tokenizer, tok, 32, 8, step, 400)  # warm up, as the servers are
+    out["decode1"] = single_decode(model, tok, args.decode, 9)
+    for n in (8, 32):  # warm up each batch's shapes, as the servers are
+        batch_decode(model, tokenizer, tok, n, 8, step, 400)
     for n in (8, 32):
         out[f"decode{n}"] = statistics.median(
             batch_decode(model, tokenizer, tok, n, args.decode, step, 500 + 10_000 * r + 100 * n)
             for r in range(args.decode_repeat))
     print("RAW " + json.dumps(out), flush=True)
+
+
+def single_decode(model, tok, n: int, seed: int) -> float:
+    """mlx-lm's `generate_step` decoding `n` tokens after a 64-token prompt: tokens/s
+    from the first token to the last."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    gen = generate_step(mx.array(tok.encode(text_of(tok, 64, seed))), model, max_tokens=n)
+    stamps = [time.perf_counter() for _ in gen]
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def raw_serve(args) -> None:
+    """In a child process beside the servers (the paired part): raw decodes on request,
+    one line in (`STREAMS TOKENS SEED`), one rate out (`RATE x`), so that each raw
+    sample is taken between the servers' own, on the card as it is then."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    mx.set_memory_limit(args.raw_memory_limit)
+    mx.set_cache_limit(1 << 30)
+    model, tokenizer = load(args.model)
+    tok = Tokenizer(args.model)
+    single_decode(model, tok, 16, 9)
+    for n in (8, 32):
+        batch_decode(model, tokenizer, tok, n, 8, args.raw_prefill_step, 400)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        streams, n, seed = (int(x) for x in line.split())
+        rate = (single_decode(model, tok, n, seed) if streams == 1 else
+                batch_decode(model, tokenizer, tok, streams, n, args.raw_prefill_step, seed))
+        print(f"RATE {rate}", flush=True)
 
 
 def batch_decode(model, tokenizer, tok, streams: int, n: int, step: int, seed: int) -> float:
@@ -242,6 +281,8 @@ async def stream(session: aiohttp.ClientSession, url: str, path: str, body: dict
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
+            if event.get("error"):  # a stream cut short is a failure, not a shorter reply
+                raise RuntimeError(f"{url}{path}: error event: {str(event['error'])[:300]}")
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event.get("choices") or []:
@@ -459,7 +500,10 @@ def run_mlx_server(args, tok, logs: Path) -> dict:
 class Stack:
     """One `kvroute serve` with its own config file."""
 
-    def __init__(self, args, logs: Path, name: str, disk_dir: str):
+    def __init__(self, args, logs: Path, name: str, disk_dir: str, replicas: int = 0,
+                 extra: str = ""):
+        """`replicas` (0: --replicas) and `extra`, more lines of the model's table."""
+        self.replicas = replicas or args.replicas
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = logs / f"{name}.toml"
@@ -467,8 +511,8 @@ class Stack:
         self.config.write_text(
             f'secret = "bench-hw"\n\n[proxy]\nport = {self.port}\n\n'
             f'[backends]\nport_base = {free_port()}\n\n'
-            f'[[models]]\npath = "{args.model}"\nalias = "m"\nreplicas = {args.replicas}\n'
-            f'cache_bytes = "{args.cache_bytes}"\n'
+            f'[[models]]\npath = "{args.model}"\nalias = "m"\nreplicas = {self.replicas}\n'
+            f'cache_bytes = "{args.cache_bytes}"\n' + extra
             + (f"max_batch = {args.max_batch}\n" if args.max_batch else "")
             + (f"max_prompt_tokens = {args.max_prompt_tokens}\n" if args.max_prompt_tokens else "")
             + disk
@@ -476,9 +520,12 @@ class Stack:
         self.args, self.logs, self.name, self.runs = args, logs, name, 0
         self.disk_dir = disk_dir
         self.proc: Proc | None = None
+        self.log_starts: list[tuple[Path, int]] = []  # each start's log, and where it began
 
     def start(self) -> float:
         self.runs += 1
+        log = self.logs / f"{self.name}-{self.runs}.log"
+        self.log_starts.append((log, log.stat().st_size if log.exists() else 0))
         env = {"KVROUTE_INTERNAL_TOKEN": TOKEN}
         self.proc = Proc(f"{self.name}-{self.runs}", [sys.executable, "-m", "kvroute.cli", "serve",
                                                        "--config", str(self.config)],
@@ -489,7 +536,7 @@ class Stack:
         health = json.loads(get(self.url + "/health"))
         backends = [b for b in health.get("backends", []) if "m" in (b.get("models") or [])]
         models = json.loads(get(self.url + "/v1/models"))["data"]
-        return len(backends) >= self.args.replicas and any(m["id"] == "m" for m in models)
+        return len(backends) >= self.replicas and any(m["id"] == "m" for m in models)
 
     def backends(self) -> list[str]:
         health = json.loads(get(self.url + "/health"))
@@ -558,6 +605,17 @@ class Stack:
 
     def stop(self) -> int | None:
         return self.proc.stop() if self.proc else None
+
+    def log_count(self, text: str) -> int:
+        """Lines that say `text` in what this stack's starts logged (every process of
+        the stack): a backend that ran out of device memory recovers and serves on, slower."""
+        count = 0
+        for log, start in self.log_starts:
+            if log.exists():
+                with open(log, "rb") as f:
+                    f.seek(start)
+                    count += sum(text in line for line in f.read().decode(errors="replace").splitlines())
+        return count
 
 
 def page_cache_share(folder: str) -> float | None:
@@ -724,6 +782,7 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
             out["memory"]["restore"] = stack.memory()
     finally:
         out["exit_codes"].append(stack.stop())
+        out["device_oom"] = stack.log_count("out of device memory")
         if disk_dir:
             out["disk_bytes_written"] = sum(p.stat().st_size for p in Path(disk_dir).rglob("*")
                                             if p.is_file())
@@ -763,6 +822,103 @@ def run_defaults(args, logs: Path) -> dict:
     out["notes"] = [line for i, line in enumerate(notes) if line.startswith("note:") or (
         line.startswith("  ") and "│" not in line and i and notes[i - 1].startswith(("note:", "  ")))][:12]
     return out
+
+
+# mlx-lm's server with a memory cap: two or more MLX processes on one card must each
+# be capped (each otherwise assumes most of the card is its own).
+CAPPED_MLX_SERVER = ("import sys, mlx.core as mx; mx.set_memory_limit(int(sys.argv[1])); "
+                     "mx.set_cache_limit(1 << 30); sys.argv = ['mlx_lm.server'] + sys.argv[2:]; "
+                     "from mlx_lm.server import main; main()")
+
+
+def run_paired(args, tok, logs: Path) -> dict:
+    """Decode with raw mlx-lm, mlx-lm's server and kvroute (one replica, its disk tier
+    on; through the proxy, and its backend alone) all loaded on the card at once, their
+    samples taken in turns (the order rotating each round): a GPU's speed drifts by a fifth within minutes, so
+    parts run one after the other compare samples taken at different speeds. Each
+    round's ratios are taken within the round; the report gives their medians."""
+    from kvroute.core.sizes import parse_bytes
+    from kvroute.serve.capacity import weights_bytes
+
+    weights = weights_bytes(args.model) or 0
+    # Each baseline: its weights and a few GiB for the decodes' KV and buffers; kvroute
+    # also its prompt cache. A 7B model's three come to ~60 GiB: an 80 GB card holds them.
+    base_cap = weights + (6 << 30)
+    kv_cap = weights + parse_bytes(args.cache_bytes) + (6 << 30)
+    disk_dir = str(logs / "paired-disk-tier")
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    stack = Stack(args, logs, "kvroute-paired", disk_dir, replicas=1,
+                  extra=f'memory_limit = "{kv_cap}"\nmax_running_tokens = 65536\n')
+    raw_log = open(logs / "raw-paired.log", "ab")
+    raw = server = None
+    out: dict = {"caps": {"kvroute": kv_cap, "baselines": base_cap}}
+    try:
+        stack.start()  # first: its memory check sees the card as it is
+        raw = subprocess.Popen(
+            [sys.executable, "-m", "bench.bench_hw", "--raw-serve", "--model", args.model,
+             "--raw-memory-limit", str(base_cap), "--raw-prefill-step", str(args.raw_prefill_step)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=raw_log, text=True, cwd=ROOT)
+        port = free_port()
+        server = Proc("mlx-lm-server-paired", [sys.executable, "-c", CAPPED_MLX_SERVER, str(base_cap),
+                                               "--model", args.model, "--port", str(port),
+                                               "--max-tokens", "4096"],
+                      f"http://127.0.0.1:{port}", logs)
+        if raw.stdout.readline().strip() != "READY":
+            raise RuntimeError(f"raw decode child exited {raw.wait()}: see {raw_log.name}")
+        server.wait_ready(lambda: get(server.url + "/health"))
+
+        def raw_rate(streams: int, seed: int) -> float:
+            raw.stdin.write(f"{streams} {args.decode} {seed}\n")
+            raw.stdin.flush()
+            line = raw.stdout.readline()
+            if not line.startswith("RATE "):
+                raise RuntimeError(f"raw decode child: {line!r}: see {raw_log.name}")
+            return float(line[5:])
+
+        takers = {"raw": raw_rate,
+                  "server": lambda n, seed: run(decode_rate(server.url, args.model, tok, n,
+                                                            args.decode, seed)),
+                  "kvroute": lambda n, seed: run(decode_rate(stack.url, "m", tok, n,
+                                                             args.decode, seed)),
+                  # The same backend without the proxy: what the proxy's hop costs.
+                  "backend": lambda n, seed: run(decode_rate(stack.backends()[0], "m", tok, n,
+                                                             args.decode, seed,
+                                                             {"x-kvroute-token": TOKEN}))}
+        for n in (1, 8, 32):  # warm-up: each batch's shapes, in the servers as in raw
+            run(decode_rate(server.url, args.model, tok, n, 16, 7000 + n))
+            run(decode_rate(stack.url, "m", tok, n, 16, 7100 + n))
+        names = list(takers)
+        rounds: dict[str, list[dict]] = {str(n): [] for n in (1, 8, 32)}
+        for r in range(args.paired_repeat):
+            for n in (1, 8, 32):
+                sample: dict = {"clock": gpu_clock()}
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    # The same prompts for each, new ones (and lengths) each round.
+                    sample[name] = takers[name](n, 8000 + 1000 * r + 100 * n)
+                rounds[str(n)].append(sample)
+            progress(rounds)
+        out["rounds"] = rounds
+    finally:
+        if raw is not None:
+            raw.stdin.close()
+            raw.wait(60)
+        raw_log.close()
+        if server is not None:
+            server.stop()
+        out["exit_code"] = stack.stop()
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    return out
+
+
+def gpu_clock() -> str:
+    """The card's SM clock (MHz) and power draw (W) now, as nvidia-smi reads them ("" where
+    there is none): beside each paired sample, so a drift in speed shows its cause."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return ""
 
 
 def restore(stack: Stack, tok, args) -> dict:
@@ -864,7 +1020,7 @@ def memory_table(phases: dict[str, list[dict]]) -> str:
 
 
 def report(args, got: dict) -> str:
-    raw, ref, kv, nd, plain = (got.get(p) for p in PARTS)
+    raw, ref, kv, nd, plain = (got.get(p) for p in PARTS[:5])
     rows = [("measure", "kvroute", "baseline", "kvroute / baseline", "target")]
     secs = lambda v: f"{v:.3f} s"  # noqa: E731
     rate = lambda v: f"{v:.0f} tok/s"  # noqa: E731
@@ -991,13 +1147,18 @@ def report(args, got: dict) -> str:
                      "", f"exit {plain['exit_code']}", "starts (met)" if started else "starts (not met)"))
     lines = [f"| {' | '.join(r)} |" for r in rows]
     lines.insert(1, "|" + "---|" * len(rows[0]))
-    text = "\n".join(lines)
+    text = "\n".join(lines) if len(rows) > 1 else ""
+    if got.get("paired", {}).get("rounds"):
+        text += "\n\n" + paired_report(got["paired"]["rounds"])
     if kv:
         text += (f"\n\n| agents (8 x 4 turns, ~{args.agent_system}-token system prompts) | hit ratio "
                  "| turns 2-4 mean TTFT | wall | disk writes ended / paced beside them "
                  "| backend TTFT of hits / before the engine / in its queue (means) |"
                  "\n|---|---|---|---|---|---|\n")
         for name, part in (("disk tier on", kv), ("disk tier off", nd)):
+            if part and part.get("device_oom"):
+                text += (f"| {name} | the part's backends ran out of device memory "
+                         f"{part['device_oom']} times (their log): slower steps after it | | | | |\n")
             if part and "agents" in part:
                 a = part["agents"]
                 disk = (f"{a['disk_writes']:.0f} / {a['disk_paced']:.2f} s" if "disk_paced" in a
@@ -1021,6 +1182,30 @@ def report(args, got: dict) -> str:
         text += "\n" + ", ".join(f"{k}: {v}" for k, v in extra.items() if v is not None)
     if plain:
         text += "\n\nplain serve: " + json.dumps(plain)
+    return text
+
+
+def paired_report(rounds: dict[str, list[dict]]) -> str:
+    """The paired part's table: medians of the rates, and of the ratios taken within
+    each round (what the targets read)."""
+    med = statistics.median
+    text = (f"| decode, all three on the card, samples taken in turns ({len(rounds['1'])} rounds) "
+            "| kvroute (proxy, 1 replica) | mlx-lm server | raw mlx-lm | kvroute / raw "
+            "| kvroute / server | server / raw | target | its backend alone / raw "
+            "| SM clock MHz, power W |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
+    for n, samples in rounds.items():
+        ratio = lambda a, b: med(s[a] / s[b] for s in samples)  # noqa: E731
+        target = ("kvroute / raw >= 0.9x" if n == "1" else
+                  "kvroute / server >= 1.5x" if n == "8" else "")
+        clocks = sorted({s["clock"] for s in samples if s.get("clock")})
+        text += (f"| {n} stream{'s' if n != '1' else ''} | {med(s['kvroute'] for s in samples):.0f} tok/s "
+                 f"| {med(s['server'] for s in samples):.0f} | {med(s['raw'] for s in samples):.0f} "
+                 f"| {ratio('kvroute', 'raw'):.2f}x | {ratio('kvroute', 'server'):.2f}x "
+                 f"| {ratio('server', 'raw'):.2f}x | {target} | {ratio('backend', 'raw'):.2f}x "
+                 f"| {'; '.join(clocks[:1] + clocks[-1:] if len(clocks) > 1 else clocks) or '-'} |\n")
+    text += ("\nraw at 1 stream: `generate_step`; at 8 and 32: mlx-lm's `BatchGenerator`, no server. "
+             "Each round's samples decode the same fresh prompts.")
     return text
 
 
@@ -1053,11 +1238,18 @@ def main() -> None:
     ap.add_argument("--out", help="also write the report (markdown) here")
     ap.add_argument("--profile", default="",
                     help="a folder: py-spy samples each backend's threads during the decodes")
+    ap.add_argument("--paired-repeat", type=int, default=5,
+                    help="rounds of the paired part (each: 1, 8 and 32 streams on all three)")
     ap.add_argument("--raw-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--raw-serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--raw-memory-limit", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.sizes = [int(x) for x in str(args.sizes).split(",")]
     if args.raw_child:
         raw_main(args)
+        return
+    if args.raw_serve:
+        raw_serve(args)
         return
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
@@ -1069,7 +1261,8 @@ def main() -> None:
                "mlx-server": lambda: run_mlx_server(args, tok, logs),
                "kvroute": lambda: run_kvroute(args, tok, logs, disk=True),
                "no-disk": lambda: run_kvroute(args, tok, logs, disk=False),
-               "defaults": lambda: run_defaults(args, logs)}
+               "defaults": lambda: run_defaults(args, logs),
+               "paired": lambda: run_paired(args, tok, logs)}
     for part in [p for p in args.parts.split(",") if p]:
         if part not in runners:
             ap.error(f"--parts: unknown part {part!r} (one of {', '.join(PARTS)})")
