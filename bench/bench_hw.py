@@ -834,9 +834,10 @@ CAPPED_MLX_SERVER = ("import sys, mlx.core as mx; mx.set_memory_limit(int(sys.ar
 def run_paired(args, tok, logs: Path) -> dict:
     """Decode with raw mlx-lm, mlx-lm's server and kvroute (one replica, its disk tier
     on; through the proxy, and its backend alone) all loaded on the card at once, their
-    samples taken in turns (the order rotating each round): a GPU's speed drifts by a fifth within minutes, so
-    parts run one after the other compare samples taken at different speeds. Each
-    round's ratios are taken within the round; the report gives their medians."""
+    samples taken in turns (the order rotating each round): a GPU's speed drifts by a
+    fifth within minutes, so parts run one after the other compare samples taken at
+    different speeds. Each round's ratios are taken within the round; the report gives
+    their medians."""
     from kvroute.core.sizes import parse_bytes
     from kvroute.serve.capacity import weights_bytes
 
@@ -900,8 +901,12 @@ def run_paired(args, tok, logs: Path) -> dict:
         out["rounds"] = rounds
     finally:
         if raw is not None:
-            raw.stdin.close()
-            raw.wait(60)
+            try:
+                raw.stdin.close()  # its loop ends, and the process with it
+                raw.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                raw.kill()
+                raw.wait(10)
         raw_log.close()
         if server is not None:
             server.stop()
