@@ -261,6 +261,28 @@ def test_a_prefill_faster_than_the_disk_skips_the_restore(tmp_path):
     assert slow.tokens == 10
 
 
+def test_a_lookup_made_in_the_handlers_thread_restores_as_prefetchs_own(tmp_path):
+    """The server looks the record up in the thread that made the prompt's tokens
+    (`find`) and hands the answer to `prefetch`: the same restore as prefetch's own
+    lookup, and none where RAM serves as much as the disk."""
+    tier, _ = make_tier(tmp_path)
+    store = attach(tier)
+    store.insert("m", tokens(10), make_cache(10), "finish", chain=[1])
+    wait_until(lambda: len(tier.index) == 1, 30, what="written")
+    prompt = tokens(12)
+    found = tier.find("m", prompt, None, lambda: 0)
+    assert found[0][0] == 10 and found[1] == 0
+
+    def no_second_lookup() -> int:
+        raise AssertionError("prefetch looked again")
+    given = asyncio.run(tier.prefetch("m", prompt, None, no_second_lookup, found=found))
+    own = restore(tier, prompt)
+    assert given.tokens == own.tokens == 10 and same_state(given.cache, own.cache)
+    ram_serves_it = tier.find("m", prompt, None, lambda: 10)
+    assert ram_serves_it == ((0, None), 10)
+    assert asyncio.run(tier.prefetch("m", prompt, None, no_second_lookup, found=ram_serves_it)) is None
+
+
 def test_before_any_restore_is_measured_a_few_shared_tokens_are_prefilled(tmp_path):
     """After a restart no read rate is known yet: a prompt that shares only a chat
     template's opening with a record must not read the record (a cold prompt on a

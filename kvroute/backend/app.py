@@ -31,7 +31,7 @@ from kvroute.core.usage import USAGE_HEADER, usage_comment
 
 from .chunks import ChatBuilder, CompletionBuilder
 from .debug import describe_entries
-from .disk import DiskTier, Early
+from .disk import DiskTier, Early, Found
 from .engine import Engine
 from .grammar import Grammar, GrammarError, Grammars, GrammarSpec
 from .jobs import Delta, Finish, Job
@@ -117,7 +117,7 @@ async def _generate(
         raise bad_request(f"logit_bias token id {max(bias)} is outside the vocabulary "
                           f"(0 to {state.vocab_size - 1}).", param="logit_bias",
                           code="invalid_value")
-    prompt, early = await asyncio.to_thread(_prepare, state, req, body, scope)
+    prompt, early, found = await asyncio.to_thread(_prepare, state, req, body, scope)
     state.metrics.l(state.metrics.prompt_time).observe(time.perf_counter() - arrived)
     prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
     try:
@@ -156,7 +156,7 @@ async def _generate(
         job.restored = await state.disk.prefetch(
             state.config.model_id, job.prompt, scope,
             lambda: state.store.depth(state.config.model_id, job.prompt, scope),
-            state.engine.prefill_tps, early)
+            state.engine.prefill_tps, early, found)
     first = builder_type(state.config.model_id, logprobs=req.params.logprobs)
     builders = [first, *(builder_type(first.model, logprobs=first.logprobs, index=i, id=first.id,
                                       created=first.created) for i in range(1, req.n))]
@@ -182,10 +182,11 @@ async def _generate(
 
 
 def _prepare(state: State, req: ChatRequest | CompletionRequest, body: dict,
-             scope: str | None) -> tuple[Prompt, Early | None]:
+             scope: str | None) -> tuple[Prompt, Early | None, Found | None]:
     """The request's prompt (the handler's thread). Its prefix keys come first: the
     disk tier begins reading the record they find while the template renders and
-    tokenizes (a restore's read then hides the prompt's ~5-10 ms)."""
+    tokenizes (a restore's read then hides the prompt's ~5-10 ms). With a disk tier,
+    the record its tokens find too, in the same thread (`DiskTier.find`)."""
     try:
         pairs: list[tuple[int, int]] | None = state.template.keys(req, body, scope)
     except APIError:
@@ -197,7 +198,13 @@ def _prepare(state: State, req: ChatRequest | CompletionRequest, body: dict,
                                       lambda keys: state.store.advertises(model, keys),
                                       state.engine.prefill_tps)
     try:
-        return state.template.prompt(req, body, scope, pairs), early
+        prompt = state.template.prompt(req, body, scope, pairs)
+        found = None
+        if state.disk is not None:
+            model = state.config.model_id
+            found = state.disk.find(model, prompt.tokens, scope,
+                                    lambda: state.store.depth(model, prompt.tokens, scope))
+        return prompt, early, found
     except BaseException:
         if state.disk is not None and early is not None:
             state.disk.let_go(early)

@@ -123,6 +123,10 @@ class Early:
     used: bool = False  # taken over by the request's `prefetch`
 
 
+# `find`'s answer: ((tokens the best record serves, that record or None), RAM's depth).
+Found = tuple[tuple[int, Record | None], int]
+
+
 @dataclass
 class DiskEvent:
     kind: str  # "insert" or "evict"
@@ -842,17 +846,29 @@ class DiskTier:
 
     async def prefetch(self, model: str, prompt: list[int], scope: str | None,
                        ram_depth: Callable[[], int], prefill_tps: float = 0.0,
-                       early: Early | None = None) -> Restored | None:
+                       early: Early | None = None, found: Found | None = None) -> Restored | None:
         """A state from disk for `prompt` when the disk serves more of it than RAM and
         reading it is faster than prefilling the difference (both rates measured: on a
         fast accelerator a prefill can beat the disk); from `early`'s read where it is
-        the same. Never raises: a file that fails to load is dropped and the request
-        goes on."""
+        the same; `found`, `find`'s answer where the caller's thread asked it already.
+        Never raises: a file that fails to load is dropped and the request goes on."""
         try:
-            return await self._prefetch(model, prompt, scope, ram_depth, prefill_tps, early)
+            return await self._prefetch(model, prompt, scope, ram_depth, prefill_tps, early, found)
         finally:
             if early is not None:
                 self.let_go(early)
+
+    def find(self, model: str, prompt: list[int], scope: str | None,
+             ram_depth: Callable[[], int]) -> Found:
+        """The record serving more of `prompt` than RAM does, if any (`best`), and RAM's
+        depth: off the event loop (converting a long prompt takes 0.5 ms at 31k tokens,
+        and comparing it with the records a while). A request's handler asks it in the
+        thread that made its tokens: a second hop to a worker thread cost a cached turn
+        ~1 ms more before its engine, and up to 4 on two busy cores."""
+        if not self.enabled:
+            return (0, None), 0
+        ram = ram_depth()
+        return self.best(model, np.asarray(prompt, dtype=np.int32), scope, above=ram), ram
 
     def let_go(self, early: Early) -> None:
         """Its request is done with `early`: counted, and stopped where it went unused
@@ -863,18 +879,12 @@ class DiskTier:
 
     async def _prefetch(self, model: str, prompt: list[int], scope: str | None,
                         ram_depth: Callable[[], int], prefill_tps: float,
-                        early: Early | None) -> Restored | None:
+                        early: Early | None, found: Found | None) -> Restored | None:
         if not self.enabled:
             return None
-        # Off the loop: converting a long prompt (0.5 ms at 31k tokens) and comparing it
-        # with the records take a while (on an H100 a cached 31k-token turn 2 spent 6.1
-        # ms before its engine with the tier on, 3.2 with it off, when every record was
-        # compared).
-        def lookup() -> tuple[tuple[int, Record | None], int]:
-            ram = ram_depth()
-            return self.best(model, np.asarray(prompt, dtype=np.int32), scope, above=ram), ram
-
-        (n, record), ram = await asyncio.to_thread(lookup)
+        if found is None:
+            found = await asyncio.to_thread(self.find, model, prompt, scope, ram_depth)
+        (n, record), ram = found
         if record is None or n <= ram:
             return None
         blocks = _blocks_for(record, n)
