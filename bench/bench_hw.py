@@ -175,8 +175,7 @@ def raw_main(args) -> None:
         mx.clear_cache()
     out["turn2"] = statistics.median(times)
     out["decode1"] = single_decode(model, tok, args.decode, 9)
-    for n in (8, 32):  # warm up each batch's shapes, as the servers are
-        batch_decode(model, tokenizer, tok, n, 8, step, 400)
+    warm_batches(model, tokenizer, tok, step)
     for n in (8, 32):
         out[f"decode{n}"] = statistics.median(
             batch_decode(model, tokenizer, tok, n, args.decode, step, 500 + 10_000 * r + 100 * n)
@@ -207,14 +206,20 @@ def raw_serve(args) -> None:
     model, tokenizer = load(args.model)
     tok = Tokenizer(args.model)
     single_decode(model, tok, 16, 9)
-    for n in (8, 32):
-        batch_decode(model, tokenizer, tok, n, 8, args.raw_prefill_step, 400)
+    warm_batches(model, tokenizer, tok, args.raw_prefill_step)
     print("READY", flush=True)
     for line in sys.stdin:
         streams, n, seed = (int(x) for x in line.split())
         rate = (single_decode(model, tok, n, seed) if streams == 1 else
                 batch_decode(model, tokenizer, tok, streams, n, args.raw_prefill_step, seed))
         print(f"RATE {rate}", flush=True)
+
+
+def warm_batches(model, tokenizer, tok, step: int) -> None:
+    """Each batch size raw decodes at (8, 32) once, as the servers are warmed up: the
+    first batch of a size pays for its kernels' shapes."""
+    for n in (8, 32):
+        batch_decode(model, tokenizer, tok, n, 8, step, 400)
 
 
 def batch_decode(model, tokenizer, tok, streams: int, n: int, step: int, seed: int) -> float:
@@ -447,6 +452,8 @@ class Proc:
     def __init__(self, name: str, cmd: list[str], url: str, logs: Path, env: dict | None = None):
         self.name, self.url = name, url
         self.log = logs / f"{name}.log"
+        # Logs append across runs: where this process's lines begin.
+        self.log_from = self.log.stat().st_size if self.log.exists() else 0
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})}, cwd=ROOT)
         self.started = time.perf_counter()
@@ -520,16 +527,15 @@ class Stack:
         self.args, self.logs, self.name, self.runs = args, logs, name, 0
         self.disk_dir = disk_dir
         self.proc: Proc | None = None
-        self.log_starts: list[tuple[Path, int]] = []  # each start's log, and where it began
+        self.started: list[Proc] = []  # every start's process, restarts included
 
     def start(self) -> float:
         self.runs += 1
-        log = self.logs / f"{self.name}-{self.runs}.log"
-        self.log_starts.append((log, log.stat().st_size if log.exists() else 0))
         env = {"KVROUTE_INTERNAL_TOKEN": TOKEN}
         self.proc = Proc(f"{self.name}-{self.runs}", [sys.executable, "-m", "kvroute.cli", "serve",
                                                        "--config", str(self.config)],
                          self.url, self.logs, env)
+        self.started.append(self.proc)
         return self.proc.wait_ready(self._ready)
 
     def _ready(self) -> bool:
@@ -610,11 +616,10 @@ class Stack:
         """Lines that say `text` in what this stack's starts logged (every process of
         the stack): a backend that ran out of device memory recovers and serves on, slower."""
         count = 0
-        for log, start in self.log_starts:
-            if log.exists():
-                with open(log, "rb") as f:
-                    f.seek(start)
-                    count += sum(text in line for line in f.read().decode(errors="replace").splitlines())
+        for proc in self.started:
+            with open(proc.log, "rb") as f:
+                f.seek(proc.log_from)
+                count += sum(text in line for line in f.read().decode(errors="replace").splitlines())
         return count
 
 

@@ -192,8 +192,8 @@ def _prepare(state: State, req: ChatRequest | CompletionRequest, body: dict,
     except APIError:
         pairs = None  # the prompt refuses it, or first what it finds wrong before (an image)
     early = None
+    model = state.config.model_id
     if state.disk is not None and pairs is not None:
-        model = state.config.model_id
         early = state.disk.read_early(model, [k for k, _ in pairs],
                                       lambda keys: state.store.advertises(model, keys),
                                       state.engine.prefill_tps)
@@ -201,7 +201,6 @@ def _prepare(state: State, req: ChatRequest | CompletionRequest, body: dict,
         prompt = state.template.prompt(req, body, scope, pairs)
         found = None
         if state.disk is not None:
-            model = state.config.model_id
             found = state.disk.find(model, prompt.tokens, scope,
                                     lambda: state.store.depth(model, prompt.tokens, scope))
         return prompt, early, found
