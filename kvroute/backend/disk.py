@@ -929,9 +929,12 @@ class DiskTier:
         path = self.directory / record.name
         t0, blocks_read = time.perf_counter(), self.blocks.read_bytes
         try:
+            header = 0.0
             if record.data_offset == 0:  # written by this process: read its header now
-                record = self._with_header(record, path)
+                record, header = _timed(self._with_header, record, path)
             state, phases = self._state(record, path, len(record.blocks) if blocks is None else blocks)
+            if header:
+                phases["header"] = header
         except BadRecord as exc:
             self._remove(record.name, unlink=False)
             self._drop(path, exc.reason, str(exc))
@@ -985,6 +988,7 @@ class DiskTier:
         root = paged.root_key(record.model, record.scope)
         if record.blocks != paged.block_keys(root, record.tokens, len(record.blocks)):
             raise BadRecord("corrupt", "its blocks are not the chain of its tokens")
+        phases["chain"] = time.perf_counter() - t
         if blocks >= len(record.blocks) and record.blocks:
             own = self._block_readers.submit(_timed, self._own, path, record)
             try:
@@ -995,7 +999,9 @@ class DiskTier:
                 wait([own])
                 raise
             phases["blocks"] = time.perf_counter() - t
+            t = time.perf_counter()
             cache, phases["own file"] = own.result()
+            phases["own file waited"] = time.perf_counter() - t
             head = False
         else:
             cache, phases["own file"] = _timed(self._own, path, record)
