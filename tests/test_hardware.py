@@ -566,3 +566,40 @@ def test_out_of_device_memory_past_a_step_fails_its_requests_with_a_503_and_serv
         e.stop()
 
 
+
+
+def test_the_engine_measures_its_prefill_rate_and_decode_steps_from_its_steps(text_model):
+    """The proxies route by each backend's prefill rate and decode steps per second
+    (its /health), which the engine measures from the generator's own counts, step by
+    step: a request's prompt and its decode leave both rates above zero, and a
+    longer prompt moves the prefill rate. In process, the demo model."""
+    import asyncio
+
+    from kvroute.backend import engine as engine_mod
+    from kvroute.backend.jobs import Delta, Finish, Job
+    from kvroute.backend.metrics import BackendMetrics
+    from kvroute.backend.requests import SamplingParams
+    from kvroute.backend.store import Store
+
+    model, tokenizer = load(str(text_model))
+    e = engine_mod.Engine(model, tokenizer, "demo", Store(64 << 20), BackendMetrics("demo", "t"),
+                          prefill_step=16, max_batch=4)
+    assert e.prefill_tps == 0 and e.decode_steps_per_s == 0
+    e.start()
+
+    async def turn(words: int) -> None:
+        job = Job(prompt=tokenizer.encode(" ".join(["hello"] * words)), params=SamplingParams(temperature=0.0),
+                  max_tokens=8, tools=None, loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        e.submit(job)
+        while isinstance(event := await asyncio.wait_for(job.events.get(), 60), Delta):
+            pass
+        assert isinstance(event, Finish), event
+
+    try:
+        asyncio.run(turn(20))
+        first, steps = e.prefill_tps, e.decode_steps_per_s
+        assert first > 0 and steps > 0
+        asyncio.run(turn(60))
+        assert e.prefill_tps != first and e.decode_steps_per_s > 0
+    finally:
+        e.stop()

@@ -646,8 +646,10 @@ class Engine:
 
     def _step(self) -> None:
         try:
-            with self._gen.stats() as stats:
-                prompt_responses, gen_responses = self._gen.next()
+            before = _counts(self._gen)
+            prompt_responses, gen_responses = self._gen.next()
+            prompt_tokens, prompt_time, steps, decode_time = (
+                b - a for a, b in zip(before, _counts(self._gen)))
         except Exception as exc:
             log.exception("batch step failed")
             if device_lost(exc):
@@ -659,13 +661,13 @@ class Engine:
                 return
             self._recover(f"Generation failed: {exc}")
             return
-        if stats.prompt_tokens and stats.prompt_time > 0:
-            rate = stats.prompt_tokens / stats.prompt_time
+        if prompt_tokens and prompt_time > 0:
+            rate = prompt_tokens / prompt_time
             self.prefill_tps = rate if not self.prefill_tps else 0.8 * self.prefill_tps + 0.2 * rate
-        if stats.generation_steps and stats.decode_time > 0:
-            steps = stats.generation_steps / stats.decode_time
+        if steps and decode_time > 0:
+            per_s = steps / decode_time
             old = self.decode_steps_per_s
-            self.decode_steps_per_s = steps if not old else 0.9 * old + 0.1 * steps
+            self.decode_steps_per_s = per_s if not old else 0.9 * old + 0.1 * per_s
         for r in prompt_responses:
             job = self._jobs.get(r.uid)
             if job is None:
@@ -1089,6 +1091,15 @@ class Engine:
         if pool is not None:
             m.l(m.memory, kind="pool_reserved").set(pool[0])
             m.l(m.memory, kind="pool_used").set(pool[1])
+
+
+def _counts(gen: BatchGenerator) -> tuple[int, float, int, float]:
+    """The generator's prompt tokens and seconds, decode steps and seconds so far.
+    Read from its counters: its `stats()` copies them twice (`dataclasses.asdict`,
+    deep) and reads the peak memory twice, ~0.1 ms of a decode step's Python on a
+    CPU, where 8 streams' steps take ~3 ms."""
+    c = gen._counters
+    return c.prompt_tokens, c.prompt_time, c.generation_steps, c.decode_time
 
 
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
