@@ -133,27 +133,46 @@ def test_platform_default_prefill_step(text_model, tmp_path):
 
 def test_serve_shares_the_gpu_memory_among_replicas(text_model):
     """On a GPU the budget is the card's memory and every replica gets a cap, in
-    proportion to its need, that together stay within memory_fraction of it; a
-    deployment that cannot fit the card is refused with the arithmetic."""
+    proportion to its need, that together stay within memory_fraction of it; on CUDA
+    each replica's cost also counts what its process holds on the card beyond MLX's
+    own count (its context, the libraries' workspaces), which its MLX cap leaves out,
+    so caps and those together stay within the budget; a deployment that cannot fit
+    the card is refused with the arithmetic."""
     from kvroute.core import accel
     from kvroute import config
+    from kvroute.serve import capacity
     from kvroute.serve.launcher import Launcher
 
-    def plan(card: accel.Accelerator) -> config.ModelSpec:
-        cfg = config.build({"models": [str(text_model)], "replicas": 2, "cache_bytes": 8 << 30,
+    def plan(card: accel.Accelerator, cache: int = 8 << 30) -> tuple[config.ModelSpec, Launcher]:
+        cfg = config.build({"models": [str(text_model)], "replicas": 2, "cache_bytes": cache,
                             "prefill_step": 4096}, {})
         launcher = Launcher(cfg)
         launcher.paths = {cfg.models[0].alias: str(text_model)}
         launcher._plan(card)
         launcher.loader.initial()
-        return cfg.models[0]
+        return cfg.models[0], launcher
 
     card = accel.Accelerator("cuda", "test GPU", 140 << 30)
-    spec = plan(card)
+    spec, launcher = plan(card)
+    budget = int(0.85 * card.memory)
     assert spec.prefill_step == 4096
-    assert 8 << 30 < spec.memory_limit and spec.replicas * spec.memory_limit <= int(0.85 * card.memory)
+    assert 8 << 30 < spec.memory_limit
+    assert spec.replicas * (spec.memory_limit + capacity.CUDA_OVERHEAD) <= budget
     assert ["--memory-limit", str(spec.memory_limit)] == spec.backend_flags()[
         spec.backend_flags().index("--memory-limit"):][:2]
+    cost = launcher.loader.slots[spec.alias].cost
+    assert cost.overhead == capacity.PROCESS_OVERHEAD + capacity.CUDA_OVERHEAD
+    assert "2.0 GiB process" in launcher._memory_note()
+    # On a Mac's unified memory there is no such process term: the cap is the share.
+    mac, launcher = plan(accel.Accelerator("metal", "test Mac", 140 << 30))
+    assert launcher.loader.slots[mac.alias].cost.overhead == capacity.PROCESS_OVERHEAD
+    assert mac.memory_limit == spec.memory_limit + capacity.CUDA_OVERHEAD
+    # The CUDA term alone tips a card that fits otherwise over its budget.
+    need = launcher.loader.slots[mac.alias].cost.total
+    tight = accel.Accelerator("cuda", "tight", int(2 * need / 0.85) + (64 << 20))
+    plan(accel.Accelerator("metal", "tight Mac", tight.memory))
+    with pytest.raises(config.ConfigError, match="cuda memory"):
+        plan(tight)
     with pytest.raises(config.ConfigError, match="cuda memory"):
         plan(accel.Accelerator("cuda", "small", 10 << 30))
 

@@ -24,6 +24,11 @@ from kvroute.core.accel import physical_memory
 from kvroute.core.sizes import format_bytes
 
 PROCESS_OVERHEAD = 512 << 20  # Python, MLX and the allocator of one backend process
+# What a backend process holds on a CUDA card beyond MLX's own count (its context,
+# the libraries' workspaces): ~1.4 GiB on an H100 with mlx-cuda 0.32 (nvidia-smi's
+# figure for the process against MLX's pool). MLX's cap cannot bound it, so it is
+# counted in the replica's cost and kept out of its cap.
+CUDA_OVERHEAD = 3 << 29
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -119,7 +124,7 @@ def running_tokens(max_batch: int, context: int, max_running_tokens: int) -> int
 
 
 def replica_cost(path: str, cache_bytes: int, max_batch: int, max_prompt_tokens: int,
-                 default_max_tokens: int, max_running_tokens: int = 0) -> Cost:
+                 default_max_tokens: int, max_running_tokens: int = 0, device_kind: str = "cpu") -> Cost:
     weights = weights_bytes(path)
     cfg = _model_config(path)
     per_token = kv_bytes_per_token(cfg)
@@ -132,7 +137,14 @@ def replica_cost(path: str, cache_bytes: int, max_batch: int, max_prompt_tokens:
     tokens = running_tokens(max_batch, context, max_running_tokens)
     return Cost(weights=weights or 0, cache=cache_bytes, kv=tokens * per_token,
                 batch=max_batch, context=context, kv_per_token=per_token,
-                running_tokens=tokens, weights_known=weights is not None)
+                running_tokens=tokens, weights_known=weights is not None,
+                overhead=PROCESS_OVERHEAD + (CUDA_OVERHEAD if device_kind == "cuda" else 0))
+
+
+def mlx_cap(share: int, device_kind: str) -> int:
+    """The MLX memory cap of a replica given `share` of the card: on CUDA less what
+    its process holds there that MLX does not count (`CUDA_OVERHEAD`)."""
+    return share - CUDA_OVERHEAD if device_kind == "cuda" else share
 
 
 def budget(memory_budget: int, memory_fraction: float, device: Any = None) -> tuple[int, str]:

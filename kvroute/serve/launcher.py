@@ -57,9 +57,9 @@ def resolve_path(spec: ModelSpec, console: Console) -> str:
         return str(demo_model.ensure_apart(spec.demo_variant))
 
 
-def replica_cost(spec: ModelSpec, path: str) -> capacity.Cost:
+def replica_cost(spec: ModelSpec, path: str, device_kind: str = "cpu") -> capacity.Cost:
     return capacity.replica_cost(path, spec.cache_bytes, spec.max_batch, spec.max_prompt_tokens,
-                                 spec.default_max_tokens, spec.max_running_tokens)
+                                 spec.default_max_tokens, spec.max_running_tokens, device_kind)
 
 
 def disk_dir(spec: ModelSpec, name: str) -> str:
@@ -184,14 +184,14 @@ class Launcher:
 
     def _plan(self, device: accel.Accelerator) -> None:
         c = self.config
-        costs = [replica_cost(spec, self.paths[spec.alias]) for spec in c.models]
+        costs = [replica_cost(spec, self.paths[spec.alias], device.kind) for spec in c.models]
         budget = capacity.budget(c.memory_budget, c.memory_fraction, device)
         if device.kind != "cpu":  # replicas share the card: each gets a cap (--memory-limit)
             needs = [cost.total for spec, cost in zip(c.models, costs) for _ in range(spec.replicas)]
             caps = iter(capacity.replica_limits(needs, budget[0]))
             for spec in c.models:
                 mine = [next(caps) for _ in range(spec.replicas)]
-                spec.memory_limit = spec.memory_limit or min(mine)
+                spec.memory_limit = spec.memory_limit or capacity.mlx_cap(min(mine), device.kind)
         taken: set[int] = {c.port}
         slots, i = [], 0
         names = {spec.alias: [f"{c.machine + '-' if c.machine else ''}{spec.alias}-{r + 1}"
