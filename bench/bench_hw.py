@@ -41,6 +41,8 @@ Prompts are random words of the model's tokenizer; a random-weight model never s
 
     python -m bench.models /tmp/m7b                        # a 7B-class random model (GPU)
     python -m bench.bench_hw --model /tmp/m7b --out BENCH.md
+    python -m bench.bench_hw --model /tmp/m7b --cache-bytes 4GiB    # an 80 GB card: two
+        # replicas pass serve's memory check there with 4 GiB caches (not 16, nor 6)
     python -m bench.models /tmp/mcpu --preset cpu          # CPU: a smaller one
     python -m bench.bench_hw --model /tmp/mcpu --sizes 900,1900,3900 --turn2 3900 \\
         --restore 2000 --decode 48 --agent-system 600 --cache-bytes 2GiB
