@@ -989,6 +989,7 @@ class DiskTier:
         if record.blocks != paged.block_keys(root, record.tokens, len(record.blocks)):
             raise BadRecord("corrupt", "its blocks are not the chain of its tokens")
         phases["chain"] = time.perf_counter() - t
+        t = time.perf_counter()
         if blocks >= len(record.blocks) and record.blocks:
             own = self._block_readers.submit(_timed, self._own, path, record)
             try:
