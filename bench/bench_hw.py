@@ -33,7 +33,9 @@ Parts (each a fresh set of processes, one after the other; `--parts` picks them)
   turns (the order rotating each round, the same fresh prompts for each in a round):
   a GPU's speed drifted by a fifth within minutes on the same work, so parts measured
   one after the other compare samples taken at different speeds; the ratios within
-  each round do not. A 7B model's three fit an 80 GB card.
+  each round do not. A 7B model's three fit an 80 GB card. The raw child also decodes
+  into kvroute's working caches (its generator with no engine, HTTP or proxy around
+  it): how near the whole stack comes to its own building blocks.
 
 Every prompt is a length no process has seen (sizes shift by a few tokens per repeat and
 per part): what a user's prompts are, and what a warmed-up server has not compiled yet.
@@ -185,21 +187,27 @@ def raw_main(args) -> None:
     print("RAW " + json.dumps(out), flush=True)
 
 
-def single_decode(model, tok, n: int, seed: int) -> float:
+def single_decode(model, tok, n: int, seed: int, fast: bool = False) -> float:
     """mlx-lm's `generate_step` decoding `n` tokens after a 64-token prompt: tokens/s
-    from the first token to the last."""
+    from the first token to the last; `fast`: into kvroute's working cache."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    gen = generate_step(mx.array(tok.encode(text_of(tok, 64, seed))), model, max_tokens=n)
+    from kvroute.backend.attention import new_cache
+
+    cache = new_cache(model) if fast else None
+    gen = generate_step(mx.array(tok.encode(text_of(tok, 64, seed))), model, max_tokens=n,
+                        prompt_cache=cache)
     stamps = [time.perf_counter() for _ in gen]
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
 def raw_serve(args) -> None:
     """In a child process beside the servers (the paired part): raw decodes on request,
-    one line in (`STREAMS TOKENS SEED`), one rate out (`RATE x`), so that each raw
-    sample is taken between the servers' own, on the card as it is then."""
+    one line in (`STREAMS TOKENS SEED [fast]`), one rate out (`RATE x`), so that each raw
+    sample is taken between the servers' own, on the card as it is then. `fast`: the
+    same decode into kvroute's working caches (`attention.new_cache`), the generator its
+    engine drives with nothing around it."""
     import mlx.core as mx
     from mlx_lm import load
 
@@ -207,36 +215,42 @@ def raw_serve(args) -> None:
     mx.set_cache_limit(1 << 30)
     model, tokenizer = load(args.model)
     tok = Tokenizer(args.model)
-    single_decode(model, tok, 16, 9)
-    warm_batches(model, tokenizer, tok, args.raw_prefill_step)
+    for fast in (False, True):
+        single_decode(model, tok, 16, 9, fast)
+        warm_batches(model, tokenizer, tok, args.raw_prefill_step, fast)
     print("READY", flush=True)
     for line in sys.stdin:
-        streams, n, seed = (int(x) for x in line.split())
-        rate = (single_decode(model, tok, n, seed) if streams == 1 else
-                batch_decode(model, tokenizer, tok, streams, n, args.raw_prefill_step, seed))
+        streams, n, seed, *mode = line.split()
+        streams, n, seed, fast = int(streams), int(n), int(seed), mode == ["fast"]
+        rate = (single_decode(model, tok, n, seed, fast) if streams == 1 else
+                batch_decode(model, tokenizer, tok, streams, n, args.raw_prefill_step, seed, fast))
         print(f"RATE {rate}", flush=True)
 
 
-def warm_batches(model, tokenizer, tok, step: int) -> None:
+def warm_batches(model, tokenizer, tok, step: int, fast: bool = False) -> None:
     """Each batch size raw decodes at (8, 32) once, as the servers are warmed up: the
     first batch of a size pays for its kernels' shapes."""
     for n in (8, 32):
-        batch_decode(model, tokenizer, tok, n, 8, step, 400)
+        batch_decode(model, tokenizer, tok, n, 8, step, 400, fast)
 
 
-def batch_decode(model, tokenizer, tok, streams: int, n: int, step: int, seed: int) -> float:
+def batch_decode(model, tokenizer, tok, streams: int, n: int, step: int, seed: int,
+                 fast: bool = False) -> float:
     """mlx-lm's own continuous batching, no server: `streams` prompts of 64 tokens (as
     the servers get) decode `n` tokens each together; tokens/s from the first token of
     any to the last of all, as `decode_rate` counts through HTTP. What batched decode
     costs on this machine with nothing around it: the ceiling a server's 8 streams
-    measure against."""
+    measure against. `fast`: into kvroute's working caches, as its engine decodes."""
     from mlx_lm.generate import BatchGenerator
+
+    from kvroute.backend.attention import new_cache
 
     # Prompts prefill 8 at a time, as a kvroute backend batches them.
     gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
                          completion_batch_size=max(streams, 32), prefill_batch_size=8,
                          prefill_step_size=step)
-    gen.insert([tok.encode(text_of(tok, 64, seed + i)) for i in range(streams)], [n] * streams)
+    gen.insert([tok.encode(text_of(tok, 64, seed + i)) for i in range(streams)], [n] * streams,
+               caches=[new_cache(model) for _ in range(streams)] if fast else None)
     stamps, tokens = [], 0
     while responses := gen.next_generated():
         stamps.append(time.perf_counter())
@@ -875,8 +889,8 @@ def run_paired(args, tok, logs: Path) -> dict:
             raise RuntimeError(f"raw decode child exited {raw.wait()}: see {raw_log.name}")
         server.wait_ready(lambda: get(server.url + "/health"))
 
-        def raw_rate(streams: int, seed: int) -> float:
-            raw.stdin.write(f"{streams} {args.decode} {seed}\n")
+        def raw_rate(streams: int, seed: int, mode: str = "") -> float:
+            raw.stdin.write(f"{streams} {args.decode} {seed} {mode}\n")
             raw.stdin.flush()
             line = raw.stdout.readline()
             if not line.startswith("RATE "):
@@ -884,6 +898,10 @@ def run_paired(args, tok, logs: Path) -> dict:
             return float(line[5:])
 
         takers = {"raw": raw_rate,
+                  # kvroute's own generator and caches with no engine, HTTP or proxy
+                  # around them: what the engine could reach (bench_layers measured it
+                  # 1.24-1.40x of plain mlx-lm on the H200; the engine 1.13-1.19x).
+                  "generator": lambda n, seed: raw_rate(n, seed, "fast"),
                   "server": lambda n, seed: run(decode_rate(server.url, args.model, tok, n,
                                                             args.decode, seed)),
                   "kvroute": lambda n, seed: run(decode_rate(stack.url, "m", tok, n,
@@ -1204,20 +1222,25 @@ def paired_report(rounds: dict[str, list[dict]]) -> str:
     text = (f"| decode, all three on the card, samples taken in turns ({len(rounds['1'])} rounds) "
             "| kvroute (proxy, 1 replica) | mlx-lm server | raw mlx-lm | kvroute / raw "
             "| kvroute / server | server / raw | target | its backend alone / raw "
+            "| kvroute's generator alone / raw | kvroute / its generator alone "
             "| SM clock MHz, power W |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     for n, samples in rounds.items():
-        ratio = lambda a, b: med(s[a] / s[b] for s in samples)  # noqa: E731
+        ratio = lambda a, b: f"{med(s[a] / s[b] for s in samples):.2f}x"  # noqa: E731
+        has_gen = all("generator" in s for s in samples)  # not in runs before it was added
         target = ("kvroute / raw >= 0.9x" if n == "1" else
                   "kvroute / server >= 1.5x" if n == "8" else "")
         clocks = sorted({s["clock"] for s in samples if s.get("clock")})
         text += (f"| {n} stream{'s' if n != '1' else ''} | {med(s['kvroute'] for s in samples):.0f} tok/s "
                  f"| {med(s['server'] for s in samples):.0f} | {med(s['raw'] for s in samples):.0f} "
-                 f"| {ratio('kvroute', 'raw'):.2f}x | {ratio('kvroute', 'server'):.2f}x "
-                 f"| {ratio('server', 'raw'):.2f}x | {target} | {ratio('backend', 'raw'):.2f}x "
+                 f"| {ratio('kvroute', 'raw')} | {ratio('kvroute', 'server')} "
+                 f"| {ratio('server', 'raw')} | {target} | {ratio('backend', 'raw')} "
+                 f"| {ratio('generator', 'raw') if has_gen else '-'} "
+                 f"| {ratio('kvroute', 'generator') if has_gen else '-'} "
                  f"| {'; '.join(clocks[:1] + clocks[-1:] if len(clocks) > 1 else clocks) or '-'} |\n")
     text += ("\nraw at 1 stream: `generate_step`; at 8 and 32: mlx-lm's `BatchGenerator`, no server. "
-             "Each round's samples decode the same fresh prompts.")
+             "kvroute's generator alone: the same in the same child, into kvroute's working caches "
+             "(what its engine drives). Each round's samples decode the same fresh prompts.")
     return text
 
 
