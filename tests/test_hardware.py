@@ -143,8 +143,8 @@ def test_serve_shares_the_gpu_memory_among_replicas(text_model):
     from kvroute.serve import capacity
     from kvroute.serve.launcher import Launcher
 
-    def plan(card: accel.Accelerator, cache: int = 8 << 30) -> tuple[config.ModelSpec, Launcher]:
-        cfg = config.build({"models": [str(text_model)], "replicas": 2, "cache_bytes": cache,
+    def plan(card: accel.Accelerator) -> tuple[config.ModelSpec, Launcher]:
+        cfg = config.build({"models": [str(text_model)], "replicas": 2, "cache_bytes": 8 << 30,
                             "prefill_step": 4096}, {})
         launcher = Launcher(cfg)
         launcher.paths = {cfg.models[0].alias: str(text_model)}
