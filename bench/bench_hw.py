@@ -78,6 +78,7 @@ from typing import Callable
 import aiohttp
 
 from bench.command import command_line
+from kvroute.core.accel import exit_skipping_teardown
 from kvroute.core.sizes import format_bytes
 from kvroute.serve.redis_server import free_port
 from tests.harness import metric_sum
@@ -1285,10 +1286,8 @@ def main() -> None:
             raw_main(args)
         else:
             raw_serve(args)
-        # Skip the interpreter's teardown, as `kvroute backend` does: MLX's destructors
-        # run at exit in no defined order and at times abort, which would fail the part.
-        sys.stdout.flush()
-        os._exit(0)
+        # As `kvroute backend` does: an abort at exit would fail the part.
+        exit_skipping_teardown()
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     results = Path(args.results or logs)

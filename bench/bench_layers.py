@@ -49,10 +49,8 @@ import argparse
 import asyncio
 import cProfile
 import io
-import os
 import platform
 import pstats
-import sys
 import time
 from typing import Any
 
@@ -70,6 +68,7 @@ from kvroute.backend.jobs import Delta, Finish, Job
 from kvroute.backend.metrics import BackendMetrics
 from kvroute.backend.requests import SamplingParams
 from kvroute.backend.store import Store
+from kvroute.core.accel import exit_skipping_teardown
 from kvroute.core.sizes import parse_bytes
 
 
@@ -471,8 +470,4 @@ async def _call(engine: Engine, fn):
 
 if __name__ == "__main__":
     main()
-    # Skip the interpreter's teardown, as `kvroute backend` does: MLX's destructors run
-    # at exit in no defined order and at times abort (rc 134) after the results.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_skipping_teardown()  # as `kvroute backend` does

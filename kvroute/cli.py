@@ -169,7 +169,7 @@ def _demo_parser(sub) -> None:
 
 def run_backend(s: dict[str, Any]) -> int:
     from .backend.boot import serve
-
+    from .core import accel
     from .devtools import demo_model
 
     s = dict(s)
@@ -179,13 +179,8 @@ def run_backend(s: dict[str, Any]) -> int:
         s["model_id"] = s["model_id"] or config.ModelSpec(
             path=config.DEMO, demo_variant=s["demo_variant"]).alias
     code = run_async(serve(config.BackendConfig(**_fields_of(config.BackendConfig, s))))
-    # The engine thread has stopped and synchronized its streams. Skip the
-    # interpreter's teardown: destructors of MLX's CUDA backend run at exit in no
-    # defined order and abort ("terminate called without an active exception").
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
+    # The engine thread has stopped and synchronized its streams.
+    accel.exit_skipping_teardown(code or 0)
 
 
 def run_demo_model(args: dict[str, Any]) -> int:
