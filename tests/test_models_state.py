@@ -103,3 +103,27 @@ def test_a_loop_of_quiet_redis_calls_stops_when_cancelled(redis_db):
         return stuck
 
     assert asyncio.run(main(redis_db.url)) == 0
+
+
+def test_a_request_just_after_a_load_ends_is_routed_not_held(redis_db):
+    """A proxy refreshes its copy of the states every REFRESH seconds. A request that
+    finds a live backend while that copy still says "loading" has the states read
+    again, and goes to the backend when they say "loaded" (held, it waited a POLL of
+    0.2 s before it was routed). A model no backend serves is held whatever they say."""
+    from kvroute.proxy.loading import OnDemand
+
+    async def main(url: str) -> None:
+        serve, states = ModelLoads(url), ModelLoads(url)
+        proxy = OnDemand(states, load_timeout=5.0)
+        await serve.publish([ModelState("m", "mac", LOADING)])
+        await proxy.refresh()
+        assert await proxy.must_wait("m", serving=True)  # still loading: held
+        await serve.publish([ModelState("m", "mac", LOADED)])
+        assert proxy.needs_load("m", True)  # its copy is behind
+        assert not await proxy.must_wait("m", serving=True)
+        assert await proxy.must_wait("m", serving=False)
+        assert not await proxy.must_wait("unmanaged", serving=True)  # no `kvroute serve`'s
+        await serve.close()
+        await states.close()
+
+    asyncio.run(main(redis_db.url))

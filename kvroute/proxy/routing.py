@@ -87,7 +87,7 @@ async def _route_to_backend(state: State, req: RoutedRequest) -> web.StreamRespo
     await _inline_images(state, req)
     await _chain(state.config, req, layout)
     state.models.touch(model)
-    if state.models.needs_load(model, bool(state.fleet.serving(model))):
+    if await state.models.must_wait(model, bool(state.fleet.serving(model))):
         # A valid request for a configured model that is not loaded: wait for its load.
         done = await loading.hold(req.request, state.models, model, req.stream,
                                   functools.partial(_serving_now, state, model), req.error_event)
@@ -381,7 +381,7 @@ async def ask_backend(request: web.Request, model: str, path: str,
     state = state_of(request)
     state.limits.check_model(request, model)
     await state.images.inline(body)  # a token count of a URL image counts its bytes
-    if state.models.needs_load(model, bool(state.fleet.serving(model))):
+    if await state.models.must_wait(model, bool(state.fleet.serving(model))):
         await state.models.wait_loaded(model, functools.partial(_serving_now, state, model))
     backends = sorted(state.fleet.serving(model), key=lambda b: (b.is_suspect(), b.inflight))
     if not backends:
