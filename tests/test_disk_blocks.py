@@ -589,6 +589,33 @@ def test_on_cuda_a_restore_loads_its_blocks_through_pinned_memory(tmp_path, monk
     again.close()
 
 
+def test_on_cuda_a_restores_log_line_says_where_its_time_went(tmp_path, monkeypatch, caplog):
+    """The restore's INFO line names its phases, the blocks' own on CUDA among them
+    (reading into pinned memory, launching the copies, waiting for them, making the
+    blocks of the arrays), and the whole restore's phases add up to no more than its
+    time: an operator reads from it where a slow restore went."""
+    import re
+
+    from tests.test_pinned import HostStaging
+
+    three_on_cuda(tmp_path, monkeypatch, HostStaging)
+    again, _ = make_tier(tmp_path)
+    caplog.set_level(logging.INFO, "kvroute.backend.disk")
+    assert restore(again, conversation(0) + [1]) is not None
+    (line,) = [r.getMessage() for r in caplog.records if "disk cache: restored" in r.getMessage()]
+    total = float(re.search(r" in ([0-9.]+) ms", line).group(1))
+    phases = {k: float(v) for k, v in re.findall(r"([a-z][a-z ]*?) ([0-9.]+) ms", line.split("(", 1)[1])}
+    for name in ("chain", "blocks", "assembly", "pinned reads", "launches", "copies waited",
+                 "blocks made"):
+        assert name in phases, (name, line)
+    top = sum(phases[k] for k in ("chain", "blocks", "own file waited", "assembly", "header")
+              if k in phases)
+    assert top <= total + 0.5  # each rounded to 0.1 ms
+    inside = sum(phases[k] for k in ("pinned reads", "launches", "copies waited", "blocks made"))
+    assert inside <= phases["blocks"] + 0.5
+    again.close()
+
+
 def test_on_cuda_a_record_too_large_for_the_own_files_buffer_carries_a_device_checksum(tmp_path, monkeypatch):
     """A record whose own file does not fit the pinned buffer for own files (a sliding
     window's whole layers, say) is restored through MLX's reader: it is written with a

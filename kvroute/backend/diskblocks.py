@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
@@ -206,8 +207,11 @@ class Blocks:
         loaded = self.staging.load_or_none(files, readers, self._fill)
         if loaded is None:
             return [None] * len(keys)
-        return [None if arrays is None else self._register(f.owner[0], _pairs(arrays), f.size, make)
-                for f, arrays in zip(files, loaded)]
+        t = time.perf_counter()
+        blocks = [None if arrays is None else self._register(f.owner[0], _pairs(arrays), f.size, make)
+                  for f, arrays in zip(files, loaded)]
+        self.staging.add("blocks made", time.perf_counter() - t)
+        return blocks
 
     def _fill(self, f: pinned.File, view: memoryview) -> tuple[dict, int]:
         """A block file read into `view` (pinned memory) and checked (reader thread)."""

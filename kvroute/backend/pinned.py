@@ -204,9 +204,17 @@ class Staging(Pinned):
         self._timing = threading.local()
 
     def timing(self) -> dict[str, float]:
-        """This thread's last `load`: seconds reading (and checking) files, and waiting
-        for copies to end (the copies are hidden behind the reads but for the last part)."""
+        """This thread's last `load`: seconds reading (and checking) files, launching the
+        copies (the arrays made on the host, the kernels queued), and waiting for copies
+        to end (they are hidden behind the reads but for the last part), and what the
+        caller `add`ed."""
         return dict(getattr(self._timing, "last", {}))
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Count `seconds` of the caller's own in this thread's last `load`'s timing."""
+        last = getattr(self._timing, "last", None)
+        if last is not None:
+            last[phase] = last.get(phase, 0.0) + seconds
 
     def fits(self, size: int) -> bool:
         return _slot(size) <= self.half
@@ -218,7 +226,7 @@ class Staging(Pinned):
         Raises what `fill` raises (after every read under way is over),
         ReadersClosed where `readers` are shut down, RuntimeError where this path does
         not work here."""
-        timing = self._timing.last = {"pinned reads": 0.0, "copies waited": 0.0}
+        timing = self._timing.last = {"pinned reads": 0.0, "launches": 0.0, "copies waited": 0.0}
         with self._lock:
             self._open()
             out: list[dict[str, Any] | None] = [None] * len(files)
@@ -241,8 +249,10 @@ class Staging(Pinned):
                         timing["copies waited"] += time.perf_counter() - t1
                         reads[refill] = self._start_part(files, parts[refill], refill % slots * size,
                                                          readers, fill)
+                    t2 = time.perf_counter()
                     words, made = self._launch([(i, t) for (i, _), ts in zip(parts[n], planned) if ts
                                                 for t in ts])
+                    timing["launches"] += time.perf_counter() - t2
                     copying[n] = words
                     for i, arrays in made.items():
                         out[i] = arrays
