@@ -95,6 +95,28 @@ def test_completions_whole_and_stream(backend):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "456789"
 
 
+def test_completions_take_token_ids_as_their_text(backend, text_model):
+    """A /v1/completions prompt given as token ids (as eval harnesses send it) answers
+    as its text does, whole and streamed, and a list of one list as the list; an id
+    outside the vocabulary is a 400 naming 'prompt', not a crashed backend."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(text_model)).encode("Count: 3")
+    c = client(backend)
+    r = c.completions.create(model=backend.model_id, prompt=ids, max_tokens=6)
+    assert r.choices[0].text == "456789" and r.usage.prompt_tokens == len(ids)
+    again = c.completions.create(model=backend.model_id, prompt=[ids], max_tokens=6)
+    assert again.choices[0].text == "456789"
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    chunks = list(c.completions.create(model=backend.model_id, prompt=ids, max_tokens=6,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "456789"
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.completions.create(model=backend.model_id, prompt=[*ids, 10**6], max_tokens=2)
+    assert bad.value.body["param"] == "prompt" and "outside the vocabulary" in bad.value.body["message"]
+    assert c.completions.create(model=backend.model_id, prompt=ids, max_tokens=6).choices[0].text == "456789"
+
+
 def test_logprobs(backend):
     c = client(backend)
     r = c.chat.completions.create(model=backend.model_id, messages=conversation(),

@@ -210,6 +210,20 @@ def test_completion_chain():
         prompt, model=MODEL, salt=SALT))
 
 
+def test_completion_chain_of_token_ids():
+    """Token ids are keyed as ids: the same ids give the same keys (a list of one list
+    as the list, as the backend takes it), other ids or the same count of other ones
+    other keys, and never the keys of a text; what is not a list of ids is refused."""
+    ids = list(range(500, 900))
+    a = completion_keys(ids)
+    assert a == completion_keys([ids]) and len(a) > 1
+    assert completion_keys(ids[:-1] + [1]) != a
+    assert common_prefix(a, completion_keys("Once upon a time " * 100)) == 1  # the header
+    for bad in ([], [True], [1, "2"], [-1], [1 << 32], [[1], [2]], [1.0]):
+        with pytest.raises(ValueError):
+            completion_keys(bad)
+
+
 def test_common_prefix():
     assert common_prefix([], [1]) == 0
     assert common_prefix([1, 2, 3], [1, 2, 3]) == 3
@@ -332,8 +346,8 @@ def test_one_element_prompt_list_is_its_string():
     # The backend accepts ["text"] as "text" (kvroute/backend/requests.py): the keys must agree.
     assert request_chain("completion", {"prompt": ["once upon"]}, model=MODEL, salt=SALT) == \
         request_chain("completion", {"prompt": "once upon"}, model=MODEL, salt=SALT)
-    with pytest.raises(ValueError):
-        request_chain("completion", {"prompt": [1, 2]}, model=MODEL, salt=SALT)
+    with pytest.raises(ValueError):  # two texts: the backend takes one prompt
+        request_chain("completion", {"prompt": ["a", "b"]}, model=MODEL, salt=SALT)
     with pytest.raises(ValueError):
         request_chain("other", {"prompt": "x"}, model=MODEL, salt=SALT)
 

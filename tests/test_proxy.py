@@ -75,6 +75,25 @@ def test_six_turns_land_on_one_backend_and_hit(fleet):
         assert cached >= prev_prompt - 3, turns
 
 
+def test_token_id_prompts_route_back_to_the_backend_that_holds_them(fleet, text_model):
+    """A completions prompt given as token ids is keyed by its ids: the same ids again,
+    through either proxy, go to the backend that prefilled them and hit its cache."""
+    from transformers import AutoTokenizer
+
+    text = f"{uuid.uuid4().hex}: count with me. " * 8
+    ids = AutoTokenizer.from_pretrained(str(text_model)).encode(text)
+    first = client(fleet["proxies"][0], key=KEY).completions.with_raw_response.create(
+        model=MODEL_A, prompt=ids, max_tokens=4)
+    holder = first.headers["x-kvroute-backend"]
+    assert first.parse().usage.prompt_tokens == len(ids)
+    for proxy in fleet["proxies"]:
+        again = client(proxy, key=KEY).completions.with_raw_response.create(
+            model=MODEL_A, prompt=ids, max_tokens=4)
+        assert again.headers["x-kvroute-backend"] == holder
+        assert again.headers["x-kvroute-route-reason"] == "cache-hit"
+        assert again.parse().usage.prompt_tokens_details.cached_tokens >= len(ids) - 3
+
+
 def test_other_proxy_keeps_hitting_the_same_backend(fleet):
     p1, p2 = fleet["proxies"]
     messages = new_conversation()

@@ -15,8 +15,8 @@ from pydantic import (AfterValidator, Field, StringConstraints, Tag, ValidationE
                       WithJsonSchema, WrapValidator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from .validation import (Body, NonEmpty, Stop, ToolName, invalid, only, refusing, repeated,
-                         tagged_by)
+from .validation import (Body, NonEmpty, Stop, TokenIds, ToolName, invalid, only, refusing,
+                         repeated, tagged_by)
 
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
@@ -354,6 +354,8 @@ class CompletionBody(GenerationBody):
     prompt: Annotated[Union[
         NonEmpty,
         Annotated[list[NonEmpty], Field(min_length=1, max_length=1)],
-    ], refusing("'prompt' must be one non-empty string (or a list of exactly one).",
-                "invalid_value")]
+        TokenIds,
+        Annotated[list[TokenIds], Field(min_length=1, max_length=1)],
+    ], refusing("'prompt' must be one non-empty string or one non-empty list of token ids "
+                "(or a list of exactly one of either).", "invalid_value")]
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None

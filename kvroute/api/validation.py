@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, TypeVar, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StrictInt,
                       StringConstraints, ValidationError, WithJsonSchema, WrapValidator)
 from pydantic_core import PydanticCustomError
 
@@ -35,6 +35,9 @@ M = TypeVar("M", bound=Body)
 # Field types the bodies of every API share.
 MAX_STOP = 4
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
+# A /v1/completions prompt as token ids (ints, not numbers in strings or booleans):
+# the backend checks them against its vocabulary.
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 32)]], Field(min_length=1)]
 Stop = Union[str, Annotated[list[str], Field(max_length=MAX_STOP)]]
 # A tool's name, as Anthropic takes it: OpenAI's characters, up to 128 of them rather
 # than OpenAI's 64, since Messages requests (Claude Code's MCP tools, mcp__server__tool)

@@ -112,11 +112,16 @@ async def _generate(
     _check_model(state, req.model)
     scope = _scope(request)
     bias = req.params.logit_bias
+    # An id past the logits (or the embeddings) would index out of bounds inside MLX (a
+    # crash, not an error).
     if bias and max(bias) >= state.vocab_size:
-        # An id past the logits would index out of bounds inside MLX (a crash, not an error).
         raise bad_request(f"logit_bias token id {max(bias)} is outside the vocabulary "
                           f"(0 to {state.vocab_size - 1}).", param="logit_bias",
                           code="invalid_value")
+    ids = req.prompt if isinstance(req, CompletionRequest) and isinstance(req.prompt, list) else []
+    if ids and max(ids) >= state.vocab_size:
+        raise bad_request(f"prompt token id {max(ids)} is outside the vocabulary "
+                          f"(0 to {state.vocab_size - 1}).", param="prompt", code="invalid_value")
     prompt, early, found = await asyncio.to_thread(_prepare, state, req, body, scope)
     state.metrics.l(state.metrics.prompt_time).observe(time.perf_counter() - arrived)
     prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"

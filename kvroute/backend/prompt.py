@@ -71,8 +71,8 @@ class Template:
                pairs: list[tuple[int, int]] | None = None) -> Prompt:
         """The request's prompt; `pairs`: its `keys`, where the caller has them already."""
         if not isinstance(req, ChatRequest):
-            return self.chains(req, body, scope, list(self.tokenizer.encode(req.prompt)), {},
-                               pairs)
+            tokens = req.prompt if isinstance(req.prompt, list) else self.tokenizer.encode(req.prompt)
+            return self.chains(req, body, scope, list(tokens), {}, pairs)
         pixels = self._pixels(req)
         req.image_texts = [p.text for p in pixels]
         tokens, marks, order = self._chat_tokens(req)
@@ -142,14 +142,20 @@ class Template:
         if pairs is None:
             pairs = self.keys(req, body, scope)
         chain = [k for k, _ in pairs]
-        self._calibrate(pairs, len(tokens))
+        by_ids = isinstance(req, CompletionRequest) and isinstance(req.prompt, list)
+        if not by_ids:  # token ids' bytes say nothing of text's bytes per token
+            self._calibrate(pairs, len(tokens))
         checkpoints = {len(tokens) - 1: chain}
         for position, n in marks.items():  # chat only
             messages = body["messages"]
             checkpoints[position] = chain if n == len(messages) else chain_of(
                 {**body, "messages": messages[:n]})
         if isinstance(req, CompletionRequest):
-            # One prompt string, one segment: no key names a part of it.
+            # One prompt string, one segment: no key names a part of it. Token ids: the
+            # reply's own ids are not what a client sends back (it gets text), so the
+            # answer's entry is advertised by the prompt's keys.
+            if by_ids:
+                return Prompt(tokens, chain, checkpoints, lambda _text, _calls: chain)
             return Prompt(tokens, chain, checkpoints,
                           lambda text, _calls: chain_of({"prompt": req.prompt + text}))
         return Prompt(tokens, chain, checkpoints, self._next_turn(body, chain, chain_of),

@@ -59,7 +59,7 @@ class ChatRequest:
 @dataclass
 class CompletionRequest:
     model: str
-    prompt: str
+    prompt: str | list[int]  # its text, or its token ids as the client gave them
     stream: bool
     include_usage: bool
     params: SamplingParams
@@ -110,7 +110,9 @@ def parse_completion(body: dict) -> CompletionRequest:
     params.max_tokens = req.max_tokens
     if req.logprobs is not None:
         params.logprobs, params.top_logprobs = True, req.logprobs
-    prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+    prompt = req.prompt
+    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):  # a list of one
+        prompt = prompt[0]
     return CompletionRequest(model=req.model, prompt=prompt, stream=bool(req.stream),
                              include_usage=_include_usage(req), params=params,
                              fault=_fault(body), n=req.n or 1)

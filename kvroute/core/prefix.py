@@ -12,7 +12,8 @@ byte stream made of segments:
     message  one segment per message: role, name, content (text, and each image as a
              marker and the SHA-256 of its decoded bytes, where it stands), tool calls,
              tool_call_id
-    prompt   for /v1/completions: the prompt text (a one-element list counts as its string)
+    prompt   for /v1/completions: the prompt text, or its token ids as given (a
+             one-element list counts as its string or its ids)
 
 The segments come in the order the model's chat template renders them (a `Layout`,
 found by `detect_layout` when a backend loads, published in its record): Qwen-style
@@ -69,6 +70,7 @@ _TAG_HEADER = b"H"
 _TAG_TOOLS = b"T"
 _TAG_MESSAGE = b"M"
 _TAG_PROMPT = b"P"
+_TAG_TOKEN_IDS = b"I"  # a completions prompt given as token ids
 _TAG_TOOLS_MARK = b"t"
 
 
@@ -397,12 +399,20 @@ def chat_segments(body: Any, *, model: str, salt: bytes,
 
 
 def completion_segments(prompt: Any, *, model: str, salt: bytes) -> list[bytes]:
-    """The canonical segments of a /v1/completions prompt (a string, or a list of one)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # the backend takes it as that string (kvroute/backend/requests.py)
-    if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be a string, not {type(prompt).__name__}")
-    return [_header_segment(model, salt), _TAG_PROMPT + _field(_text(prompt))]
+    """The canonical segments of a /v1/completions prompt: a string, or token ids (a
+    list of one of either counts as it, as the backend takes it: requests.py)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return [_header_segment(model, salt), _TAG_PROMPT + _field(_text(prompt))]
+    if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+        ids = struct.pack(f"<{len(prompt)}I", *prompt)
+        return [_header_segment(model, salt), _TAG_TOKEN_IDS + _field(ids)]
+    raise ValueError(f"prompt must be a string or token ids, not {type(prompt).__name__}")
+
+
+def _is_token_id(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 32
 
 
 # ---------------------------------------------------------------------------
