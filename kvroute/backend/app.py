@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import orjson
 from aiohttp import web
@@ -111,17 +111,9 @@ async def _generate(
     req = parse(body)
     _check_model(state, req.model)
     scope = _scope(request)
-    bias = req.params.logit_bias
-    # An id past the logits (or the embeddings) would index out of bounds inside MLX (a
-    # crash, not an error).
-    if bias and max(bias) >= state.vocab_size:
-        raise bad_request(f"logit_bias token id {max(bias)} is outside the vocabulary "
-                          f"(0 to {state.vocab_size - 1}).", param="logit_bias",
-                          code="invalid_value")
-    ids = req.prompt if isinstance(req, CompletionRequest) and isinstance(req.prompt, list) else []
-    if ids and max(ids) >= state.vocab_size:
-        raise bad_request(f"prompt token id {max(ids)} is outside the vocabulary "
-                          f"(0 to {state.vocab_size - 1}).", param="prompt", code="invalid_value")
+    _check_vocabulary(state, req.params.logit_bias, "logit_bias")
+    if isinstance(req, CompletionRequest) and isinstance(req.prompt, list):
+        _check_vocabulary(state, req.prompt, "prompt")
     prompt, early, found = await asyncio.to_thread(_prepare, state, req, body, scope)
     state.metrics.l(state.metrics.prompt_time).observe(time.perf_counter() - arrived)
     prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
@@ -184,6 +176,15 @@ async def _generate(
         if prompt.images and state.vision is not None:
             for j in jobs:
                 _release_when_done(state.vision, j, prompt.images)
+
+
+def _check_vocabulary(state: State, ids: Iterable[int], param: str) -> None:
+    """A 400 naming `param` for a token id past the logits (or the embeddings): MLX
+    would index out of bounds with it (a crash, not an error)."""
+    top = max(ids, default=-1)
+    if top >= state.vocab_size:
+        raise bad_request(f"{param} token id {top} is outside the vocabulary "
+                          f"(0 to {state.vocab_size - 1}).", param=param, code="invalid_value")
 
 
 def _prepare(state: State, req: ChatRequest | CompletionRequest, body: dict,

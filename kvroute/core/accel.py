@@ -228,10 +228,6 @@ def keep_wired_limit() -> None:
         mx.set_wired_limit(_wired)
 
 
-if __name__ == "__main__":
-    print(json.dumps(asdict(detect())))
-
-
 def exit_skipping_teardown(code: int = 0) -> NoReturn:
     """End a process that ran MLX now, its output flushed: MLX's CUDA destructors run at
     the interpreter's exit in no defined order and at times abort ("terminate called
@@ -242,3 +238,7 @@ def exit_skipping_teardown(code: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    print(json.dumps(asdict(detect())))
