@@ -52,9 +52,10 @@ Prompts are random words of the model's tokenizer; a random-weight model never s
 Parts save their numbers under --results (JSON), so a run can be split over several
 calls (`--parts raw,mlx-server` then `--parts kvroute,no-disk`); the report uses every
 part found there. `--profile DIR` samples each kvroute backend's threads with py-spy
-while the decodes run, two collapsed-stack files per backend and part (every thread,
-idle ones too; the GIL's holder): where the engine thread's time goes beside the disk
-writers, against the tier-off part.
+while the turns 2, the decodes and the agents run, two collapsed-stack files per
+backend and part (every thread, idle ones too; the GIL's holder): where the engine
+thread's time goes beside the disk writers, against the tier-off part
+(`python -m bench.profile_summary DIR` sums them up by thread).
 """
 
 from __future__ import annotations
@@ -757,7 +758,8 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
         if disk:
             out["first_vs_tenth"] = (firsts[0], firsts[-1])
         out["cold"] = cold_ttfts(url, "m", tok, args.sizes, args.repeat, part)
-        out["turn2"] = turn2_ttft(url, "m", tok, args.turn2, args.turn2_repeat, part, stack.split)
+        with Profile(args.profile, stack, "turn2"):
+            out["turn2"] = turn2_ttft(url, "m", tok, args.turn2, args.turn2_repeat, part, stack.split)
         out["memory"] = {"turn2": stack.memory()}
         progress(out)
         one = stack.backends()[0]
@@ -785,7 +787,8 @@ def run_kvroute(args, tok, logs: Path, disk: bool) -> dict:
         out["memory"]["decode"] = stack.memory()
         before = stack.split()
         try:
-            out["agents"] = run(agents(url, "m", tok, 20000 + 1000 * part, args.agent_system))
+            with Profile(args.profile, stack, "agents"):
+                out["agents"] = run(agents(url, "m", tok, 20000 + 1000 * part, args.agent_system))
         except RuntimeError as exc:  # recorded, and the restore still measured
             out["agents_error"] = str(exc)[-400:]
         else:  # what the disk writers did beside the agents, and where their time went
@@ -1273,7 +1276,7 @@ def main() -> None:
     ap.add_argument("--results", default="", help="folder of each part's JSON (default: --logs)")
     ap.add_argument("--out", help="also write the report (markdown) here")
     ap.add_argument("--profile", default="",
-                    help="a folder: py-spy samples each backend's threads during the decodes")
+                    help="a folder: py-spy samples each backend's threads during the turns 2, decodes and agents")
     ap.add_argument("--paired-repeat", type=int, default=5,
                     help="rounds of the paired part (each: 1, 8 and 32 streams on all three)")
     ap.add_argument("--raw-child", action="store_true", help=argparse.SUPPRESS)
