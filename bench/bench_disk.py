@@ -33,6 +33,11 @@ assembly then one array; the concatenation of blocks already on the device (250,
 980: a 31k-token conversation), against one copy of the assembled state.
 
     python -m bench.bench_disk paths --blocks 250
+    python -m bench.bench_disk paths --blocks 250 --pinned-only   # the backend's path alone
+
+Its pinned rows run at the backend's GIL switch interval on a GPU, the backend's
+restore also beside a thread rendering a prompt's chat template (a backend renders
+the request's prompt while its restore is read: both need the GIL).
 
 `written` (in process): what a write leaves for the GPU's next read of the arrays it
 wrote (a hit on a conversation just written): 32-token blocks made on the device,
@@ -73,6 +78,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import tempfile
 import time
 import uuid
@@ -319,6 +325,85 @@ def concat(parts: list) -> None:
             mx.concatenate([x["v0"] for x in parts], axis=2))
 
 
+# A ChatML template, as a Qwen-style model renders its prompt: Python work a request's
+# handler thread does while its restore is read (the restore begins before the tokens).
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}<|im_start|>assistant\n")
+
+
+class Rendering:
+    """A thread rendering an ~8k-token conversation's template in a loop while the
+    `with` block runs: the GIL's other holder during a restore."""
+
+    def __init__(self):
+        import threading
+
+        import jinja2
+
+        self.template = jinja2.Template(CHATML)
+        self.messages = [{"role": "user" if i % 2 == 0 else "assistant",
+                          "content": " ".join(f"w{j}" for j in range(i * 200, i * 200 + 200))}
+                         for i in range(40)]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            self.template.render(messages=self.messages)
+
+    def __enter__(self) -> "Rendering":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def pinned_rows(files: list[Path], timed, console, table, show: bool = True) -> None:
+    """`paths`' rows through pinned memory (pinned.py; CUDA only), also beside a thread
+    rendering a prompt's template: a restore's reads and launches need the GIL between
+    their waits, and a backend renders the request's prompt while its restore runs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import xxhash
+
+    from kvroute.backend import pinned
+
+    staging = pinned.Staging()
+    staging.warm()  # where CUDA cannot pin memory (a CPU, a Mac): these rows are left out
+    plans = [pinned.File(p, p.stat().st_size) for p in files]
+
+    def checked_fill(f: pinned.File, view: memoryview) -> tuple[dict, int]:
+        header, offset = pinned.plain_fill(f, view)
+        xxhash.xxh3_64(view).hexdigest()  # as the backend checks a block file
+        return header, offset
+
+    def pinned_load(pool: ThreadPoolExecutor, fill=pinned.plain_fill) -> None:
+        parts = staging.load(plans, pool, fill)
+        assert all(p is not None for p in parts), "a block file the pinned path cannot take"
+        concat(parts)
+
+    for threads in ((4, 8, 16) if not staging.failed else ()):
+        with ThreadPoolExecutor(threads) as pool:
+            timed("pinned memory + copy kernel (pinned.py) + concatenate", threads,
+                  lambda: pinned_load(pool))
+            timed("pinned memory + xxh3 where it lands (the backend's restore) + concatenate",
+                  threads, lambda: pinned_load(pool, checked_fill))
+            slots, pinned.SLOTS = pinned.SLOTS, 2  # the buffer in two halves (until 2026-12-07)
+            try:
+                timed("the same, the buffer in two halves (the restore before)", threads,
+                      lambda: pinned_load(pool, checked_fill))
+            finally:
+                pinned.SLOTS = slots
+            with Rendering():
+                timed("the backend's restore, a prompt's template rendered beside it", threads,
+                      lambda: pinned_load(pool, checked_fill))
+    if show:
+        console.print(table)
+        shutil.rmtree(files[0].parent, ignore_errors=True)
+
+
 def paths_bench(args) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -343,6 +428,11 @@ def paths_bench(args) -> None:
     table = Table(title="block files into device arrays (best of 3)")
     for col in ("path", "threads", "ms", "GB/s"):
         table.add_column(col, justify="right")
+    if mx.cuda.is_available():  # as a backend on a GPU sets it (boot.py)
+        import sys
+
+        from kvroute.backend.boot import GPU_GIL_SWITCH_S
+        sys.setswitchinterval(GPU_GIL_SWITCH_S)
 
     def timed(label: str, threads: int | str, fn) -> None:
         best = float("inf")
@@ -383,6 +473,8 @@ def paths_bench(args) -> None:
     for threads in (1, 4, 8, 16):
         with ThreadPoolExecutor(threads) as pool:
             timed("bytes read", threads, lambda: list(pool.map(Path.read_bytes, files)))
+    if args.pinned_only:
+        return pinned_rows(files, timed, console, table)
     for threads in (1, 4, 8):
         with ThreadPoolExecutor(threads) as pool:
             timed("arrays from the bytes + concatenate", threads,
@@ -425,32 +517,8 @@ def paths_bench(args) -> None:
             timed("MLX's reader, then device checksums together + concatenate", threads,
                   lambda: checked_together(pool))
 
-    staging = pinned.Staging()
-    staging.warm()  # where CUDA cannot pin memory (a CPU, a Mac): these rows are left out
-    plans = [pinned.File(p, p.stat().st_size) for p in files]
+    pinned_rows(files, timed, console, table, show=False)
 
-    def checked_fill(f: pinned.File, view: memoryview) -> tuple[dict, int]:
-        header, offset = pinned.plain_fill(f, view)
-        xxhash.xxh3_64(view).hexdigest()  # as the backend checks a block file
-        return header, offset
-
-    def pinned_load(pool: ThreadPoolExecutor, fill=pinned.plain_fill) -> None:
-        parts = staging.load(plans, pool, fill)
-        assert all(p is not None for p in parts), "a block file the pinned path cannot take"
-        concat(parts)
-
-    for threads in ((4, 8, 16) if not staging.failed else ()):
-        with ThreadPoolExecutor(threads) as pool:
-            timed("pinned memory + copy kernel (pinned.py) + concatenate", threads,
-                  lambda: pinned_load(pool))
-            timed("pinned memory + xxh3 where it lands (the backend's restore) + concatenate",
-                  threads, lambda: pinned_load(pool, checked_fill))
-            slots, pinned.SLOTS = pinned.SLOTS, 2  # the buffer in two halves (until 2026-12-07)
-            try:
-                timed("the same, the buffer in two halves (the restore before)", threads,
-                      lambda: pinned_load(pool, checked_fill))
-            finally:
-                pinned.SLOTS = slots
     # A layout with one K and one V array per layer (the tier stacks a block's layers
     # into one of each, as above): what the count of arrays costs MLX's reader.
     per_layer = [folder / f"{i}.layers.safetensors" for i in range(n)]
@@ -496,7 +564,6 @@ def paths_bench(args) -> None:
                   f"joined as a hit does (join.py, by kernel: {join.works()}): {joined * 1e3:.1f} ms, "
                   f"the same bytes: {same}; one copy of one of the two assembled arrays: "
                   f"{copy * 1e3:.1f} ms")
-    import shutil
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -877,6 +944,8 @@ def main() -> None:
     t.add_argument("--memory-limit", type=int, default=0, help="GiB MLX may use (0: its default)")
     ps = sub.add_parser("paths")
     ps.add_argument("--blocks", type=int, default=250, help="32-token block files (250: 8k tokens)")
+    ps.add_argument("--pinned-only", action="store_true",
+                    help="only the bare reads and the rows through pinned memory (CUDA)")
     w = sub.add_parser("written")
     w.add_argument("--blocks", type=int, default=250, help="32-token blocks (250: 8k tokens)")
     b = sub.add_parser("beside")
