@@ -36,6 +36,13 @@ Parts (each a fresh set of processes, one after the other; `--parts` picks them)
   each round do not. A 7B model's three fit an 80 GB card. The raw child also decodes
   into kvroute's working caches (its generator with no engine, HTTP or proxy around
   it): how near the whole stack comes to its own building blocks.
+- tier: the disk tier's cost, paired: two stacks of one replica each, the tier on and
+  off, loaded at once, their samples taken in turns with the same fresh prompts (a
+  turn 2, the agents' turns 2-4, 1- and 8-stream decodes); the tier-on stack's writes
+  finish before every sample, so neither stack's sample runs beside them. Three to
+  eight samples a part, parts minutes apart, put the tier's cost anywhere from 0.74x
+  to 1.36x on the same code: 5% needs this. The kvroute and no-disk parts measure it
+  with a backlog of writes beside the work.
 
 Every prompt is a length no process has seen (sizes shift by a few tokens per repeat and
 per part): what a user's prompts are, and what a warmed-up server has not compiled yet.
@@ -85,7 +92,7 @@ from kvroute.serve.redis_server import free_port
 from tests.harness import metric_sum
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("raw", "mlx-server", "kvroute", "no-disk", "defaults", "paired")
+PARTS = ("raw", "mlx-server", "kvroute", "no-disk", "defaults", "paired", "tier")
 TOKEN = "bench-hw-token"
 
 
@@ -944,6 +951,82 @@ def run_paired(args, tok, logs: Path) -> dict:
     return out
 
 
+def run_tier(args, tok, logs: Path) -> dict:
+    """The disk tier's cost, paired: two stacks of one replica each, the tier on and
+    off, loaded on the card at once, their samples taken in turns (the order rotating
+    each round) with the same fresh prompts: a turn 2 on a --turn2-token conversation,
+    1- and 8-stream decodes, and the agents' turns 2-4. Before every sample the tier-on
+    stack's writes are let finish: a write waits for its engine to be idle, which is
+    when the other stack's sample runs, and on the same card it would slow that one.
+    So this measures the tier with its writer caught up (what a load with pauses
+    gives); the one-after-another parts measure it with a backlog of writes beside
+    the work."""
+    from kvroute.core.sizes import parse_bytes
+    from kvroute.serve.capacity import weights_bytes
+
+    cap = (weights_bytes(args.model) or 0) + parse_bytes(args.cache_bytes) + (6 << 30)
+    disk_dir = str(logs / "tier-disk-tier")
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    extra = f'memory_limit = "{cap}"\nmax_running_tokens = 65536\n'
+    stacks = {"on": Stack(args, logs, "kvroute-tier-on", disk_dir, replicas=1, extra=extra),
+              "off": Stack(args, logs, "kvroute-tier-off", "", replicas=1, extra=extra)}
+    out: dict = {"cap": cap, "exit_codes": {}}
+    try:
+        for stack in stacks.values():
+            stack.start()
+
+        def sample(stack: Stack, r: int) -> dict:
+            settle_disk(stacks["on"])
+            # A new conversation each round (the same for both stacks in it).
+            t2 = turn2_ttft(stack.url, "m", tok, args.turn2, 1, 10 + r, stack.split)
+            got = {"turn2": t2["ttft"], "turn2_before_engine": t2.get("backend_prepare", 0.0),
+                   "turn2_engine": t2.get("engine_ttft", 0.0), "turn2_cached": t2["cached_tokens"],
+                   "agents": run(agents(stack.url, "m", tok, 50000 + 1000 * r,
+                                        args.agent_system))["ttft_turns_2_4"]}
+            for n in (1, 8):
+                got[f"decode{n}"] = run(decode_rate(stack.url, "m", tok, n, args.decode,
+                                                    9000 + 1000 * r + 100 * n))
+            return got
+
+        for name in stacks:  # warm-up: the decodes' batch shapes, the agents' path
+            run(decode_rate(stacks[name].url, "m", tok, 8, 16, 7800))
+        rounds = []
+        for r in range(args.paired_repeat):
+            order = ["on", "off"] if r % 2 == 0 else ["off", "on"]
+            rounds.append({"clock": gpu_clock(), **{name: sample(stacks[name], r) for name in order}})
+            progress({"tier": rounds})
+        out["rounds"] = rounds
+    finally:
+        for name, stack in stacks.items():
+            if stack.proc is not None:
+                out["exit_codes"][name] = stack.stop()
+                out.setdefault("device_oom", {})[name] = stack.log_count("out of device memory")
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    return out
+
+
+def tier_report(rounds: list[dict]) -> str:
+    """The paired tier part's table: medians of each measure, and of the on / off
+    ratios taken within each round."""
+    med = statistics.median
+    rows = (("turn 2 on a cached conversation", "turn2", "s", "<= 1.05x"),
+            ("of it, the backend before its engine", "turn2_before_engine", "s", ""),
+            ("of it, the backend's engine", "turn2_engine", "s", ""),
+            ("agents' turns 2-4 (mean TTFT)", "agents", "s", "<= 1.05x"),
+            ("decode 1 stream", "decode1", "tok/s", ">= 0.95x"),
+            ("decode 8 streams", "decode8", "tok/s", ">= 0.95x"))
+    text = (f"| disk tier on / off, paired ({len(rounds)} rounds, the writer caught up before "
+            "each sample) | tier on | tier off | on / off | target |\n|---|---|---|---|---|\n")
+    for label, key, unit, target in rows:
+        if not all(s[k].get(key) for s in rounds for k in ("on", "off")):
+            continue  # not measured (runs before it was)
+        on, off = (med(s[k][key] for s in rounds) for k in ("on", "off"))
+        fmt = (lambda v: f"{v:.3f} s") if unit == "s" else (lambda v: f"{v:.0f} tok/s")
+        text += (f"| {label} | {fmt(on)} | {fmt(off)} "
+                 f"| {med(s['on'][key] / s['off'][key] for s in rounds):.2f}x | {target} |\n")
+    return text
+
+
 def gpu_clock() -> str:
     """The card's SM clock (MHz) and power draw (W) now, as nvidia-smi reads them ("" where
     there is none): beside each paired sample, so a drift in speed shows its cause."""
@@ -1184,6 +1267,8 @@ def report(args, got: dict) -> str:
     text = "\n".join(lines) if len(rows) > 1 else ""
     if got.get("paired", {}).get("rounds"):
         text += "\n\n" + paired_report(got["paired"]["rounds"])
+    if got.get("tier", {}).get("rounds"):
+        text += "\n\n" + tier_report(got["tier"]["rounds"])
     if kv:
         text += (f"\n\n| agents (8 x 4 turns, ~{args.agent_system}-token system prompts) | hit ratio "
                  "| turns 2-4 mean TTFT | wall | disk writes ended / paced beside them "
@@ -1278,7 +1363,8 @@ def main() -> None:
     ap.add_argument("--profile", default="",
                     help="a folder: py-spy samples each backend's threads during the turns 2, decodes and agents")
     ap.add_argument("--paired-repeat", type=int, default=5,
-                    help="rounds of the paired part (each: 1, 8 and 32 streams on all three)")
+                    help="rounds of the paired parts (paired: 1, 8 and 32 streams on all three; "
+                         "tier: a turn 2, the agents, 1 and 8 streams on both)")
     ap.add_argument("--raw-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--raw-serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--raw-memory-limit", type=int, default=0, help=argparse.SUPPRESS)
@@ -1302,7 +1388,8 @@ def main() -> None:
                "kvroute": lambda: run_kvroute(args, tok, logs, disk=True),
                "no-disk": lambda: run_kvroute(args, tok, logs, disk=False),
                "defaults": lambda: run_defaults(args, logs),
-               "paired": lambda: run_paired(args, tok, logs)}
+               "paired": lambda: run_paired(args, tok, logs),
+               "tier": lambda: run_tier(args, tok, logs)}
     for part in [p for p in args.parts.split(",") if p]:
         if part not in runners:
             ap.error(f"--parts: unknown part {part!r} (one of {', '.join(PARTS)})")

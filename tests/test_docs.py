@@ -206,7 +206,7 @@ def test_every_kvroute_flag_the_readme_names_exists():
     scripts' and pytest's aside)."""
     known = set().union(*(help_flags(c) for c in ("serve", "proxy", "backend", "stats", "demo-model")))
     # bench.reliability, bench.bench_shapes, bench.bench_layers, bench.bench_hw
-    others = {"--quick", "--soak", "--decode", "--restore", "--parts"}
+    others = {"--quick", "--soak", "--decode", "--restore", "--parts", "--profile"}
     named = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*[a-z])", text_of(ROOT / "README.md")))
     assert not named - known - others, sorted(named - known - others)
 
