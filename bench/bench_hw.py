@@ -988,7 +988,7 @@ def run_tier(args, tok, logs: Path) -> dict:
                                                     9000 + 1000 * r + 100 * n))
             return got
 
-        for name in stacks:  # warm-up: the decodes' batch shapes, the agents' path
+        for name in stacks:  # warm-up: an 8-stream decode on each (its batch's shapes)
             run(decode_rate(stacks[name].url, "m", tok, 8, 16, 7800))
         rounds = []
         for r in range(args.paired_repeat):
