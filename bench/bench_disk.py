@@ -360,7 +360,7 @@ class Rendering:
         self.thread.join()
 
 
-def pinned_rows(files: list[Path], timed, console, table, show: bool = True) -> None:
+def pinned_rows(files: list[Path], timed) -> None:
     """`paths`' rows through pinned memory (pinned.py; CUDA only), also beside a thread
     rendering a prompt's template: a restore's reads and launches need the GIL between
     their waits, and a backend renders the request's prompt while its restore runs."""
@@ -399,9 +399,6 @@ def pinned_rows(files: list[Path], timed, console, table, show: bool = True) -> 
             with Rendering():
                 timed("the backend's restore, a prompt's template rendered beside it", threads,
                       lambda: pinned_load(pool, checked_fill))
-    if show:
-        console.print(table)
-        shutil.rmtree(files[0].parent, ignore_errors=True)
 
 
 def paths_bench(args) -> None:
@@ -412,7 +409,7 @@ def paths_bench(args) -> None:
     import orjson
     import xxhash
 
-    from kvroute.backend import devsum, pinned
+    from kvroute.backend import devsum
 
     layers, heads, dim, b = 28, 4, 128, 32  # Qwen2.5-7B's KV shape, one block
     n = args.blocks
@@ -474,7 +471,10 @@ def paths_bench(args) -> None:
         with ThreadPoolExecutor(threads) as pool:
             timed("bytes read", threads, lambda: list(pool.map(Path.read_bytes, files)))
     if args.pinned_only:
-        return pinned_rows(files, timed, console, table)
+        pinned_rows(files, timed)
+        console.print(table)
+        shutil.rmtree(folder, ignore_errors=True)
+        return
     for threads in (1, 4, 8):
         with ThreadPoolExecutor(threads) as pool:
             timed("arrays from the bytes + concatenate", threads,
@@ -517,7 +517,7 @@ def paths_bench(args) -> None:
             timed("MLX's reader, then device checksums together + concatenate", threads,
                   lambda: checked_together(pool))
 
-    pinned_rows(files, timed, console, table, show=False)
+    pinned_rows(files, timed)
 
     # A layout with one K and one V array per layer (the tier stacks a block's layers
     # into one of each, as above): what the count of arrays costs MLX's reader.

@@ -863,6 +863,21 @@ CAPPED_MLX_SERVER = ("import sys, mlx.core as mx; mx.set_memory_limit(int(sys.ar
                      "from mlx_lm.server import main; main()")
 
 
+# Memory a capped MLX process gets beside others on one card: its weights and a few
+# GiB for the decodes' KV and buffers (a kvroute replica also its prompt cache).
+HEADROOM = 6 << 30
+
+
+def capped_replica(args) -> tuple[int, str]:
+    """The memory cap of a one-replica stack that shares the card with other processes
+    (the paired parts), and its lines of the model's table."""
+    from kvroute.core.sizes import parse_bytes
+    from kvroute.serve.capacity import weights_bytes
+
+    cap = (weights_bytes(args.model) or 0) + parse_bytes(args.cache_bytes) + HEADROOM
+    return cap, f'memory_limit = "{cap}"\nmax_running_tokens = 65536\n'
+
+
 def run_paired(args, tok, logs: Path) -> dict:
     """Decode with raw mlx-lm, mlx-lm's server and kvroute (one replica, its disk tier
     on; through the proxy, and its backend alone) all loaded on the card at once, their
@@ -870,18 +885,14 @@ def run_paired(args, tok, logs: Path) -> dict:
     fifth within minutes, so parts run one after the other compare samples taken at
     different speeds. Each round's ratios are taken within the round; the report gives
     their medians."""
-    from kvroute.core.sizes import parse_bytes
     from kvroute.serve.capacity import weights_bytes
 
-    weights = weights_bytes(args.model) or 0
-    # Each baseline: its weights and a few GiB for the decodes' KV and buffers; kvroute
-    # also its prompt cache. A 7B model's three come to ~60 GiB: an 80 GB card holds them.
-    base_cap = weights + (6 << 30)
-    kv_cap = weights + parse_bytes(args.cache_bytes) + (6 << 30)
+    # A 7B model's three come to ~60 GiB: an 80 GB card holds them.
+    base_cap = (weights_bytes(args.model) or 0) + HEADROOM
+    kv_cap, extra = capped_replica(args)
     disk_dir = str(logs / "paired-disk-tier")
     shutil.rmtree(disk_dir, ignore_errors=True)
-    stack = Stack(args, logs, "kvroute-paired", disk_dir, replicas=1,
-                  extra=f'memory_limit = "{kv_cap}"\nmax_running_tokens = 65536\n')
+    stack = Stack(args, logs, "kvroute-paired", disk_dir, replicas=1, extra=extra)
     raw_log = open(logs / "raw-paired.log", "ab")
     raw = server = None
     out: dict = {"caps": {"kvroute": kv_cap, "baselines": base_cap}}
@@ -961,13 +972,9 @@ def run_tier(args, tok, logs: Path) -> dict:
     So this measures the tier with its writer caught up (what a load with pauses
     gives); the one-after-another parts measure it with a backlog of writes beside
     the work."""
-    from kvroute.core.sizes import parse_bytes
-    from kvroute.serve.capacity import weights_bytes
-
-    cap = (weights_bytes(args.model) or 0) + parse_bytes(args.cache_bytes) + (6 << 30)
+    cap, extra = capped_replica(args)
     disk_dir = str(logs / "tier-disk-tier")
     shutil.rmtree(disk_dir, ignore_errors=True)
-    extra = f'memory_limit = "{cap}"\nmax_running_tokens = 65536\n'
     stacks = {"on": Stack(args, logs, "kvroute-tier-on", disk_dir, replicas=1, extra=extra),
               "off": Stack(args, logs, "kvroute-tier-off", "", replicas=1, extra=extra)}
     out: dict = {"cap": cap, "exit_codes": {}}

@@ -75,8 +75,7 @@ class OnDemand:
         the model but this proxy's copy of them (refreshed every `REFRESH`) does not
         say it is loaded yet: a load that just ended. Without the second look the
         first requests after it were held, and waited a `POLL` in `_load` before
-        they were routed (0.2-0.3 s on the 2-core VM; ~25 ms more for the first
-        request after ready on an H100)."""
+        they were routed (0.2-0.3 s on the 2-core VM)."""
         if not self.needs_load(model, serving):
             return False
         if not serving:
