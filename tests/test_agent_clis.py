@@ -170,11 +170,15 @@ class Watch:
 
 
 def half_prefilled(serve) -> int:
-    """Tokens processed of a prompt whose prefill is at least half done, else 0: the
-    backends' /health lists each job's progress."""
+    """Tokens processed of a prompt whose prefill of what was not cached is at least
+    half done, else 0: the backends' /health lists each job's progress. (The agent's
+    own instructions and tools are cached by the module's earlier turns: a prompt counted
+    half done from its start would be killed before any of its new tokens ran.)"""
     for backend in stats(serve)["backends"]:
         for job in get_json(f"{backend['url']}/health")["engine"]["jobs"]:
-            if job["phase"] == "prefill" and job["processed"] >= job["prompt"] // 2:
+            new, done = job["prompt"] - job["cached"], job["processed"] - job["cached"]
+            # Not a short side request, and not a prompt whose last chunk ran already.
+            if job["phase"] == "prefill" and new >= 1024 and new // 2 <= done < new:
                 return job["processed"]
     return 0
 
@@ -277,7 +281,7 @@ def test_claude_code_runs_a_tool_call_and_sends_its_result(serve, claude_env, tm
 
 def test_claude_code_killed_mid_request_keeps_its_prompt(serve, claude_env, tmp_path):
     # A prompt of its own (a new long user message), so nothing of it is cached yet.
-    ask = "Summarize these numbers: " + " ".join(str(i) for i in range(4000, 7000))
+    ask = "Summarize these numbers: " + " ".join(str(i) for i in range(4000, 5000))
     watch = Watch(serve, "messages")
     commits_before = partial_commits(serve)
     proc = subprocess.Popen([str(CLAUDE), "-p", *CLAUDE_TRIMS, ask], cwd=tmp_path,
@@ -385,7 +389,7 @@ def test_codex_runs_a_tool_call_and_sends_its_result(serve, codex_home, tmp_path
 
 
 def test_codex_killed_mid_request_keeps_its_prompt(serve, codex_home, tmp_path):
-    ask = "Summarize these numbers: " + " ".join(str(i) for i in range(7000, 10000))
+    ask = "Summarize these numbers: " + " ".join(str(i) for i in range(7000, 8000))
     watch = Watch(serve, "responses")
     trims = [*CODEX_TRIMS, "-c", f'model_instructions_file="{codex_home / "instructions.md"}"']
     commits_before = partial_commits(serve)

@@ -208,8 +208,15 @@ class ServeProcess:
 
     def __init__(self, config: dict, workdir: Path, name: str = "serve", env: dict | None = None):
         self.port = free_port()
+        # Each serve's disk tiers in a folder of its own: serve's default, under the
+        # user's cache directory, carried one test's prompts (and one run's) into the
+        # next, where a restore from them changed what was cached and where it ran.
+        disk = str(Path(workdir) / f"{name}-disk")
+        models = [m if "disk_cache_dir" in m else {**m, "disk_cache_dir": disk}
+                  for m in config.get("models", [])]
         config = {**config, "proxy": {**config.get("proxy", {}), "port": self.port},
-                  "backends": {**config.get("backends", {}), "port_base": free_port()}}
+                  "backends": {**config.get("backends", {}), "port_base": free_port()},
+                  **({"models": models} if models else {})}
         self.config_path = Path(workdir) / f"{name}.toml"
         self.config_path.write_text(toml_text(config))
         self.log_path = Path(workdir) / f"{name}.log"
