@@ -35,7 +35,10 @@ Parts (each a fresh set of processes, one after the other; `--parts` picks them)
   one after the other compare samples taken at different speeds; the ratios within
   each round do not. A 7B model's three fit an 80 GB card. The raw child also decodes
   into kvroute's working caches (its generator with no engine, HTTP or proxy around
-  it): how near the whole stack comes to its own building blocks.
+  it): how near the whole stack comes to its own building blocks. On Linux it also
+  reports the CPU each kvroute sample took per generated token (the backend, its event
+  loop, the proxy) and each one's share of a core: whether a many-stream decode waits
+  on a loop that has a core to itself.
 - tier: the disk tier's cost, paired: two stacks of one replica each, the tier on and
   off, loaded at once, their samples taken in turns with the same fresh prompts (a
   turn 2, the agents' turns 2-4, 1- and 8-stream decodes); the tier-on stack's writes
@@ -677,8 +680,9 @@ def page_cache_share(folder: str) -> float | None:
         return None
 
 
-def backend_pids(parent: int) -> list[int]:
-    """The `kvroute backend` processes `parent` (a `kvroute serve`) started."""
+def backend_pids(parent: int, role: bytes = b"backend") -> list[int]:
+    """The `kvroute backend` processes `parent` (a `kvroute serve`) started (`role`
+    b"proxy": its proxy)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -688,9 +692,43 @@ def backend_pids(parent: int) -> list[int]:
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == parent and b"backend" in cmd:
+        if ppid == parent and role in cmd:
             pids.append(int(entry.name))
     return sorted(pids)
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User and system CPU seconds of a process, or of one of its threads (Linux)."""
+    stat = Path(f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat").read_text()
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stack_cpu(stack: "Stack") -> dict[str, float] | None:
+    """CPU seconds so far of a one-replica stack's backend, of its event loop (the
+    main thread: handlers, SSE chunks, socket writes) and of its proxy; None where
+    /proc cannot tell (not Linux)."""
+    try:
+        serve = stack.proc.proc.pid
+        backend, proxy = backend_pids(serve)[0], backend_pids(serve, b"proxy")[0]
+        return {"loop": cpu_seconds(backend, backend), "backend": cpu_seconds(backend),
+                "proxy": cpu_seconds(proxy)}
+    except (OSError, IndexError, ValueError, AttributeError):
+        return None
+
+
+def with_cpu(stack: "Stack", take: Callable[[], float], tokens: int, sample: dict, name: str
+             ) -> float:
+    """`take()`'s rate, with the stack's CPU per generated token (µs) and each part's
+    share of a core over the same time in `sample[name + "_cpu"]`: whether the event
+    loop or the proxy, each on one core, is what a many-stream decode waits for."""
+    before, t0 = stack_cpu(stack), time.perf_counter()
+    rate = take()
+    after, wall = stack_cpu(stack), time.perf_counter() - t0
+    if before is not None and after is not None:
+        sample[name + "_cpu"] = {k: {"us_token": (after[k] - before[k]) / tokens * 1e6,
+                                     "core": (after[k] - before[k]) / wall} for k in before}
+    return rate
 
 
 class Profile:
@@ -942,7 +980,12 @@ def run_paired(args, tok, logs: Path) -> dict:
                 sample: dict = {"clock": gpu_clock()}
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     # The same prompts for each, new ones (and lengths) each round.
-                    sample[name] = takers[name](n, 8000 + 1000 * r + 100 * n)
+                    seed = 8000 + 1000 * r + 100 * n
+                    if name in ("kvroute", "backend"):
+                        sample[name] = with_cpu(stack, lambda: takers[name](n, seed),
+                                                n * args.decode, sample, name)
+                    else:
+                        sample[name] = takers[name](n, seed)
                 rounds[str(n)].append(sample)
             progress(rounds)
         out["rounds"] = rounds
@@ -1337,6 +1380,26 @@ def paired_report(rounds: dict[str, list[dict]]) -> str:
     text += ("\nraw at 1 stream: `generate_step`; at 8 and 32: mlx-lm's `BatchGenerator`, no server. "
              "kvroute's generator alone: the same in the same child, into kvroute's working caches "
              "(what its engine drives). Each round's samples decode the same fresh prompts.")
+    return text + cpu_report(rounds)
+
+
+def cpu_report(rounds: dict[str, list[dict]]) -> str:
+    """The paired part's CPU per generated token: where a decode through the proxy, or
+    to the backend alone, spends the host's time, and how much of a core each part took
+    (an event loop near 1.0 is what the streams wait for)."""
+    med = statistics.median
+    keys = ("kvroute_cpu", "backend_cpu")
+    if not all(k in s for samples in rounds.values() for s in samples for k in keys):
+        return ""  # no /proc (or runs before it was measured)
+    text = ("\n\n| CPU per generated token, µs (share of one core) | through the proxy: "
+            "backend's event loop | whole backend | proxy | backend alone: its event loop "
+            "| whole backend |\n|---|---|---|---|---|---|\n")
+    for n, samples in rounds.items():
+        cell = lambda k, part: (f"{med(s[k][part]['us_token'] for s in samples):.0f} "  # noqa: E731
+                                f"({med(s[k][part]['core'] for s in samples):.2f})")
+        text += (f"| {n} stream{'s' if n != '1' else ''} | {cell('kvroute_cpu', 'loop')} "
+                 f"| {cell('kvroute_cpu', 'backend')} | {cell('kvroute_cpu', 'proxy')} "
+                 f"| {cell('backend_cpu', 'loop')} | {cell('backend_cpu', 'backend')} |\n")
     return text
 
 
