@@ -204,7 +204,8 @@ def toml_text(config: dict) -> str:
 class ServeProcess:
     """`kvroute serve` from `config` (a dict; its [proxy] port and [backends] port_base
     are picked here), in a session of its own so that one signal reaches every process
-    it starts. Writes NAME.toml and NAME.log in `workdir`."""
+    it starts. Writes NAME.toml and NAME.log in `workdir`, and keeps the disk tiers of
+    models whose config names no folder in NAME-disk there."""
 
     def __init__(self, config: dict, workdir: Path, name: str = "serve", env: dict | None = None):
         self.port = free_port()
