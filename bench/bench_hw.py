@@ -704,27 +704,37 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def stack_cpu(stack: "Stack") -> dict[str, float] | None:
-    """CPU seconds so far of a one-replica stack's backend, of its event loop (the
-    main thread: handlers, SSE chunks, socket writes) and of its proxy; None where
-    /proc cannot tell (not Linux)."""
+def stack_pids(stack: "Stack") -> tuple[int, int] | None:
+    """A one-replica stack's backend and proxy processes; None where /proc cannot tell
+    (not Linux)."""
     try:
         serve = stack.proc.proc.pid
-        backend, proxy = backend_pids(serve)[0], backend_pids(serve, b"proxy")[0]
-        return {"loop": cpu_seconds(backend, backend), "backend": cpu_seconds(backend),
-                "proxy": cpu_seconds(proxy)}
-    except (OSError, IndexError, ValueError, AttributeError):
+        return backend_pids(serve)[0], backend_pids(serve, b"proxy")[0]
+    except (OSError, IndexError, AttributeError):
         return None
 
 
-def with_cpu(stack: "Stack", take: Callable[[], float], tokens: int, sample: dict, name: str
-             ) -> float:
+def stack_cpu(pids: tuple[int, int]) -> dict[str, float] | None:
+    """CPU seconds so far of a stack's backend, of its event loop (the main thread:
+    handlers, SSE chunks, socket writes) and of its proxy (`stack_pids`)."""
+    backend, proxy = pids
+    try:
+        return {"loop": cpu_seconds(backend, backend), "backend": cpu_seconds(backend),
+                "proxy": cpu_seconds(proxy)}
+    except (OSError, ValueError):
+        return None
+
+
+def with_cpu(pids: tuple[int, int] | None, take: Callable[[], float], tokens: int,
+             sample: dict, name: str) -> float:
     """`take()`'s rate, with the stack's CPU per generated token (µs) and each part's
     share of a core over the same time in `sample[name + "_cpu"]`: whether the event
     loop or the proxy, each on one core, is what a many-stream decode waits for."""
-    before, t0 = stack_cpu(stack), time.perf_counter()
+    if pids is None:
+        return take()
+    before, t0 = stack_cpu(pids), time.perf_counter()
     rate = take()
-    after, wall = stack_cpu(stack), time.perf_counter() - t0
+    wall, after = time.perf_counter() - t0, stack_cpu(pids)
     if before is not None and after is not None:
         sample[name + "_cpu"] = {k: {"us_token": (after[k] - before[k]) / tokens * 1e6,
                                      "core": (after[k] - before[k]) / wall} for k in before}
@@ -974,6 +984,7 @@ def run_paired(args, tok, logs: Path) -> dict:
             run(decode_rate(server.url, args.model, tok, n, 16, 7000 + n))
             run(decode_rate(stack.url, "m", tok, n, 16, 7100 + n))
         names = list(takers)
+        pids = stack_pids(stack)  # the processes whose CPU each kvroute sample reads
         rounds: dict[str, list[dict]] = {str(n): [] for n in (1, 8, 32)}
         for r in range(args.paired_repeat):
             for n in (1, 8, 32):
@@ -982,7 +993,7 @@ def run_paired(args, tok, logs: Path) -> dict:
                     # The same prompts for each, new ones (and lengths) each round.
                     seed = 8000 + 1000 * r + 100 * n
                     if name in ("kvroute", "backend"):
-                        sample[name] = with_cpu(stack, lambda: takers[name](n, seed),
+                        sample[name] = with_cpu(pids, lambda: takers[name](n, seed),
                                                 n * args.decode, sample, name)
                     else:
                         sample[name] = takers[name](n, seed)
