@@ -352,9 +352,12 @@ def test_a_backend_holds_its_port_from_start_to_serving():
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
+        async def ok(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
         async def health() -> dict:
             app = web.Application()
-            app.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
+            app.router.add_get("/health", ok)
             runner = await start_site(app, "127.0.0.1", port, socks)
             try:
                 async with aiohttp.ClientSession() as session:
